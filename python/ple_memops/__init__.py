@@ -1,0 +1,56 @@
+"""ple-memops: let a captured CUDA graph consume embedding rows that the host gathers
+from a memory-mapped table *after* the graph was launched.
+
+See :class:`DeferredRows` for the per-step protocol and :func:`probe` for the capability
+check. Errors are in :mod:`ple_memops.errors`.
+"""
+
+from __future__ import annotations
+
+from ._deferred import (
+    Capability,
+    Check,
+    DeferredRows,
+    Stats,
+    create_group,
+    probe,
+    retained_bytes,
+)
+from .errors import (
+    ClosedError,
+    CudaDriverError,
+    InvalidArgumentError,
+    PleMemopsError,
+    PoisonedError,
+    RowIdError,
+    RowShapeError,
+    SlotBusyError,
+    StateError,
+    TableError,
+    TableIoError,
+    UnsupportedError,
+)
+
+__all__ = [
+    "Capability",
+    "Check",
+    "ClosedError",
+    "CudaDriverError",
+    "DeferredRows",
+    "InvalidArgumentError",
+    "PleMemopsError",
+    "PoisonedError",
+    "RowIdError",
+    "RowShapeError",
+    "SlotBusyError",
+    "StateError",
+    "Stats",
+    "TableError",
+    "TableIoError",
+    "UnsupportedError",
+    "create_group",
+    "probe",
+    "retained_bytes",
+]
+
+__version__ = "0.1.0"

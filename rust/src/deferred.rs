@@ -1,0 +1,719 @@
+//! [`DeferredRows`]: one batch of embedding rows per step, gathered by the host and
+//! consumed by GPU work that may have been launched (or captured) before the host
+//! gathered them.
+//!
+//! Three modes share one lifecycle ([`crate::state::Phase`]) and give byte-identical
+//! staging contents:
+//!
+//! * **Deferred** (stream memory operations supported): `enqueue` puts
+//!   `WAIT(gate) ; H2D staging <- slot ; WRITE(filled = EMPTY)` on the caller's stream,
+//!   eagerly or under capture; `fill` writes the pinned slot and stores FILLED.
+//! * **Sync** (a GPU without the capability): `fill` writes the slot and enqueues the
+//!   H2D copy on the given stream right away, so it must precede the launch; `enqueue`
+//!   records nothing.
+//! * **Host** (no GPU): `fill` writes the host staging buffer directly.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::cuda::driver::{self, DevicePtr, Event, PrimaryContext, RawStream};
+use crate::cuda::pinned::{HostFlag, PinnedBuf};
+use crate::error::{Error, Op, Result};
+use crate::probe;
+use crate::state::Phase;
+use crate::watchdog::{self, Watched};
+
+/// Sizes and policy of one object.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Rows the slot and staging buffer hold.
+    pub max_rows: usize,
+    /// Bytes per row.
+    pub row_bytes: usize,
+    /// Abort a step that nobody fills within this bound (`None`: never).
+    pub watchdog: Option<Duration>,
+    /// Enqueue an extra WRITE before the WAIT so `fill` can tell whether the GPU was
+    /// already waiting (counted in [`Stats::gpu_waited`]). Costs one stream write a step.
+    pub track_arrival: bool,
+}
+
+/// Where the staging buffer lives.
+#[derive(Debug, Clone, Copy)]
+pub enum Target {
+    /// Device memory on CUDA device `device` (e.g. a torch tensor's `data_ptr()`).
+    /// `force_sync` selects the synchronous fallback even where deferral is supported.
+    Cuda {
+        device: i32,
+        staging: DevicePtr,
+        force_sync: bool,
+    },
+    /// Host memory (no GPU).
+    Host { staging: *mut u8 },
+}
+
+/// Which protocol an object runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Deferred,
+    Sync,
+    Host,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Deferred => "deferred",
+            Mode::Sync => "sync",
+            Mode::Host => "host",
+        }
+    }
+}
+
+/// What an `enqueue` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Enqueued {
+    /// Recorded into the capture with this id.
+    Captured(u64),
+    /// Issued eagerly (the WAIT passes at once: the step was filled first).
+    Eager,
+    /// Nothing to record (fallback modes: the fill did the copy).
+    Nothing,
+}
+
+/// Counters and timings of one object.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub steps: u64,
+    pub fills: u64,
+    pub dummies: u64,
+    pub aborts: u64,
+    pub watchdog_releases: u64,
+    pub eager_enqueues: u64,
+    pub captured_enqueues: u64,
+    pub slot_busy: u64,
+    /// Fills that found the GPU already at its WAIT (only with `track_arrival`).
+    pub gpu_waited: u64,
+    /// Host time of the last fill, from entry to the flag store, in nanoseconds.
+    pub fill_ns_last: u64,
+    pub fill_ns_max: u64,
+    pub fill_ns_total: u64,
+}
+
+enum Slot {
+    Pinned(PinnedBuf),
+    Heap(Vec<u8>),
+}
+
+impl Slot {
+    fn bytes(&mut self) -> &mut [u8] {
+        match self {
+            Slot::Pinned(p) => p.as_mut_slice(),
+            Slot::Heap(v) => v,
+        }
+    }
+}
+
+struct Inner {
+    phase: Phase,
+    slot: Slot,
+    /// Rows of the slot that may hold non-zero bytes (padding above is already zero).
+    dirty_rows: usize,
+    /// The last eager copy (deferred: an eager enqueue; sync: a fill); `None` until one.
+    last_copy: Option<Event>,
+    copy_pending: bool,
+    captured_ids: Vec<u64>,
+    step_seq: u64,
+    stats: Stats,
+}
+
+struct Shared {
+    cfg: Config,
+    mode: Mode,
+    staging: Target,
+    fallback_reason: Option<String>,
+    /// Host address of the pinned slot (null in host mode); stable for the object's life.
+    slot_ptr: *const u8,
+    flag: Option<HostFlag>,
+    inner: Mutex<Inner>,
+    // Declared last: dropped after the pinned memory it owns.
+    ctx: Option<PrimaryContext>,
+}
+
+// SAFETY: the raw pointers (`slot_ptr`, a host staging pointer) name memory that lives as
+// long as the object (new()'s contract); all host access to it happens under `inner`'s lock.
+unsafe impl Send for Shared {}
+// SAFETY: as above.
+unsafe impl Sync for Shared {}
+
+/// See the module docs. Cheap to clone (a shared handle); thread-safe.
+#[derive(Clone)]
+pub struct DeferredRows {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for DeferredRows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeferredRows")
+            .field("mode", &self.shared.mode)
+            .field("max_rows", &self.shared.cfg.max_rows)
+            .field("row_bytes", &self.shared.cfg.row_bytes)
+            .field("phase", &self.phase_name())
+            .finish()
+    }
+}
+
+const SPIN: Duration = Duration::from_micros(50);
+
+/// Spin, then yield, then sleep briefly until `ready()` or `timeout`.
+pub(crate) fn wait_until(timeout: Duration, mut ready: impl FnMut() -> bool) -> bool {
+    let t0 = Instant::now();
+    loop {
+        if ready() {
+            return true;
+        }
+        let e = t0.elapsed();
+        if e >= timeout {
+            return false;
+        }
+        if e < SPIN {
+            std::hint::spin_loop();
+        } else if e < SPIN * 20 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+impl DeferredRows {
+    /// Create an object whose staging buffer is `target`.
+    ///
+    /// # Safety
+    /// The staging memory named by `target` is at least `max_rows * row_bytes` bytes, lives
+    /// at least as long as this object and every graph that captured it, and (for
+    /// `Target::Host`) is not accessed by anyone else during `fill`.
+    pub unsafe fn new(cfg: Config, target: Target) -> Result<Self> {
+        if cfg.max_rows == 0 || cfg.row_bytes == 0 {
+            return Err(Error::invalid(format!(
+                "max_rows and row_bytes must be positive, got {} and {}",
+                cfg.max_rows, cfg.row_bytes
+            )));
+        }
+        let bytes = cfg.max_rows.checked_mul(cfg.row_bytes).ok_or_else(|| {
+            Error::invalid("max_rows * row_bytes overflows")
+        })?;
+        if let Some(d) = cfg.watchdog {
+            if d.is_zero() {
+                return Err(Error::invalid("watchdog timeout must be positive (or None)"));
+            }
+        }
+        let (mode, ctx, flag, slot, fallback_reason) = match target {
+            Target::Host { staging } => {
+                if staging.is_null() {
+                    return Err(Error::invalid("null host staging buffer"));
+                }
+                (Mode::Host, None, None, Slot::Heap(vec![0; bytes]), Some("no CUDA device".to_string()))
+            }
+            Target::Cuda {
+                device,
+                staging,
+                force_sync,
+            } => {
+                if staging == 0 {
+                    return Err(Error::invalid("null device staging buffer"));
+                }
+                let cap = probe::probe(device)?;
+                let ctx = PrimaryContext::retain(device)?;
+                let _g = ctx.bind()?;
+                let slot = Slot::Pinned(PinnedBuf::new(bytes, device)?);
+                if cap.supported && !force_sync {
+                    let flag = HostFlag::new(device)?;
+                    (Mode::Deferred, Some(ctx), Some(flag), slot, None)
+                } else {
+                    let why = if force_sync {
+                        "synchronous fallback requested".to_string()
+                    } else {
+                        cap.reason.clone()
+                    };
+                    (Mode::Sync, Some(ctx), None, slot, Some(why))
+                }
+            }
+        };
+        let slot_ptr = match &slot {
+            Slot::Pinned(p) => p.host_ptr(),
+            Slot::Heap(_) => std::ptr::null(),
+        };
+        let shared = Arc::new(Shared {
+            cfg,
+            slot_ptr,
+            mode,
+            staging: target,
+            fallback_reason,
+            flag,
+            inner: Mutex::new(Inner {
+                phase: Phase::Idle,
+                slot,
+                dirty_rows: 0,
+                last_copy: None,
+                copy_pending: false,
+                captured_ids: Vec::new(),
+                step_seq: 0,
+                stats: Stats::default(),
+            }),
+            ctx,
+        });
+        Ok(Self { shared })
+    }
+
+    pub fn mode(&self) -> Mode {
+        self.shared.mode
+    }
+
+    /// Why this object does not defer (`None` when it does).
+    pub fn fallback_reason(&self) -> Option<&str> {
+        self.shared.fallback_reason.as_deref()
+    }
+
+    pub fn max_rows(&self) -> usize {
+        self.shared.cfg.max_rows
+    }
+
+    pub fn row_bytes(&self) -> usize {
+        self.shared.cfg.row_bytes
+    }
+
+    pub fn device(&self) -> Option<i32> {
+        self.shared.ctx.as_ref().map(|c| c.ordinal())
+    }
+
+    pub fn phase_name(&self) -> &'static str {
+        self.shared.lock().phase.name()
+    }
+
+    pub fn stats(&self) -> Stats {
+        self.shared.lock().stats.clone()
+    }
+
+    /// The first cause, once poisoned.
+    pub fn poison_cause(&self) -> Option<String> {
+        match &self.shared.lock().phase {
+            Phase::Poisoned { cause } => Some(cause.clone()),
+            _ => None,
+        }
+    }
+
+    /// Start a step whose consumer copies `rows` rows (the captured extent).
+    pub fn begin(&self, rows: usize) -> Result<u64> {
+        let s = &self.shared;
+        let step = {
+            let mut inner = s.lock();
+            let step = inner.step_seq + 1;
+            inner.phase = inner.phase.begin(rows, s.cfg.max_rows, step)?;
+            inner.step_seq = step;
+            step
+        };
+        if let Some(d) = s.cfg.watchdog {
+            let target: Arc<dyn Watched> = self.shared.clone();
+            watchdog::arm(&target, step, Instant::now() + d);
+        }
+        Ok(step)
+    }
+
+    /// Block until the GPU consumed the last fill (the slot is the host's again), at most
+    /// `timeout`. Returns whether it did.
+    pub fn wait_consumed(&self, timeout: Duration) -> Result<bool> {
+        let s = &self.shared;
+        s.lock().phase.check_live()?;
+        match s.mode {
+            Mode::Deferred => {
+                let flag = s.flag.as_ref().expect("deferred mode has a flag");
+                Ok(wait_until(timeout, || flag.filled() == HostFlag::EMPTY))
+            }
+            Mode::Sync => {
+                let inner = s.lock();
+                if inner.copy_pending {
+                    if let Some(ev) = &inner.last_copy {
+                        let _g = s.bind()?;
+                        ev.synchronize()?;
+                    }
+                }
+                Ok(true)
+            }
+            Mode::Host => Ok(true),
+        }
+    }
+
+    /// Fill the pending step with `k` rows written by `write` into a `k * row_bytes` view
+    /// of the slot, zero the padding rows up to the step's extent, and publish. If `write`
+    /// fails, nothing is published and the step stays pending. `stream` is required in the
+    /// sync fallback (the consumer's stream); `busy_wait` bounds how long to wait for the
+    /// GPU to release the slot before refusing with `SlotBusy`.
+    pub fn fill_with(
+        &self,
+        k: usize,
+        stream: Option<RawStream>,
+        busy_wait: Duration,
+        write: impl FnOnce(&mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        self.shared.fill_impl(Op::Fill, k, stream, busy_wait, Some(write))
+    }
+
+    /// Fill from contiguous rows (`rows.len()` a multiple of `row_bytes`).
+    pub fn fill(&self, rows: &[u8], stream: Option<RawStream>, busy_wait: Duration) -> Result<()> {
+        let rb = self.shared.cfg.row_bytes;
+        if rows.len() % rb != 0 {
+            return Err(Error::rows(format!(
+                "{} bytes is not a whole number of {rb}-byte rows",
+                rows.len()
+            )));
+        }
+        self.fill_with(rows.len() / rb, stream, busy_wait, |dst| {
+            dst.copy_from_slice(rows);
+            Ok(())
+        })
+    }
+
+    /// Publish the pending step without real data (warm-up, profiling, capture passes):
+    /// the consumer sees whatever the slot held.
+    pub fn prepare_dummy(&self, stream: Option<RawStream>, busy_wait: Duration) -> Result<()> {
+        self.shared
+            .fill_impl(Op::PrepareDummy, 0, stream, busy_wait, None::<fn(&mut [u8]) -> Result<()>>)
+    }
+
+    /// Put the consumer's side on `stream`: under capture, record it (`rows`: the
+    /// captured extent, default `max_rows`); eagerly, issue it for the filled step.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this object's device (e.g. torch's current stream), or
+    /// null for the legacy default stream.
+    pub unsafe fn enqueue(&self, stream: RawStream, rows: Option<usize>) -> Result<Enqueued> {
+        let s = &self.shared;
+        let mut inner = s.lock();
+        inner.phase.check_live()?;
+        let Some(ctx) = &s.ctx else {
+            // Host mode: nothing runs on a GPU; keep the eager ordering rule anyway.
+            let (_, next) = inner.phase.eager_enqueue()?;
+            inner.phase = next;
+            inner.stats.eager_enqueues += 1;
+            return Ok(Enqueued::Nothing);
+        };
+        let _g = ctx.bind()?;
+        let dev = ctx.ordinal();
+        // SAFETY: the caller's contract on `stream`.
+        let capture = unsafe { driver::capture_id(stream, dev)? };
+        if let Some(r) = rows {
+            if r == 0 || r > s.cfg.max_rows {
+                return Err(Error::rows(format!(
+                    "enqueue extent must be 1..={}, got {r}",
+                    s.cfg.max_rows
+                )));
+            }
+        }
+        match (s.mode, capture) {
+            (Mode::Deferred, Some(id)) => {
+                if inner.captured_ids.contains(&id) {
+                    return Err(Error::state(
+                        Op::Enqueue,
+                        "already enqueued in this capture: a second WAIT in one graph would never be released",
+                    ));
+                }
+                let n = rows.unwrap_or(s.cfg.max_rows);
+                // Captured addresses live as long as the graph: from now on this object's
+                // pinned memory is retained, never freed (see cuda::pinned).
+                inner.captured_ids.push(id);
+                // SAFETY: stream is live (caller); the flag and slot are retained forever
+                // once captured, and the staging buffer outlives the graphs (new()'s contract).
+                unsafe { s.issue(stream, n, dev)? };
+                inner.stats.captured_enqueues += 1;
+                Ok(Enqueued::Captured(id))
+            }
+            (Mode::Deferred, None) => {
+                let (n, next) = inner.phase.eager_enqueue()?;
+                if let Some(r) = rows {
+                    if r != n {
+                        return Err(Error::rows(format!(
+                            "eager enqueue extent {r} differs from the pending step's {n} rows"
+                        )));
+                    }
+                }
+                // SAFETY: stream is live (caller); memory stays alive until the event
+                // recorded below has completed (Drop waits for it).
+                unsafe { s.issue(stream, n, dev)? };
+                let ev = match inner.last_copy.take() {
+                    Some(ev) => ev,
+                    None => Event::new(dev)?,
+                };
+                // SAFETY: live, non-capturing stream.
+                unsafe { ev.record(stream)? };
+                inner.last_copy = Some(ev);
+                inner.copy_pending = true;
+                inner.phase = next;
+                inner.stats.eager_enqueues += 1;
+                Ok(Enqueued::Eager)
+            }
+            (_, Some(_)) => {
+                inner.stats.captured_enqueues += 1;
+                Ok(Enqueued::Nothing)
+            }
+            (_, None) => {
+                let (_, next) = inner.phase.eager_enqueue()?;
+                inner.phase = next;
+                inner.stats.eager_enqueues += 1;
+                Ok(Enqueued::Nothing)
+            }
+        }
+    }
+
+    /// End the step. Raises the poison cause if the watchdog or an abort fired meanwhile.
+    pub fn complete(&self) -> Result<()> {
+        let mut inner = self.shared.lock();
+        inner.phase = inner.phase.complete()?;
+        inner.stats.steps += 1;
+        Ok(())
+    }
+
+    /// Release the GPU and poison for good (idempotent: the first cause stays).
+    pub fn abort(&self, cause: &str) {
+        let mut inner = self.shared.lock();
+        self.shared.abort_locked(&mut inner, cause.to_string());
+    }
+
+    /// Release the GPU for good and refuse every later call with `Closed`. Memory is
+    /// freed when the last handle drops (or retained if a graph captured it).
+    pub fn close(&self) {
+        let mut inner = self.shared.lock();
+        if let Some(flag) = &self.shared.flag {
+            flag.store_poison();
+        }
+        if !matches!(inner.phase, Phase::Closed) {
+            inner.phase = Phase::Closed;
+        }
+    }
+
+    pub fn is_closed(&self) -> bool {
+        matches!(self.shared.lock().phase, Phase::Closed)
+    }
+
+    /// Whether this object was ever enqueued under capture (its memory is then retained).
+    pub fn was_captured(&self) -> bool {
+        !self.shared.lock().captured_ids.is_empty()
+    }
+
+    /// The slot's current bytes (tests and diagnostics).
+    pub fn slot_snapshot(&self) -> Vec<u8> {
+        self.shared.lock().slot.bytes().to_vec()
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic inside a lock holder must not stop abort or drop from releasing the GPU.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn bind(&self) -> Result<Option<driver::CtxGuard>> {
+        self.ctx.as_ref().map(|c| c.bind()).transpose()
+    }
+
+    /// WAIT ; H2D ; WRITE(EMPTY) for `n` rows on `stream`.
+    ///
+    /// # Safety
+    /// `stream` is live; see `enqueue` for the memory's lifetime.
+    unsafe fn issue(&self, stream: RawStream, n: usize, dev: i32) -> Result<()> {
+        let flag = self.flag.as_ref().expect("deferred mode has a flag");
+        let Target::Cuda { staging, .. } = self.staging else {
+            unreachable!("deferred mode has a device staging buffer")
+        };
+        // The copy engine reads the slot only after the WAIT, when the host is done.
+        let slot = self.slot_ptr;
+        // SAFETY: (all four) the caller's contract; the addresses are of live pinned and
+        // device memory sized for max_rows >= n rows.
+        unsafe {
+            if self.cfg.track_arrival {
+                driver::write_u32(stream, flag.arrived_device_ptr(), 1, dev)?;
+            }
+            driver::wait_any_bit64(stream, flag.gate_device_ptr(), HostFlag::WAIT_MASK, dev)?;
+            driver::copy_h2d_async(staging, slot, n * self.cfg.row_bytes, stream, dev)?;
+            driver::write_u32(stream, flag.gate_device_ptr(), HostFlag::EMPTY, dev)?;
+        }
+        Ok(())
+    }
+
+    fn fill_impl(
+        &self,
+        op: Op,
+        k: usize,
+        stream: Option<RawStream>,
+        busy_wait: Duration,
+        write: Option<impl FnOnce(&mut [u8]) -> Result<()>>,
+    ) -> Result<()> {
+        let t0 = Instant::now();
+        let rb = self.cfg.row_bytes;
+        if let Some(flag) = &self.flag {
+            // Wait (bounded, without the lock) for the GPU to hand the slot back.
+            if flag.filled() != HostFlag::EMPTY && !busy_wait.is_zero() {
+                wait_until(busy_wait, || flag.filled() == HostFlag::EMPTY);
+            }
+        }
+        let mut inner = self.lock();
+        let extent = inner.phase.check_fill(op, k)?;
+        match self.mode {
+            Mode::Deferred => {
+                let flag = self.flag.as_ref().expect("deferred mode has a flag");
+                if flag.filled() != HostFlag::EMPTY {
+                    inner.stats.slot_busy += 1;
+                    return Err(Error::SlotBusy);
+                }
+            }
+            Mode::Sync => {
+                let stream = stream.ok_or_else(|| {
+                    Error::invalid("the synchronous fallback needs the consumer's stream")
+                })?;
+                let _g = self.bind()?;
+                let dev = self.ctx.as_ref().map_or(-1, |c| c.ordinal());
+                // SAFETY: the caller passes a live stream of this device.
+                if unsafe { driver::capture_id(stream, dev)? }.is_some() {
+                    return Err(Error::state(
+                        op,
+                        "the synchronous fallback fills before launch, not inside a capture",
+                    ));
+                }
+                if inner.copy_pending {
+                    // The previous step's copy must be done reading the slot.
+                    if let Some(ev) = &inner.last_copy {
+                        ev.synchronize()?;
+                    }
+                    inner.copy_pending = false;
+                }
+            }
+            Mode::Host => {}
+        }
+        if let Some(write) = write {
+            let dirty = inner.dirty_rows;
+            let slot = inner.slot.bytes();
+            write(&mut slot[..k * rb])?;
+            // Zero the padding, skipping rows that are zero already.
+            let pad_end = extent.min(dirty.max(k));
+            if pad_end > k {
+                slot[k * rb..pad_end * rb].fill(0);
+            }
+            inner.dirty_rows = if dirty > extent { dirty } else { k };
+        }
+        self.publish(&mut inner, extent, stream)?;
+        inner.phase = inner.phase.filled();
+        let ns = t0.elapsed().as_nanos() as u64;
+        let st = &mut inner.stats;
+        if op == Op::Fill {
+            st.fills += 1;
+        } else {
+            st.dummies += 1;
+        }
+        st.fill_ns_last = ns;
+        st.fill_ns_max = st.fill_ns_max.max(ns);
+        st.fill_ns_total += ns;
+        Ok(())
+    }
+
+    fn publish(&self, inner: &mut Inner, extent: usize, stream: Option<RawStream>) -> Result<()> {
+        let bytes = extent * self.cfg.row_bytes;
+        match (self.mode, self.staging) {
+            (Mode::Deferred, _) => {
+                let flag = self.flag.as_ref().expect("deferred mode has a flag");
+                if self.cfg.track_arrival && flag.take_arrived() {
+                    inner.stats.gpu_waited += 1;
+                }
+                flag.store_filled();
+            }
+            (Mode::Sync, Target::Cuda { staging, .. }) => {
+                let stream = stream.expect("checked in fill_impl");
+                let dev = self.ctx.as_ref().map_or(-1, |c| c.ordinal());
+                let _g = self.bind()?;
+                let src = match &mut inner.slot {
+                    Slot::Pinned(p) => p.host_ptr(),
+                    Slot::Heap(_) => unreachable!("sync mode has a pinned slot"),
+                };
+                // SAFETY: live stream (caller); pinned slot and staging hold `bytes`; the
+                // slot is not rewritten before the event recorded below completes.
+                unsafe { driver::copy_h2d_async(staging, src, bytes, stream, dev)? };
+                let ev = match inner.last_copy.take() {
+                    Some(ev) => ev,
+                    None => Event::new(dev)?,
+                };
+                // SAFETY: live, non-capturing stream (checked in fill_impl).
+                unsafe { ev.record(stream)? };
+                inner.last_copy = Some(ev);
+                inner.copy_pending = true;
+            }
+            (Mode::Host, Target::Host { staging }) => {
+                let src = inner.slot.bytes();
+                // SAFETY: new()'s contract: `staging` holds max_rows * row_bytes >= bytes
+                // and nobody else touches it during fill.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), staging, bytes) };
+            }
+            _ => unreachable!("mode and target agree by construction"),
+        }
+        Ok(())
+    }
+
+    fn abort_locked(&self, inner: &mut Inner, cause: String) {
+        if matches!(inner.phase, Phase::Poisoned { .. } | Phase::Closed) {
+            if let Some(flag) = &self.flag {
+                flag.store_poison();
+            }
+            return;
+        }
+        if let Some(flag) = &self.flag {
+            // Pending and not yet released: the GPU is not reading the slot, so clear it
+            // first; whatever the released consumer copies is then zeros, not stale rows.
+            if matches!(inner.phase, Phase::Pending { .. }) && flag.filled() == HostFlag::EMPTY {
+                inner.slot.bytes().fill(0);
+            }
+            flag.store_poison();
+        }
+        inner.phase = Phase::Poisoned { cause };
+        inner.stats.aborts += 1;
+    }
+}
+
+impl Watched for Shared {
+    fn expire(&self, step: u64) {
+        let mut inner = self.lock();
+        if let Phase::Pending { step: s, .. } = inner.phase {
+            if s == step {
+                let secs = self.cfg.watchdog.map_or(0.0, |d| d.as_secs_f64());
+                let cause = format!("watchdog: step {step} was not filled within {secs:.3} s; the GPU was released");
+                self.abort_locked(&mut inner, cause);
+                inner.stats.watchdog_releases += 1;
+            }
+        }
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // First, whatever else happens: no GPU work may wait on this object again.
+        if let Some(flag) = &self.flag {
+            flag.store_poison();
+        }
+        let inner = self.inner.get_mut().unwrap_or_else(|e| e.into_inner());
+        let guard = self.ctx.as_ref().and_then(|c| c.bind().ok());
+        if !inner.captured_ids.is_empty() {
+            if let Slot::Pinned(p) = &mut inner.slot {
+                p.retain_forever();
+            }
+            if let Some(flag) = &mut self.flag {
+                flag.retain_forever();
+            }
+        } else if inner.copy_pending {
+            if let Some(ev) = &inner.last_copy {
+                // Errors (driver gone at exit) leave nothing to wait for.
+                let _ = ev.synchronize();
+            }
+        }
+        // Free the pinned memory while the context is bound; ctx itself drops last.
+        inner.last_copy = None;
+        inner.slot = Slot::Heap(Vec::new());
+        self.flag = None;
+        drop(guard);
+    }
+}

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Every check and test, in the order a failure is cheapest to find. Run from the repo root.
+# GPU tests run where a CUDA device is present and are skipped with the reason elsewhere.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+echo "== rust: fmt, clippy, tests"
+cargo fmt --all -- --check
+cargo clippy --all-targets --locked -- -D warnings
+cargo clippy --all-targets --locked --features python -- -D warnings
+cargo test --locked -q
+
+echo "== build and install the wheel"
+rm -rf dist
+$PY -m maturin build --release --locked -o dist -q
+$PY -m pip install -q --force-reinstall --no-deps dist/*.whl
+
+echo "== python: ruff, mypy, stubtest"
+$PY -m ruff check python tests benchmarks
+$PY -m ruff format --check python tests benchmarks
+$PY -m mypy
+(cd /tmp && $PY -m mypy.stubtest ple_memops._native --mypy-config-file "$OLDPWD/pyproject.toml")
+
+echo "== pytest"
+(cd /tmp && $PY -m pytest "$OLDPWD/tests" -q -p no:cacheprovider "$@")
