@@ -1,0 +1,223 @@
+"""GPU benchmark of the core protocol, ple-memops against a pure-Python implementation of
+the same protocol written with ``cuda.bindings.driver``, side by side in one run.
+
+(a) host time of ``fill`` for 16 rows of 160 B, from the Python call to the flag store;
+(b) GPU-side cost of WAIT + H2D + reset in a replayed graph (pre-signalled), as the
+    difference of a graph with and without it around the same small kernel;
+(c) for information: a replay launched *before* the fill (the deferred use), GPU time.
+
+    python benchmarks/bench_deferred.py [--iters 3000] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from cuda.bindings import driver as cu
+
+import ple_memops as pm
+
+ROWS, ROW_BYTES = 16, 160
+
+
+def check(res: Any) -> Any:
+    err, *rest = res if isinstance(res, tuple) else (res,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"driver call failed: {err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+class PyDeferredRows:
+    """The same protocol in pure Python over cuda.bindings (the baseline)."""
+
+    FILLED, EMPTY = 1, 0
+
+    def __init__(self, max_rows: int, row_bytes: int, staging: torch.Tensor) -> None:
+        flags = cu.CU_MEMHOSTALLOC_PORTABLE | cu.CU_MEMHOSTALLOC_DEVICEMAP
+        n = max_rows * row_bytes
+        self.slot_ptr = int(check(cu.cuMemHostAlloc(n, flags)))
+        self.flag_ptr = int(check(cu.cuMemHostAlloc(64, flags)))
+        ctypes.memset(self.flag_ptr, 0, 64)
+        self.flag_dptr = int(check(cu.cuMemHostGetDevicePointer(self.flag_ptr, 0)))
+        self.slot = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(self.slot_ptr))
+        self.slot = self.slot.reshape(max_rows, row_bytes)
+        self.flag = ctypes.c_uint32.from_address(self.flag_ptr)
+        self.staging = staging
+        self.row_bytes = row_bytes
+        self.extent = max_rows
+
+    def enqueue(self, stream: int) -> None:
+        s = cu.CUstream(stream)
+        mask = (1 << 32) | 1
+        check(cu.cuStreamWaitValue64(s, self.flag_dptr, mask, cu.CU_STREAM_WAIT_VALUE_AND))
+        n = self.extent * self.row_bytes
+        check(cu.cuMemcpyHtoDAsync(self.staging.data_ptr(), self.slot_ptr, n, s))
+        check(cu.cuStreamWriteValue32(s, self.flag_dptr, 0, cu.CU_STREAM_WRITE_VALUE_DEFAULT))
+
+    def fill(self, rows: np.ndarray) -> None:
+        if self.flag.value != self.EMPTY:
+            raise RuntimeError("slot busy")
+        k = rows.shape[0]
+        self.slot[:k] = rows
+        self.slot[k : self.extent] = 0
+        self.flag.value = self.FILLED
+
+    def wait_consumed(self) -> None:
+        while self.flag.value != self.EMPTY:
+            pass
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q))
+
+
+def bench_fill(iters: int) -> dict[str, list[float]]:
+    stream = torch.cuda.current_stream().cuda_stream
+    rng = np.random.default_rng(0)
+    data = [rng.integers(0, 256, (ROWS, ROW_BYTES), dtype=np.uint8) for _ in range(64)]
+    dr = pm.DeferredRows(ROWS, ROW_BYTES, device=0, watchdog=None)
+    py = PyDeferredRows(
+        ROWS, ROW_BYTES, torch.zeros((ROWS, ROW_BYTES), dtype=torch.uint8, device="cuda")
+    )
+    out: dict[str, list[float]] = {
+        "ple_memops": [],
+        "ple_memops (native part)": [],
+        "cuda.bindings": [],
+    }
+    for i in range(iters + 200):
+        rows = data[i % len(data)]
+        dr.begin(ROWS)
+        t0 = time.perf_counter_ns()
+        dr.fill(rows)
+        t1 = time.perf_counter_ns()
+        dr.enqueue(stream)
+        dr.complete()
+        dr.wait_consumed(5.0)
+        t2 = time.perf_counter_ns()
+        py.fill(rows)
+        t3 = time.perf_counter_ns()
+        py.enqueue(stream)
+        py.wait_consumed()
+        if i >= 200:
+            out["ple_memops"].append((t1 - t0) / 1e3)
+            out["ple_memops (native part)"].append(dr.stats().fill_ns_last / 1e3)
+            out["cuda.bindings"].append((t3 - t2) / 1e3)
+    torch.cuda.synchronize()
+    dr.close()
+    return out
+
+
+def capture(fn: Any) -> torch.cuda.CUDAGraph:
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def bench_graph(iters: int) -> dict[str, list[float]]:
+    x = torch.zeros(1024, device="cuda")
+    x.add_(1)
+    dr = pm.DeferredRows(ROWS, ROW_BYTES, device=0, watchdog=None)
+    py = PyDeferredRows(
+        ROWS, ROW_BYTES, torch.zeros((ROWS, ROW_BYTES), dtype=torch.uint8, device="cuda")
+    )
+    # Warm-up on the capture stream's pool, pre-signalled.
+    dr.begin(ROWS)
+    dr.prepare_dummy()
+    dr.enqueue()
+    dr.complete()
+    torch.cuda.synchronize()
+    dr.wait_consumed(5.0)
+
+    def base() -> None:
+        x.add_(1)
+
+    def with_pm() -> None:
+        dr.enqueue(rows=ROWS)
+        x.add_(1)
+
+    def with_py() -> None:
+        py.enqueue(torch.cuda.current_stream().cuda_stream)
+        x.add_(1)
+
+    graphs = {
+        "kernel only": capture(base),
+        "ple_memops": capture(with_pm),
+        "cuda.bindings": capture(with_py),
+    }
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    rows = np.random.default_rng(1).integers(0, 256, (ROWS, ROW_BYTES), dtype=np.uint8)
+    out: dict[str, list[float]] = {k: [] for k in graphs}
+    out["ple_memops, fill after launch"] = []
+    for i in range(iters + 100):
+        for name, g in graphs.items():
+            if name == "ple_memops":
+                dr.begin(ROWS)
+                dr.fill(rows)
+            elif name == "cuda.bindings":
+                py.fill(rows)
+            e0.record()
+            g.replay()
+            e1.record()
+            if name == "ple_memops":
+                dr.complete()
+            e1.synchronize()
+            if i >= 100:
+                out[name].append(e0.elapsed_time(e1) * 1e3)
+        # The deferred use: launch first, then fill.
+        dr.begin(ROWS)
+        e0.record()
+        graphs["ple_memops"].replay()
+        e1.record()
+        dr.fill(rows)
+        dr.complete()
+        e1.synchronize()
+        if i >= 100:
+            out["ple_memops, fill after launch"].append(e0.elapsed_time(e1) * 1e3)
+    dr.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=3000)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    torch.cuda.init()
+    cap = pm.probe(0)
+    print(
+        f"device: {torch.cuda.get_device_name(0)}; probe supported={cap.supported}; "
+        f"driver {cap.driver_version}; torch {torch.__version__}"
+    )
+    fill = bench_fill(a.iters)
+    graph = bench_graph(a.iters)
+    print(
+        f"\n(a) host time of fill(), {ROWS} rows x {ROW_BYTES} B, {a.iters} iterations"
+        "  [target <= 3 us median]"
+    )
+    print(f"{'implementation':<28}{'median us':>10}{'p99 us':>10}{'min us':>10}")
+    for k, v in fill.items():
+        print(f"{k:<28}{statistics.median(v):>10.2f}{pct(v, 99):>10.2f}{min(v):>10.2f}")
+    base = statistics.median(graph["kernel only"])
+    print(
+        f"\n(b) GPU time per graph replay (events), {a.iters} replays"
+        "  [target: WAIT+H2D+reset <= 10 us]"
+    )
+    print(f"{'graph':<32}{'median us':>10}{'p99 us':>10}{'- kernel only':>15}")
+    for k, v in graph.items():
+        med = statistics.median(v)
+        print(f"{k:<32}{med:>10.2f}{pct(v, 99):>10.2f}{med - base:>15.2f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"fill_us": fill, "graph_us": graph}, f)
+
+
+if __name__ == "__main__":
+    main()
