@@ -25,6 +25,8 @@ from cuda.bindings import driver as cu
 import ple_memops as pm
 
 ROWS, ROW_BYTES = 16, 160
+WAIT_AND = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_AND)
+WRITE_DEFAULT = int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
 
 
 def check(res: Any) -> Any:
@@ -56,10 +58,10 @@ class PyDeferredRows:
     def enqueue(self, stream: int) -> None:
         s = cu.CUstream(stream)
         mask = (1 << 32) | 1
-        check(cu.cuStreamWaitValue64(s, self.flag_dptr, mask, cu.CU_STREAM_WAIT_VALUE_AND))
+        check(cu.cuStreamWaitValue64(s, self.flag_dptr, mask, WAIT_AND))
         n = self.extent * self.row_bytes
         check(cu.cuMemcpyHtoDAsync(self.staging.data_ptr(), self.slot_ptr, n, s))
-        check(cu.cuStreamWriteValue32(s, self.flag_dptr, 0, cu.CU_STREAM_WRITE_VALUE_DEFAULT))
+        check(cu.cuStreamWriteValue32(s, self.flag_dptr, 0, WRITE_DEFAULT))
 
     def fill(self, rows: np.ndarray) -> None:
         if self.flag.value != self.EMPTY:
