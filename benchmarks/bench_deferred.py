@@ -124,66 +124,80 @@ def capture(fn: Any) -> torch.cuda.CUDAGraph:
 
 
 def bench_graph(iters: int) -> dict[str, list[float]]:
+    """Each graph is built twice (its own objects, its own capture) and every iteration
+    replays all of them in a fresh random order, so the spread between the two copies of
+    one version shows what counts as noise."""
     x = torch.zeros(1024, device="cuda")
     x.add_(1)
-    dr = pm.DeferredRows(ROWS, ROW_BYTES, device=0, watchdog=None)
-    py = PyDeferredRows(
-        ROWS, ROW_BYTES, torch.zeros((ROWS, ROW_BYTES), dtype=torch.uint8, device="cuda")
-    )
-    # Warm-up on the capture stream's pool, pre-signalled.
-    dr.begin(ROWS)
-    dr.prepare_dummy()
-    dr.enqueue()
-    dr.complete()
+    pms = [pm.DeferredRows(ROWS, ROW_BYTES, device=0, watchdog=None) for _ in range(2)]
+    pys = [
+        PyDeferredRows(
+            ROWS, ROW_BYTES, torch.zeros((ROWS, ROW_BYTES), dtype=torch.uint8, device="cuda")
+        )
+        for _ in range(2)
+    ]
+    for dr in pms:  # eager warm-up, pre-signalled
+        dr.begin(ROWS)
+        dr.prepare_dummy()
+        dr.enqueue()
+        dr.complete()
     torch.cuda.synchronize()
-    dr.wait_consumed(5.0)
+    for dr in pms:
+        dr.wait_consumed(5.0)
 
     def base() -> None:
         x.add_(1)
 
-    def with_pm() -> None:
-        dr.enqueue(rows=ROWS)
-        x.add_(1)
-
-    def with_py() -> None:
-        py.enqueue(torch.cuda.current_stream().cuda_stream)
-        x.add_(1)
-
-    graphs = {
-        "kernel only": capture(base),
-        "ple_memops": capture(with_pm),
-        "cuda.bindings": capture(with_py),
-    }
+    entries: list[tuple[str, Any, torch.cuda.CUDAGraph]] = []
+    for i in range(2):
+        dr, py = pms[i], pys[i]
+        entries.append((f"kernel only #{i + 1}", None, capture(base)))
+        entries.append(
+            (f"ple_memops #{i + 1}", dr, capture(lambda dr=dr: (dr.enqueue(rows=ROWS), x.add_(1))))
+        )
+        entries.append(
+            (
+                f"cuda.bindings #{i + 1}",
+                py,
+                capture(
+                    lambda py=py: (py.enqueue(torch.cuda.current_stream().cuda_stream), x.add_(1))
+                ),
+            )
+        )
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     rows = np.random.default_rng(1).integers(0, 256, (ROWS, ROW_BYTES), dtype=np.uint8)
-    out: dict[str, list[float]] = {k: [] for k in graphs}
+    out: dict[str, list[float]] = {name: [] for name, _, _ in entries}
     out["ple_memops, fill after launch"] = []
+    rng = np.random.default_rng(2)
     for i in range(iters + 100):
-        for name, g in graphs.items():
-            if name == "ple_memops":
-                dr.begin(ROWS)
-                dr.fill(rows)
-            elif name == "cuda.bindings":
-                py.fill(rows)
+        for j in rng.permutation(len(entries)):
+            name, obj, g = entries[j]
+            if isinstance(obj, pm.DeferredRows):
+                obj.begin(ROWS)
+                obj.fill(rows)
+            elif obj is not None:
+                obj.fill(rows)
             e0.record()
             g.replay()
             e1.record()
-            if name == "ple_memops":
-                dr.complete()
+            if isinstance(obj, pm.DeferredRows):
+                obj.complete()
             e1.synchronize()
             if i >= 100:
                 out[name].append(e0.elapsed_time(e1) * 1e3)
         # The deferred use: launch first, then fill.
+        dr, g = pms[0], entries[1][2]
         dr.begin(ROWS)
         e0.record()
-        graphs["ple_memops"].replay()
+        g.replay()
         e1.record()
         dr.fill(rows)
         dr.complete()
         e1.synchronize()
         if i >= 100:
             out["ple_memops, fill after launch"].append(e0.elapsed_time(e1) * 1e3)
-    dr.close()
+    for dr in pms:
+        dr.close()
     return out
 
 
@@ -207,7 +221,7 @@ def main() -> None:
     print(f"{'implementation':<28}{'median us':>10}{'p99 us':>10}{'min us':>10}")
     for k, v in fill.items():
         print(f"{k:<28}{statistics.median(v):>10.2f}{pct(v, 99):>10.2f}{min(v):>10.2f}")
-    base = statistics.median(graph["kernel only"])
+    base = statistics.median(graph["kernel only #1"] + graph["kernel only #2"])
     print(
         f"\n(b) GPU time per graph replay (events), {a.iters} replays"
         "  [target: WAIT+H2D+reset <= 10 us]"
