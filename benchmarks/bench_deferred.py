@@ -4,9 +4,10 @@ the same protocol written with ``cuda.bindings.driver``, side by side in one run
 (a) host time of ``fill`` for 16 rows of 160 B, from the Python call to the flag store;
 (b) GPU-side cost of WAIT + H2D + reset in a replayed graph (pre-signalled), as the
     difference of a graph with and without it around the same small kernel;
-(c) for information: a replay launched *before* the fill (the deferred use), GPU time.
+(c) per step size and device path (kernel / memop): the same, and a replay launched
+    *before* the fill (the deferred use).
 
-    python benchmarks/bench_deferred.py [--iters 3000] [--json out.json]
+    python benchmarks/bench_deferred.py [--iters 2000] [--sizes 16,256,4096] [--json out.json]
 """
 
 from __future__ import annotations
@@ -123,88 +124,81 @@ def capture(fn: Any) -> torch.cuda.CUDAGraph:
     return g
 
 
-def bench_graph(iters: int) -> dict[str, list[float]]:
-    """Each graph is built twice (its own objects, its own capture) and every iteration
-    replays all of them in a fresh random order, so the spread between the two copies of
-    one version shows what counts as noise."""
+def _warm(dr: pm.DeferredRows, rows: int) -> None:
+    dr.begin(rows)
+    dr.prepare_dummy()
+    dr.enqueue(rows=rows)
+    dr.complete()
+    torch.cuda.synchronize()
+    dr.wait_consumed(5.0)
+
+
+def bench_graph(iters: int, sizes: list[int]) -> dict[str, list[float]]:
+    """GPU time of one replay, pre-signalled, for each version; every graph is built twice
+    (its own objects and capture) and each iteration replays all of them in a fresh random
+    order, so the two copies of a version show the noise. Also, per size and path, a
+    replay launched *before* the fill (the deferred use)."""
     x = torch.zeros(1024, device="cuda")
     x.add_(1)
-    pms = [pm.DeferredRows(ROWS, ROW_BYTES, device=0, watchdog=None) for _ in range(2)]
-    pys = [
-        PyDeferredRows(
-            ROWS, ROW_BYTES, torch.zeros((ROWS, ROW_BYTES), dtype=torch.uint8, device="cuda")
-        )
-        for _ in range(2)
-    ]
-    for dr in pms:  # eager warm-up, pre-signalled
-        dr.begin(ROWS)
-        dr.prepare_dummy()
-        dr.enqueue()
-        dr.complete()
-    torch.cuda.synchronize()
-    for dr in pms:
-        dr.wait_consumed(5.0)
-
-    def base() -> None:
-        x.add_(1)
-
-    entries: list[tuple[str, Any, torch.cuda.CUDAGraph]] = []
-    for i in range(2):
-        dr, py = pms[i], pys[i]
-        entries.append((f"kernel only #{i + 1}", None, capture(base)))
-        entries.append(
-            (f"ple_memops #{i + 1}", dr, capture(lambda dr=dr: (dr.enqueue(rows=ROWS), x.add_(1))))
-        )
-        entries.append(
-            (
-                f"cuda.bindings #{i + 1}",
-                py,
-                capture(
-                    lambda py=py: (py.enqueue(torch.cuda.current_stream().cuda_stream), x.add_(1))
-                ),
-            )
-        )
+    entries: list[tuple[str, Any, int, torch.cuda.CUDAGraph]] = []
+    keep: list[Any] = []
+    for rep in (1, 2):
+        entries.append((f"kernel only #{rep}", None, 0, capture(lambda: x.add_(1))))
+        for rows in sizes:
+            for path in ("kernel", "memop"):
+                dr = pm.DeferredRows(rows, ROW_BYTES, device=0, watchdog=None, copy=path)
+                _warm(dr, rows)
+                g = capture(lambda dr=dr, rows=rows: (dr.enqueue(rows=rows), x.add_(1)))
+                entries.append((f"ple_memops {path} {rows} rows #{rep}", dr, rows, g))
+                keep.append(dr)
+        staging = torch.zeros((ROWS, ROW_BYTES), dtype=torch.uint8, device="cuda")
+        py = PyDeferredRows(ROWS, ROW_BYTES, staging)
+        g = capture(lambda py=py: (py.enqueue(torch.cuda.current_stream().cuda_stream), x.add_(1)))
+        entries.append((f"cuda.bindings memop {ROWS} rows #{rep}", py, ROWS, g))
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    rows = np.random.default_rng(1).integers(0, 256, (ROWS, ROW_BYTES), dtype=np.uint8)
-    out: dict[str, list[float]] = {name: [] for name, _, _ in entries}
-    out["ple_memops, fill after launch"] = []
     rng = np.random.default_rng(2)
-    for i in range(iters + 100):
+    data = {r: rng.integers(0, 256, (r, ROW_BYTES), dtype=np.uint8) for r in {*sizes, ROWS}}
+    out: dict[str, list[float]] = {name: [] for name, *_ in entries}
+    late_keys = [e for e in entries if isinstance(e[1], pm.DeferredRows) and e[0].endswith("#1")]
+    for name, *_ in late_keys:
+        out[name.replace(" #1", ", fill after launch")] = []
+    for i in range(iters + 50):
         for j in rng.permutation(len(entries)):
-            name, obj, g = entries[j]
+            name, obj, rows, g = entries[j]
             if isinstance(obj, pm.DeferredRows):
-                obj.begin(ROWS)
-                obj.fill(rows)
+                obj.begin(rows)
+                obj.fill(data[rows])
             elif obj is not None:
-                obj.fill(rows)
+                obj.fill(data[rows])
             e0.record()
             g.replay()
             e1.record()
             if isinstance(obj, pm.DeferredRows):
                 obj.complete()
             e1.synchronize()
-            if i >= 100:
+            if i >= 50:
                 out[name].append(e0.elapsed_time(e1) * 1e3)
-        # The deferred use: launch first, then fill.
-        dr, g = pms[0], entries[1][2]
-        dr.begin(ROWS)
-        e0.record()
-        g.replay()
-        e1.record()
-        dr.fill(rows)
-        dr.complete()
-        e1.synchronize()
-        if i >= 100:
-            out["ple_memops, fill after launch"].append(e0.elapsed_time(e1) * 1e3)
-    for dr in pms:
+        for j in rng.permutation(len(late_keys)):
+            name, dr, rows, g = late_keys[j]
+            dr.begin(rows)
+            e0.record()
+            g.replay()
+            e1.record()
+            dr.fill(data[rows])
+            dr.complete()
+            e1.synchronize()
+            if i >= 50:
+                out[name.replace(" #1", ", fill after launch")].append(e0.elapsed_time(e1) * 1e3)
+    for dr in keep:
         dr.close()
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=3000)
+    ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sizes", default="16,256,4096", help="rows per step for the path sweep")
     a = ap.parse_args()
     torch.cuda.init()
     cap = pm.probe(0)
@@ -213,7 +207,7 @@ def main() -> None:
         f"driver {cap.driver_version}; torch {torch.__version__}"
     )
     fill = bench_fill(a.iters)
-    graph = bench_graph(a.iters)
+    graph = bench_graph(a.iters, [int(v) for v in a.sizes.split(",")])
     print(
         f"\n(a) host time of fill(), {ROWS} rows x {ROW_BYTES} B, {a.iters} iterations"
         "  [target <= 3 us median]"
@@ -226,10 +220,10 @@ def main() -> None:
         f"\n(b) GPU time per graph replay (events), {a.iters} replays"
         "  [target: WAIT+H2D+reset <= 10 us]"
     )
-    print(f"{'graph':<32}{'median us':>10}{'p99 us':>10}{'- kernel only':>15}")
+    print(f"{'graph':<46}{'median us':>10}{'p99 us':>10}{'- kernel only':>15}")
     for k, v in graph.items():
         med = statistics.median(v)
-        print(f"{k:<32}{med:>10.2f}{pct(v, 99):>10.2f}{med - base:>15.2f}")
+        print(f"{k:<46}{med:>10.2f}{pct(v, 99):>10.2f}{med - base:>15.2f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"fill_us": fill, "graph_us": graph}, f)

@@ -226,6 +226,7 @@ def test_close_is_idempotent_and_use_after_close_raises() -> None:
         {"max_rows": 4, "row_bytes": 0},
         {"max_rows": 4, "row_bytes": 4, "device": "tpu"},
         {"max_rows": 4, "row_bytes": 4, "device": "cpu", "watchdog": -1.0},
+        {"max_rows": 4, "row_bytes": 4, "device": "cpu", "copy": "dma"},
         {"max_rows": 4, "row_bytes": 4, "staging": np.zeros((4, 5), np.uint8)},
         {"max_rows": 4, "row_bytes": 4, "staging": np.zeros((4, 4), np.int8)},
         {"max_rows": 4, "row_bytes": 4, "staging": np.zeros((4, 8), np.uint8)[:, ::2]},

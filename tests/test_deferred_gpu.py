@@ -23,6 +23,12 @@ pytestmark = pytest.mark.gpu
 ROW = 160
 
 
+@pytest.fixture(params=["kernel", "memop"])
+def copy(request: pytest.FixtureRequest) -> str:
+    """Both device-side paths run every protocol test."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
 def torch():  # type: ignore[no-untyped-def]
     import torch
@@ -82,7 +88,7 @@ def test_probe_runs_live_checks(torch) -> None:  # type: ignore[no-untyped-def]
     if "H200" in name or "H100" in name:
         assert cap.supported, cap.reason
     if cap.supported:
-        assert names == ["driver", "attributes", "live_wait", "capture_replay"]
+        assert names == ["driver", "attributes", "live_wait", "capture_replay", "kernel_replay"]
         assert all(c.passed for c in cap.checks)
         assert cap.driver_version and cap.driver_version >= 12000
     assert pm.probe(0) == cap  # cached
@@ -93,8 +99,8 @@ def test_probe_bad_ordinal_is_a_typed_error(torch) -> None:  # type: ignore[no-u
         pm.probe(torch.cuda.device_count() + 3)
 
 
-def test_eager_wait_copy_reset(torch) -> None:  # type: ignore[no-untyped-def]
-    with pm.DeferredRows(16, ROW, device=0) as dr:
+def test_eager_wait_copy_reset(torch, copy: str) -> None:  # type: ignore[no-untyped-def]
+    with pm.DeferredRows(16, ROW, device=0, copy=copy) as dr:
         assert dr.mode == "deferred"
         for seed in range(5):
             k = 3 + seed
@@ -120,8 +126,9 @@ def test_eager_enqueue_before_fill_is_refused(torch) -> None:  # type: ignore[no
         dr.complete()
 
 
-def test_captured_replays_with_fill_after_launch(torch) -> None:  # type: ignore[no-untyped-def]
-    dr = pm.DeferredRows(32, ROW, device=0, watchdog=10.0)
+def test_captured_replays_with_fill_after_launch(torch, copy: str) -> None:  # type: ignore[no-untyped-def]
+    dr = pm.DeferredRows(32, ROW, device=0, watchdog=10.0, copy=copy)
+    assert dr.copy == copy
     g = Captured(torch, dr, 32)
     rng = np.random.default_rng(1)
     for i in range(1000):
@@ -140,8 +147,8 @@ def test_captured_replays_with_fill_after_launch(torch) -> None:  # type: ignore
     dr.close()
 
 
-def test_replay_really_waits_for_the_fill(torch) -> None:  # type: ignore[no-untyped-def]
-    dr = pm.DeferredRows(8, ROW, device=0, track_arrival=True)
+def test_replay_really_waits_for_the_fill(torch, copy: str) -> None:  # type: ignore[no-untyped-def]
+    dr = pm.DeferredRows(8, ROW, device=0, track_arrival=True, copy=copy)
     g = Captured(torch, dr, 8)
     dr.begin(8)
     g.replay()
@@ -156,8 +163,8 @@ def test_replay_really_waits_for_the_fill(torch) -> None:  # type: ignore[no-unt
     dr.close()
 
 
-def test_abort_releases_a_pending_replay_and_the_gate_stays_open(torch) -> None:  # type: ignore[no-untyped-def]
-    dr = pm.DeferredRows(8, ROW, device=0)
+def test_abort_releases_a_pending_replay_and_the_gate_stays_open(torch, copy: str) -> None:  # type: ignore[no-untyped-def]
+    dr = pm.DeferredRows(8, ROW, device=0, copy=copy)
     g = Captured(torch, dr, 8)
     # Leave stale data in the slot, then abort a pending step: the consumer gets zeros.
     dr.begin(8)
@@ -180,8 +187,8 @@ def test_abort_releases_a_pending_replay_and_the_gate_stays_open(torch) -> None:
         assert done(torch, g.end), "a replay after abort waited"
 
 
-def test_watchdog_releases_a_pending_replay(torch) -> None:  # type: ignore[no-untyped-def]
-    dr = pm.DeferredRows(8, ROW, device=0, watchdog=0.2)
+def test_watchdog_releases_a_pending_replay(torch, copy: str) -> None:  # type: ignore[no-untyped-def]
+    dr = pm.DeferredRows(8, ROW, device=0, watchdog=0.2, copy=copy)
     g = Captured(torch, dr, 8)
     dr.begin(8)
     g.replay()
@@ -203,8 +210,8 @@ def test_step_context_releases_on_keyboard_interrupt(torch) -> None:  # type: ig
     assert "KeyboardInterrupt" in (dr.poison_cause or "")
 
 
-def test_del_releases_a_pending_replay(torch) -> None:  # type: ignore[no-untyped-def]
-    dr = pm.DeferredRows(8, ROW, device=0, watchdog=None)
+def test_del_releases_a_pending_replay(torch, copy: str) -> None:  # type: ignore[no-untyped-def]
+    dr = pm.DeferredRows(8, ROW, device=0, watchdog=None, copy=copy)
     g = Captured(torch, dr, 8)
     retained = pm.retained_bytes()
     dr.begin(8)
@@ -239,8 +246,8 @@ def test_interpreter_exit_releases_a_pending_replay(torch) -> None:  # type: ign
     assert "exiting" in r.stdout
 
 
-def test_slot_busy_until_the_gpu_consumed(torch) -> None:  # type: ignore[no-untyped-def]
-    dr = pm.DeferredRows(4, ROW, device=0)
+def test_slot_busy_until_the_gpu_consumed(torch, copy: str) -> None:  # type: ignore[no-untyped-def]
+    dr = pm.DeferredRows(4, ROW, device=0, copy=copy)
     g = Captured(torch, dr, 4)
     first, second = host_rows(4, 1), host_rows(4, 2)
     dr.begin(4)
@@ -264,9 +271,9 @@ def test_slot_busy_until_the_gpu_consumed(torch) -> None:  # type: ignore[no-unt
     assert dr.stats().slot_busy == 2
 
 
-def test_several_objects_in_one_graph(torch) -> None:  # type: ignore[no-untyped-def]
+def test_several_objects_in_one_graph(torch, copy: str) -> None:  # type: ignore[no-untyped-def]
     widths = [160, 320, 64]
-    group = pm.create_group([(16, w) for w in widths], device=0, watchdog=10.0)
+    group = pm.create_group([(16, w) for w in widths], device=0, watchdog=10.0, copy=copy)
     assert {g.mode for g in group} == {"deferred"}
     outs = [torch.zeros_like(g.staging) for g in group]
     for g in group:
@@ -306,8 +313,8 @@ def test_several_objects_in_one_graph(torch) -> None:  # type: ignore[no-untyped
             assert not got[len(d) :].any()
 
 
-def test_sync_fallback_is_byte_identical(torch) -> None:  # type: ignore[no-untyped-def]
-    deferred = pm.DeferredRows(16, ROW, device=0)
+def test_sync_fallback_is_byte_identical(torch, copy: str) -> None:  # type: ignore[no-untyped-def]
+    deferred = pm.DeferredRows(16, ROW, device=0, copy=copy)
     sync = pm.DeferredRows(16, ROW, device=0, force_sync=True)
     assert sync.mode == "sync" and "requested" in (sync.fallback_reason or "")
     gd, gs = Captured(torch, deferred, 16), Captured(torch, sync, 16)
@@ -334,3 +341,22 @@ def test_main_job_on_the_gpu(torch) -> None:  # type: ignore[no-untyped-def]
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "mode=deferred" in r.stdout and "50 replays" in r.stdout
+
+
+def test_auto_path_switches_to_memops_for_large_steps(torch) -> None:  # type: ignore[no-untyped-def]
+    # 640 rows x 160 B = 100 KiB: above the kernel's 64 KiB, so auto uses the copy engine;
+    # 16 rows use the kernel. Both must deliver the same bytes.
+    dr = pm.DeferredRows(640, ROW, device=0, copy="auto", watchdog=10.0)
+    assert dr._core is not None and dr._core.kernel_max_bytes == 64 * 1024
+    for extent in (16, 640):
+        g = Captured(torch, dr, extent)
+        for i in range(20):
+            rows = host_rows(max(1, extent - 7 * i), 1000 * extent + i)
+            dr.begin(extent)
+            g.replay()
+            dr.fill(rows, busy_wait=5.0)
+            dr.complete()
+            assert done(torch, g.end)
+            got = g.out.cpu().numpy()
+            np.testing.assert_array_equal(got[: len(rows)], rows)
+            assert not got[len(rows) : extent].any()

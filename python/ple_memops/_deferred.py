@@ -153,6 +153,12 @@ class DeferredRows:
         force_sync: use the synchronous fallback even where deferral works.
         track_arrival: count fills that found the GPU already waiting (one more stream
             write a step).
+        copy: the device side of a deferred step. ``"kernel"``: one single-block kernel
+            polls the flag, reads the mapped slot over PCIe, writes the staging buffer
+            and resets the flag (lowest latency; holds one SM while waiting).
+            ``"memop"``: ``cuStreamWaitValue64``, a copy-engine H2D, ``cuStreamWriteValue32``
+            (holds no SM; more bandwidth for large steps). ``"auto"`` (default): the kernel
+            up to 64 KiB a step, memops above.
     """
 
     def __init__(
@@ -165,6 +171,7 @@ class DeferredRows:
         watchdog: float | None = 5.0,
         force_sync: bool = False,
         track_arrival: bool = False,
+        copy: str = "auto",
     ) -> None:
         if not isinstance(max_rows, int) or not isinstance(row_bytes, int):
             raise InvalidArgumentError("max_rows and row_bytes must be ints")
@@ -181,7 +188,7 @@ class DeferredRows:
         self._staging = staging
         self._device = ordinal
         self._core: _native.DeferredRowsCore | None = _native.DeferredRowsCore(
-            max_rows, row_bytes, ordinal, ptr, staging, watchdog, force_sync, track_arrival
+            max_rows, row_bytes, ordinal, ptr, staging, watchdog, force_sync, track_arrival, copy
         )
         _LIVE.add(self)
 
@@ -201,6 +208,11 @@ class DeferredRows:
     def deferred(self) -> bool:
         """True when fills may come after the launch."""
         return self.mode == "deferred"
+
+    @property
+    def copy(self) -> str:
+        """The configured device side: ``"auto"``, ``"kernel"`` or ``"memop"``."""
+        return self._live().copy
 
     @property
     def fallback_reason(self) -> str | None:
@@ -357,6 +369,7 @@ def create_group(
     device: object = None,
     watchdog: float | None = 5.0,
     force_sync: bool = False,
+    copy: str = "auto",
 ) -> list[DeferredRows]:
     """Create one :class:`DeferredRows` per ``(max_rows, row_bytes)`` on one device, all
     deferred or all synchronous: decided once, before any capture, so a graph never mixes
@@ -373,6 +386,7 @@ def create_group(
                     device="cpu" if ordinal is None else ordinal,
                     watchdog=watchdog,
                     force_sync=sync,
+                    copy=copy,
                 )
             )
     except BaseException:

@@ -16,7 +16,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::cuda::driver::{self, DevicePtr, Event, PrimaryContext, RawStream};
+use crate::cuda::driver::{self, DevicePtr, Event, PrimaryContext, RawStream, RowsKernel};
 use crate::cuda::pinned::{HostFlag, PinnedBuf};
 use crate::error::{Error, Op, Result};
 use crate::probe;
@@ -35,6 +35,45 @@ pub struct Config {
     /// Enqueue an extra WRITE before the WAIT so `fill` can tell whether the GPU was
     /// already waiting (counted in [`Stats::gpu_waited`]). Costs one stream write a step.
     pub track_arrival: bool,
+    /// How the consumer's side runs on the GPU (deferred mode only).
+    pub copy: CopyPath,
+}
+
+/// The device side of a deferred step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CopyPath {
+    /// [`CopyPath::Kernel`] up to [`KERNEL_MAX_BYTES`] a step, [`CopyPath::Memop`] above.
+    #[default]
+    Auto,
+    /// One single-block kernel polls the flag, reads the mapped slot over PCIe, writes the
+    /// staging buffer and resets the flag. Lowest latency for small steps; occupies one
+    /// SM while it waits.
+    Kernel,
+    /// `cuStreamWaitValue64` ; copy-engine H2D ; `cuStreamWriteValue32`. Occupies no SM
+    /// while waiting; the copy engine wins on bandwidth for large steps.
+    Memop,
+}
+
+/// Largest step [`CopyPath::Auto`] sends through the kernel (chosen by measurement:
+/// BENCHMARKS.md, "copy path").
+pub const KERNEL_MAX_BYTES: usize = 64 * 1024;
+
+impl CopyPath {
+    pub fn name(self) -> &'static str {
+        match self {
+            CopyPath::Auto => "auto",
+            CopyPath::Kernel => "kernel",
+            CopyPath::Memop => "memop",
+        }
+    }
+
+    fn resolve(self, bytes: usize) -> CopyPath {
+        match self {
+            CopyPath::Auto if bytes <= KERNEL_MAX_BYTES => CopyPath::Kernel,
+            CopyPath::Auto => CopyPath::Memop,
+            other => other,
+        }
+    }
 }
 
 /// Where the staging buffer lives.
@@ -133,6 +172,10 @@ struct Shared {
     fallback_reason: Option<String>,
     /// Host address of the pinned slot (null in host mode); stable for the object's life.
     slot_ptr: *const u8,
+    /// Device address of the same slot (0 in host mode).
+    slot_dptr: DevicePtr,
+    /// The protocol kernel (deferred mode).
+    kernel: Option<RowsKernel>,
     flag: Option<HostFlag>,
     inner: Mutex<Inner>,
     // Declared last: dropped after the pinned memory it owns.
@@ -248,13 +291,22 @@ impl DeferredRows {
                 }
             }
         };
-        let slot_ptr = match &slot {
-            Slot::Pinned(p) => p.host_ptr(),
-            Slot::Heap(_) => std::ptr::null(),
+        let (slot_ptr, slot_dptr) = match &slot {
+            Slot::Pinned(p) => (p.host_ptr(), p.device_ptr()),
+            Slot::Heap(_) => (std::ptr::null(), 0),
+        };
+        let kernel = match (&mode, &ctx) {
+            (Mode::Deferred, Some(ctx)) => {
+                let _g = ctx.bind()?;
+                Some(RowsKernel::get(ctx.ordinal())?)
+            }
+            _ => None,
         };
         let shared = Arc::new(Shared {
             cfg,
             slot_ptr,
+            slot_dptr,
+            kernel,
             mode,
             staging: target,
             fallback_reason,
@@ -276,6 +328,11 @@ impl DeferredRows {
 
     pub fn mode(&self) -> Mode {
         self.shared.mode
+    }
+
+    /// The configured device-side path (see [`CopyPath`]).
+    pub fn copy_path(&self) -> CopyPath {
+        self.shared.cfg.copy
     }
 
     /// Why this object does not defer (`None` when it does).
@@ -530,7 +587,8 @@ impl Shared {
         self.ctx.as_ref().map(|c| c.bind()).transpose()
     }
 
-    /// WAIT ; H2D ; WRITE(EMPTY) for `n` rows on `stream`.
+    /// The consumer's side for `n` rows on `stream`: `WAIT ; H2D ; WRITE(EMPTY)` or the
+    /// kernel that does all three (see [`CopyPath`]).
     ///
     /// # Safety
     /// `stream` is live; see `enqueue` for the memory's lifetime.
@@ -539,17 +597,37 @@ impl Shared {
         let Target::Cuda { staging, .. } = self.staging else {
             unreachable!("deferred mode has a device staging buffer")
         };
-        // The copy engine reads the slot only after the WAIT, when the host is done.
-        let slot = self.slot_ptr;
-        // SAFETY: (all four) the caller's contract; the addresses are of live pinned and
-        // device memory sized for max_rows >= n rows.
+        let bytes = n * self.cfg.row_bytes;
+        // SAFETY: (all calls) the caller's contract; the addresses are of live pinned and
+        // device memory sized for max_rows >= n rows. The copy reads the slot only after
+        // the wait, when the host is done writing it.
         unsafe {
             if self.cfg.track_arrival {
                 driver::write_u32(stream, flag.arrived_device_ptr(), 1, dev)?;
             }
-            driver::wait_any_bit64(stream, flag.gate_device_ptr(), HostFlag::WAIT_MASK, dev)?;
-            driver::copy_h2d_async(staging, slot, n * self.cfg.row_bytes, stream, dev)?;
-            driver::write_u32(stream, flag.gate_device_ptr(), HostFlag::EMPTY, dev)?;
+            match self.cfg.copy.resolve(bytes) {
+                CopyPath::Kernel => {
+                    let k = self.kernel.expect("deferred mode loads the kernel");
+                    k.launch(
+                        stream,
+                        self.slot_dptr,
+                        staging,
+                        bytes,
+                        flag.gate_device_ptr(),
+                        HostFlag::WAIT_MASK,
+                    )?;
+                }
+                _ => {
+                    driver::wait_any_bit64(
+                        stream,
+                        flag.gate_device_ptr(),
+                        HostFlag::WAIT_MASK,
+                        dev,
+                    )?;
+                    driver::copy_h2d_async(staging, self.slot_ptr, bytes, stream, dev)?;
+                    driver::write_u32(stream, flag.gate_device_ptr(), HostFlag::EMPTY, dev)?;
+                }
+            }
         }
         Ok(())
     }

@@ -23,6 +23,8 @@ pub mod watchdog;
 #[cfg(feature = "python")]
 mod python;
 
-pub use deferred::{Config, DeferredRows, Enqueued, Mode, Stats, Target};
+pub use deferred::{
+    Config, CopyPath, DeferredRows, Enqueued, Mode, Stats, Target, KERNEL_MAX_BYTES,
+};
 pub use error::{Error, ErrorKind, Result};
 pub use probe::{probe, Capability, Check};

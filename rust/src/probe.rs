@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use crate::cuda::driver::{self, Attr, DeviceBuffer, OwnedStream, PrimaryContext};
+use crate::cuda::driver::{self, Attr, DeviceBuffer, OwnedStream, PrimaryContext, RowsKernel};
 use crate::cuda::pinned::{HostFlag, PinnedBuf};
 use crate::deferred::wait_until;
 use crate::error::{Error, Result};
@@ -124,11 +124,14 @@ fn run(device: i32) -> Result<Capability> {
     }
     let ctx = PrimaryContext::retain(device)?;
     let _g = ctx.bind()?;
-    for (name, result) in [
-        ("live_wait", live_wait(device)),
-        ("capture_replay", capture_replay(device)),
-    ] {
-        match result {
+    type Live = fn(i32) -> std::result::Result<String, Failure>;
+    let live: [(&'static str, Live); 3] = [
+        ("live_wait", live_wait),
+        ("capture_replay", |d| capture_replay(d, false)),
+        ("kernel_replay", |d| capture_replay(d, true)),
+    ];
+    for (name, check) in live {
+        match check(device) {
             Ok(detail) => checks.push(Check {
                 name,
                 passed: true,
@@ -193,8 +196,16 @@ impl Rig {
         })
     }
 
-    fn enqueue(&self) -> Result<()> {
+    fn enqueue(&self, kernel: bool) -> Result<()> {
         let (s, d) = (self.stream.raw, self.device);
+        if kernel {
+            let k = RowsKernel::get(d)?;
+            let (src, gate) = (self.slot.device_ptr(), self.flag.gate_device_ptr());
+            // SAFETY: as below; the slot's device address and the buffer hold PROBE_BYTES.
+            return unsafe {
+                k.launch(s, src, self.dst.ptr, PROBE_BYTES, gate, HostFlag::WAIT_MASK)
+            };
+        }
         // SAFETY: the rig's stream, flag, slot and buffer outlive every use: the rig
         // synchronises its stream (and drops its graph) before they are freed.
         unsafe {
@@ -262,7 +273,7 @@ impl Drop for Rig {
 
 fn live_wait(device: i32) -> std::result::Result<String, Failure> {
     let mut rig = Rig::new(device)?;
-    rig.enqueue()?;
+    rig.enqueue(false)?;
     std::thread::sleep(Duration::from_millis(2));
     if rig.stream.query()? {
         return Err(Failure::Unsupported(
@@ -279,16 +290,26 @@ fn live_wait(device: i32) -> std::result::Result<String, Failure> {
     ))
 }
 
-fn capture_replay(device: i32) -> std::result::Result<String, Failure> {
+fn capture_replay(device: i32, kernel: bool) -> std::result::Result<String, Failure> {
     const REPLAYS: u8 = 3;
     let mut rig = Rig::new(device)?;
     rig.stream.begin_capture()?;
-    let captured = rig.enqueue();
+    let captured = rig.enqueue(kernel);
     let graph = rig.stream.end_capture();
     captured?;
     let graph = graph?;
     for seed in 0..REPLAYS {
         graph.launch(&rig.stream)?;
+        if seed == 0 {
+            // The replay must really wait for the fill.
+            std::thread::sleep(Duration::from_millis(2));
+            if rig.stream.query()? {
+                rig.flag.store_poison();
+                return Err(Failure::Unsupported(
+                    "a replay passed the wait without a fill".into(),
+                ));
+            }
+        }
         rig.fill(seed.wrapping_mul(17));
         rig.drain("replay")?;
         rig.verify(seed.wrapping_mul(17), "replay")?;

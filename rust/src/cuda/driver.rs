@@ -61,6 +61,9 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuEventSynchronize",
     "cuEventQuery",
     "cuEventDestroy_v2",
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuLaunchKernel",
 ];
 
 /// What the loader found.
@@ -606,5 +609,97 @@ impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         // SAFETY: allocated by cuMemAlloc, freed once; owners synchronise before dropping.
         let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+    }
+}
+
+/// The protocol's kernel (`kernels/rows.cu`), loaded once per device into its primary
+/// context and never unloaded: captured graphs keep launching it for their whole life.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RowsKernel {
+    func: sys::CUfunction,
+    ordinal: i32,
+}
+
+// SAFETY: a CUfunction handle may be used from any thread of its context.
+unsafe impl Send for RowsKernel {}
+// SAFETY: as above; the handle is immutable.
+unsafe impl Sync for RowsKernel {}
+
+const ROWS_PTX: &str = concat!(include_str!("kernels/rows.ptx"), "\0");
+
+impl RowsKernel {
+    /// The kernel for device `ordinal`. Needs that device's primary context current.
+    pub fn get(ordinal: i32) -> Result<Self> {
+        static CACHE: OnceLock<std::sync::Mutex<std::collections::HashMap<i32, RowsKernel>>> =
+            OnceLock::new();
+        let cache = CACHE.get_or_init(Default::default);
+        let mut map = cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = map.get(&ordinal) {
+            return Ok(*k);
+        }
+        let mut module = ptr::null_mut();
+        // SAFETY: ROWS_PTX is NUL-terminated PTX text; valid out-pointer; the caller holds
+        // the device's context current. Loading eagerly here (not on first launch) keeps
+        // lazy module loading from synchronising behind a pending wait later.
+        check("cuModuleLoadData", Some(ordinal), unsafe {
+            sys::cuModuleLoadData(&mut module, ROWS_PTX.as_ptr().cast())
+        })?;
+        let mut func = ptr::null_mut();
+        // SAFETY: module is live (never unloaded); the name is NUL-terminated.
+        check("cuModuleGetFunction", Some(ordinal), unsafe {
+            sys::cuModuleGetFunction(&mut func, module, c"ple_wait_copy_reset".as_ptr())
+        })?;
+        let k = RowsKernel { func, ordinal };
+        map.insert(ordinal, k);
+        Ok(k)
+    }
+
+    /// Enqueue `wait until (gate & mask) != 0 ; copy n bytes src -> dst ; filled = EMPTY`
+    /// as one single-block kernel on `stream`.
+    ///
+    /// # Safety
+    /// `src` (the slot's device address) and `dst` hold `n` bytes and are 16-byte aligned;
+    /// `gate` is the flag line's device address; all outlive every execution of the launch
+    /// (graph replays included); `stream` is live.
+    pub unsafe fn launch(
+        &self,
+        stream: RawStream,
+        src: DevicePtr,
+        dst: DevicePtr,
+        n: usize,
+        gate: DevicePtr,
+        mask: u64,
+    ) -> Result<()> {
+        let n16 = n.div_ceil(16);
+        let threads = (n16.div_ceil(32) * 32).clamp(32, 1024) as u32;
+        let mut a_src = src;
+        let mut a_dst = dst;
+        let mut a_n = n as u64;
+        let mut a_gate = gate;
+        let mut a_mask = mask;
+        let mut params: [*mut c_void; 5] = [
+            (&mut a_src as *mut DevicePtr).cast(),
+            (&mut a_dst as *mut DevicePtr).cast(),
+            (&mut a_n as *mut u64).cast(),
+            (&mut a_gate as *mut DevicePtr).cast(),
+            (&mut a_mask as *mut u64).cast(),
+        ];
+        // SAFETY: params point at locals matching the kernel's five 8-byte parameters and
+        // live across the call (the driver copies them); the rest is the caller's contract.
+        check("cuLaunchKernel", Some(self.ordinal), unsafe {
+            sys::cuLaunchKernel(
+                self.func,
+                1,
+                1,
+                1,
+                threads,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                ptr::null_mut(),
+            )
+        })
     }
 }

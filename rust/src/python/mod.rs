@@ -11,7 +11,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyType};
 
 use crate::cuda::driver::{self, RawStream};
-use crate::deferred::{Config, DeferredRows, Enqueued, Target};
+use crate::deferred::{Config, CopyPath, DeferredRows, Enqueued, Target};
 use crate::error::{Error, ErrorKind};
 
 /// The single conversion from the crate's error into the package's exception hierarchy
@@ -64,7 +64,7 @@ pub struct PyDeferredRows {
 #[pymethods]
 impl PyDeferredRows {
     #[new]
-    #[pyo3(signature = (max_rows, row_bytes, device, staging_ptr, staging_owner, watchdog_s, force_sync=false, track_arrival=false))]
+    #[pyo3(signature = (max_rows, row_bytes, device, staging_ptr, staging_owner, watchdog_s, force_sync=false, track_arrival=false, copy="auto"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -76,7 +76,21 @@ impl PyDeferredRows {
         watchdog_s: Option<f64>,
         force_sync: bool,
         track_arrival: bool,
+        copy: &str,
     ) -> PyResult<Self> {
+        let copy = match copy {
+            "auto" => CopyPath::Auto,
+            "kernel" => CopyPath::Kernel,
+            "memop" => CopyPath::Memop,
+            other => {
+                return Err(to_pyerr(
+                    py,
+                    Error::invalid(format!(
+                        "copy must be 'auto', 'kernel' or 'memop', got {other:?}"
+                    )),
+                ))
+            }
+        };
         let watchdog = match watchdog_s {
             Some(s) if s > 0.0 => Some(secs(s, "watchdog").py(py)?),
             Some(_) => {
@@ -92,6 +106,7 @@ impl PyDeferredRows {
             row_bytes,
             watchdog,
             track_arrival,
+            copy,
         };
         let target = move || match device {
             Some(device) => Target::Cuda {
@@ -119,6 +134,16 @@ impl PyDeferredRows {
     #[getter]
     fn mode(&self) -> &'static str {
         self.inner.mode().name()
+    }
+
+    #[getter]
+    fn copy(&self) -> &'static str {
+        self.inner.copy_path().name()
+    }
+
+    #[getter]
+    fn kernel_max_bytes(&self) -> usize {
+        crate::deferred::KERNEL_MAX_BYTES
     }
 
     #[getter]

@@ -1,0 +1,46 @@
+// Device side of the deferred-rows protocol as one kernel: wait on the gate, copy the
+// slot into the staging buffer, reset the flag. The crate embeds rows.ptx (built from
+// this file; the driver JIT-compiles it for the device at load). Regenerate with
+//   python -m pip install "nvidia-cuda-nvcc==13.0.*" "nvidia-cuda-crt==13.0.*"
+//   nvcc -ptx -arch=compute_75 -O3 -o rust/src/cuda/kernels/rows.ptx rust/src/cuda/kernels/rows.cu
+//   sed -i "s/^\.version 9\.0$/.version 8.0/" rust/src/cuda/kernels/rows.ptx
+// (PTX ISA 8.0 is what a CUDA 12.0 driver JIT-compiles; the kernel needs nothing newer.)
+//
+// Why a kernel: on an H200 a graph's copy-engine H2D node plus two stream memory operations
+// cost 5.5 us (copy engine warm) to 13 us (cold) even for 2.5 KiB; one block that polls the
+// mapped flag and reads the mapped slot over PCIe costs under 1 us on top of the graph
+// (benchmarks/explore_copy_path.py). It runs as a single block, so a __syncthreads orders
+// every read of the slot before the reset.
+
+#include <stdint.h>
+
+// Launch with gridDim.x == 1. `gate` is the device address of the flag line: bytes 0..4
+// `filled`, 4..8 `poison`; the kernel proceeds once (gate & mask) != 0 and ends by
+// writing EMPTY (0) into `filled`, leaving `poison` alone.
+extern "C" __global__ void ple_wait_copy_reset(const uint4* src, uint4* __restrict__ dst,
+                                               unsigned long long n, unsigned int* gate,
+                                               unsigned long long mask) {
+    if (threadIdx.x == 0) {
+        volatile unsigned long long* g = (volatile unsigned long long*)gate;
+        while ((*g & mask) == 0ull) {
+            __nanosleep(100);
+        }
+        // Order the slot reads below after the flag read (the host published the slot
+        // before storing FILLED).
+        __threadfence_system();
+    }
+    __syncthreads();
+    unsigned long long n16 = n / 16;
+    for (unsigned long long i = threadIdx.x; i < n16; i += blockDim.x) {
+        dst[i] = src[i];
+    }
+    if (threadIdx.x < (n & 15)) {
+        ((uint8_t*)dst)[n16 * 16 + threadIdx.x] = ((const uint8_t*)src)[n16 * 16 + threadIdx.x];
+    }
+    // Every read of the slot is done before the host may reuse it.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        *(volatile unsigned int*)gate = 0u;
+    }
+}
