@@ -628,7 +628,7 @@ unsafe impl Sync for RowsKernel {}
 const ROWS_PTX: &str = concat!(include_str!("kernels/rows.ptx"), "\0");
 
 impl RowsKernel {
-    /// The kernel for device `ordinal`. Needs that device's primary context current.
+    /// The kernel for device `ordinal`, loaded into its primary context on first use.
     pub fn get(ordinal: i32) -> Result<Self> {
         static CACHE: OnceLock<std::sync::Mutex<std::collections::HashMap<i32, RowsKernel>>> =
             OnceLock::new();
@@ -637,6 +637,12 @@ impl RowsKernel {
         if let Some(k) = map.get(&ordinal) {
             return Ok(*k);
         }
+        // The module lives in the primary context: keep that context alive for the life of
+        // the process, or a release to zero (e.g. after the probe, before torch retains it)
+        // would destroy the module and leave the cached handle dangling.
+        let ctx = PrimaryContext::retain(ordinal)?;
+        let _g = ctx.bind()?;
+        std::mem::forget(ctx);
         let mut module = ptr::null_mut();
         // SAFETY: ROWS_PTX is NUL-terminated PTX text; valid out-pointer; the caller holds
         // the device's context current. Loading eagerly here (not on first launch) keeps
