@@ -320,7 +320,12 @@ fn capture_replay(device: i32, kernel: bool) -> std::result::Result<String, Fail
     graph.launch(&rig.stream)?;
     rig.drain("poisoned replay")?;
     drop(graph);
+    let how = if kernel {
+        "wait-copy-reset kernel"
+    } else {
+        "WAIT/H2D/WRITE"
+    };
     Ok(format!(
-        "{REPLAYS} replays with host fills ok; poisoned gate passes replays"
+        "{how}: {REPLAYS} replays with host fills ok; poisoned gate passes replays"
     ))
 }
