@@ -1,5 +1,15 @@
-from typing import Any
+from typing import Any, final
 
+__all__ = [
+    "DeferredRowsCore",
+    "_raise_kind",
+    "driver_info",
+    "error_kinds",
+    "probe",
+    "retained_bytes",
+]
+
+@final
 class DeferredRowsCore:
     def __new__(
         cls,
