@@ -13,10 +13,11 @@
 //!   records nothing.
 //! * **Host** (no GPU): `fill` writes the host staging buffer directly.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::cuda::driver::{self, DevicePtr, Event, PrimaryContext, RawStream, RowsKernel};
+use crate::cuda::driver::{self, DevicePtr, Event, Kernels, PrimaryContext, RawStream};
 use crate::cuda::pinned::{HostFlag, PinnedBuf};
 use crate::error::{Error, Op, Result};
 use crate::probe;
@@ -174,8 +175,11 @@ struct Shared {
     slot_ptr: *const u8,
     /// Device address of the same slot (0 in host mode).
     slot_dptr: DevicePtr,
-    /// The protocol kernel (deferred mode).
-    kernel: Option<RowsKernel>,
+    /// The protocol kernels (deferred mode).
+    kernel: Option<Kernels>,
+    /// A native worker fills this object (see `worker.rs`): eager enqueues may precede
+    /// the fill, since no host-thread synchronisation can block the worker.
+    worker_fed: AtomicBool,
     flag: Option<HostFlag>,
     inner: Mutex<Inner>,
     // Declared last: dropped after the pinned memory it owns.
@@ -298,7 +302,7 @@ impl DeferredRows {
         let kernel = match (&mode, &ctx) {
             (Mode::Deferred, Some(ctx)) => {
                 let _g = ctx.bind()?;
-                Some(RowsKernel::get(ctx.ordinal())?)
+                Some(Kernels::get(ctx.ordinal())?)
             }
             _ => None,
         };
@@ -307,6 +311,7 @@ impl DeferredRows {
             slot_ptr,
             slot_dptr,
             kernel,
+            worker_fed: AtomicBool::new(false),
             mode,
             staging: target,
             fallback_reason,
@@ -464,7 +469,9 @@ impl DeferredRows {
         inner.phase.check_live()?;
         let Some(ctx) = &s.ctx else {
             // Host mode: nothing runs on a GPU; keep the eager ordering rule anyway.
-            let (_, next) = inner.phase.eager_enqueue()?;
+            let (_, next) = inner
+                .phase
+                .eager_enqueue(s.worker_fed.load(Ordering::Acquire))?;
             inner.phase = next;
             inner.stats.eager_enqueues += 1;
             return Ok(Enqueued::Nothing);
@@ -500,7 +507,9 @@ impl DeferredRows {
                 Ok(Enqueued::Captured(id))
             }
             (Mode::Deferred, None) => {
-                let (n, next) = inner.phase.eager_enqueue()?;
+                let (n, next) = inner
+                    .phase
+                    .eager_enqueue(s.worker_fed.load(Ordering::Acquire))?;
                 if let Some(r) = rows {
                     if r != n {
                         return Err(Error::rows(format!(
@@ -528,7 +537,9 @@ impl DeferredRows {
                 Ok(Enqueued::Nothing)
             }
             (_, None) => {
-                let (_, next) = inner.phase.eager_enqueue()?;
+                let (_, next) = inner
+                    .phase
+                    .eager_enqueue(s.worker_fed.load(Ordering::Acquire))?;
                 inner.phase = next;
                 inner.stats.eager_enqueues += 1;
                 Ok(Enqueued::Nothing)
@@ -571,6 +582,30 @@ impl DeferredRows {
         !self.shared.lock().captured_ids.is_empty()
     }
 
+    /// Whether the GPU side is released for good (aborted, closed or dropped): a worker
+    /// waiting for this object's ids should stop.
+    pub fn is_released(&self) -> bool {
+        match &self.shared.flag {
+            Some(flag) => flag.is_poisoned(),
+            None => matches!(
+                self.shared.lock().phase,
+                Phase::Poisoned { .. } | Phase::Closed
+            ),
+        }
+    }
+
+    pub(crate) fn set_worker_fed(&self, on: bool) {
+        self.shared.worker_fed.store(on, Ordering::Release);
+    }
+
+    /// The step's extent while one is pending or filled.
+    pub fn step_rows(&self) -> Option<usize> {
+        match self.shared.lock().phase {
+            Phase::Pending { rows, .. } | Phase::Filled { rows, .. } => Some(rows),
+            _ => None,
+        }
+    }
+
     /// The slot's current bytes (tests and diagnostics).
     pub fn slot_snapshot(&self) -> Vec<u8> {
         self.shared.lock().slot.bytes().to_vec()
@@ -608,7 +643,7 @@ impl Shared {
             match self.cfg.copy.resolve(bytes) {
                 CopyPath::Kernel => {
                     let k = self.kernel.expect("deferred mode loads the kernel");
-                    k.launch(
+                    k.wait_copy_reset(
                         stream,
                         self.slot_dptr,
                         staging,

@@ -19,6 +19,7 @@ pub mod error;
 pub mod probe;
 pub mod state;
 pub mod watchdog;
+pub mod worker;
 
 #[cfg(feature = "python")]
 mod python;

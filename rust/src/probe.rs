@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use crate::cuda::driver::{self, Attr, DeviceBuffer, OwnedStream, PrimaryContext, RowsKernel};
+use crate::cuda::driver::{self, Attr, DeviceBuffer, Kernels, OwnedStream, PrimaryContext};
 use crate::cuda::pinned::{HostFlag, PinnedBuf};
 use crate::deferred::wait_until;
 use crate::error::{Error, Result};
@@ -199,11 +199,11 @@ impl Rig {
     fn enqueue(&self, kernel: bool) -> Result<()> {
         let (s, d) = (self.stream.raw, self.device);
         if kernel {
-            let k = RowsKernel::get(d)?;
+            let k = Kernels::get(d)?;
             let (src, gate) = (self.slot.device_ptr(), self.flag.gate_device_ptr());
             // SAFETY: as below; the slot's device address and the buffer hold PROBE_BYTES.
             return unsafe {
-                k.launch(s, src, self.dst.ptr, PROBE_BYTES, gate, HostFlag::WAIT_MASK)
+                k.wait_copy_reset(s, src, self.dst.ptr, PROBE_BYTES, gate, HostFlag::WAIT_MASK)
             };
         }
         // SAFETY: the rig's stream, flag, slot and buffer outlive every use: the rig

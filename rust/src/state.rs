@@ -14,7 +14,12 @@ pub enum Phase {
     /// No step in flight; the host owns the slot once the GPU consumed the last fill.
     Idle,
     /// `begin(rows)` was called; waiting for a fill (the GPU may already wait).
-    Pending { rows: usize, step: u64 },
+    /// `eager_enqueued`: a worker-fed object was enqueued eagerly before its fill.
+    Pending {
+        rows: usize,
+        step: u64,
+        eager_enqueued: bool,
+    },
     /// The flag says FILLED (or, in the fallback, the staging buffer is written).
     Filled {
         rows: usize,
@@ -58,7 +63,11 @@ impl Phase {
             )));
         }
         match self {
-            Phase::Idle => Ok(Phase::Pending { rows, step }),
+            Phase::Idle => Ok(Phase::Pending {
+                rows,
+                step,
+                eager_enqueued: false,
+            }),
             other => Err(Error::state(
                 Op::Begin,
                 format!(
@@ -86,21 +95,39 @@ impl Phase {
 
     pub fn filled(&self) -> Phase {
         match self {
-            Phase::Pending { rows, step } => Phase::Filled {
+            Phase::Pending {
+                rows,
+                step,
+                eager_enqueued,
+            } => Phase::Filled {
                 rows: *rows,
                 step: *step,
-                eager_enqueued: false,
+                eager_enqueued: *eager_enqueued,
             },
             other => other.clone(),
         }
     }
 
     /// An eager (non-captured) enqueue. Returns the step's rows. Eager work must never
-    /// wait on a later fill (implicit synchronisation would deadlock), so the step must
-    /// already be filled.
-    pub fn eager_enqueue(&self) -> Result<(usize, Phase)> {
+    /// wait on a fill that the calling thread makes later (an implicit synchronisation
+    /// before it would deadlock), so the step must already be filled, unless
+    /// `worker_fed`: a native worker fills it when the GPU publishes its ids, which no
+    /// host synchronisation can block.
+    pub fn eager_enqueue(&self, worker_fed: bool) -> Result<(usize, Phase)> {
         self.check_live()?;
         match self {
+            Phase::Pending {
+                rows,
+                step,
+                eager_enqueued: false,
+            } if worker_fed => Ok((
+                *rows,
+                Phase::Pending {
+                    rows: *rows,
+                    step: *step,
+                    eager_enqueued: true,
+                },
+            )),
             Phase::Filled {
                 rows,
                 step,
@@ -113,7 +140,11 @@ impl Phase {
                     eager_enqueued: true,
                 },
             )),
-            Phase::Filled { .. } => Err(Error::state(
+            Phase::Filled { .. }
+            | Phase::Pending {
+                eager_enqueued: true,
+                ..
+            } => Err(Error::state(
                 Op::Enqueue,
                 "already enqueued in this step: a second WAIT would never be released",
             )),
@@ -149,10 +180,17 @@ mod tests {
     #[test]
     fn happy_path() {
         let p = Phase::Idle.begin(4, 8, 1).unwrap();
-        assert_eq!(p, Phase::Pending { rows: 4, step: 1 });
+        assert_eq!(
+            p,
+            Phase::Pending {
+                rows: 4,
+                step: 1,
+                eager_enqueued: false
+            }
+        );
         assert_eq!(p.check_fill(Op::Fill, 3).unwrap(), 4);
         let f = p.filled();
-        let (rows, f2) = f.eager_enqueue().unwrap();
+        let (rows, f2) = f.eager_enqueue(false).unwrap();
         assert_eq!(rows, 4);
         assert_eq!(f2.complete().unwrap(), Phase::Idle);
     }
@@ -165,11 +203,14 @@ mod tests {
             ErrorKind::State
         );
         assert_eq!(idle.complete().unwrap_err().kind(), ErrorKind::State);
-        assert_eq!(idle.eager_enqueue().unwrap_err().kind(), ErrorKind::State);
+        assert_eq!(
+            idle.eager_enqueue(false).unwrap_err().kind(),
+            ErrorKind::State
+        );
         let p = idle.begin(2, 8, 1).unwrap();
         assert_eq!(p.begin(2, 8, 2).unwrap_err().kind(), ErrorKind::State);
         assert_eq!(p.complete().unwrap_err().kind(), ErrorKind::State);
-        assert_eq!(p.eager_enqueue().unwrap_err().kind(), ErrorKind::State);
+        assert_eq!(p.eager_enqueue(false).unwrap_err().kind(), ErrorKind::State);
         assert_eq!(
             p.check_fill(Op::Fill, 3).unwrap_err().kind(),
             ErrorKind::RowShape
@@ -179,8 +220,19 @@ mod tests {
             f.check_fill(Op::Fill, 1).unwrap_err().kind(),
             ErrorKind::State
         );
-        let (_, f) = f.eager_enqueue().unwrap();
-        assert_eq!(f.eager_enqueue().unwrap_err().kind(), ErrorKind::State);
+        let (_, f) = f.eager_enqueue(false).unwrap();
+        assert_eq!(f.eager_enqueue(false).unwrap_err().kind(), ErrorKind::State);
+    }
+
+    #[test]
+    fn worker_fed_steps_may_enqueue_before_the_fill_once() {
+        let p = Phase::Idle.begin(2, 8, 1).unwrap();
+        let (rows, p) = p.eager_enqueue(true).unwrap();
+        assert_eq!(rows, 2);
+        assert_eq!(p.eager_enqueue(true).unwrap_err().kind(), ErrorKind::State);
+        let f = p.filled();
+        assert_eq!(f.eager_enqueue(true).unwrap_err().kind(), ErrorKind::State);
+        assert_eq!(f.complete().unwrap(), Phase::Idle);
     }
 
     #[test]
@@ -203,7 +255,7 @@ mod tests {
         for r in [
             p.begin(1, 1, 1).map(|_| ()),
             p.check_fill(Op::Fill, 1).map(|_| ()),
-            p.eager_enqueue().map(|_| ()),
+            p.eager_enqueue(false).map(|_| ()),
             p.complete().map(|_| ()),
         ] {
             let e = r.unwrap_err();

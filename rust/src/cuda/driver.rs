@@ -42,6 +42,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemFree_v2",
     "cuMemcpyHtoDAsync_v2",
     "cuMemcpyDtoH_v2",
+    "cuMemcpyDtoHAsync_v2",
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamQuery",
@@ -612,25 +613,31 @@ impl Drop for DeviceBuffer {
     }
 }
 
-/// The protocol's kernel (`kernels/rows.cu`), loaded once per device into its primary
-/// context and never unloaded: captured graphs keep launching it for their whole life.
+/// The protocol's kernels (`kernels/rows.cu`), loaded once per device into its primary
+/// context and never unloaded: captured graphs keep launching them for their whole life.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct RowsKernel {
-    func: sys::CUfunction,
+pub(crate) struct Kernels {
+    wait_copy_reset: sys::CUfunction,
+    publish_ids: sys::CUfunction,
     ordinal: i32,
 }
 
-// SAFETY: a CUfunction handle may be used from any thread of its context.
-unsafe impl Send for RowsKernel {}
-// SAFETY: as above; the handle is immutable.
-unsafe impl Sync for RowsKernel {}
+// SAFETY: CUfunction handles may be used from any thread of their context.
+unsafe impl Send for Kernels {}
+// SAFETY: as above; the handles are immutable.
+unsafe impl Sync for Kernels {}
 
 const ROWS_PTX: &str = concat!(include_str!("kernels/rows.ptx"), "\0");
 
-impl RowsKernel {
-    /// The kernel for device `ordinal`, loaded into its primary context on first use.
+/// Threads of a single-block launch that moves `n` units.
+fn block_for(n: usize) -> u32 {
+    (n.div_ceil(32) * 32).clamp(32, 1024) as u32
+}
+
+impl Kernels {
+    /// The kernels for device `ordinal`, loaded into its primary context on first use.
     pub fn get(ordinal: i32) -> Result<Self> {
-        static CACHE: OnceLock<std::sync::Mutex<std::collections::HashMap<i32, RowsKernel>>> =
+        static CACHE: OnceLock<std::sync::Mutex<std::collections::HashMap<i32, Kernels>>> =
             OnceLock::new();
         let cache = CACHE.get_or_init(Default::default);
         let mut map = cache.lock().unwrap_or_else(|e| e.into_inner());
@@ -639,62 +646,48 @@ impl RowsKernel {
         }
         // The module lives in the primary context: keep that context alive for the life of
         // the process, or a release to zero (e.g. after the probe, before torch retains it)
-        // would destroy the module and leave the cached handle dangling.
+        // would destroy the module and leave the cached handles dangling.
         let ctx = PrimaryContext::retain(ordinal)?;
         let _g = ctx.bind()?;
         std::mem::forget(ctx);
         let mut module = ptr::null_mut();
-        // SAFETY: ROWS_PTX is NUL-terminated PTX text; valid out-pointer; the caller holds
-        // the device's context current. Loading eagerly here (not on first launch) keeps
-        // lazy module loading from synchronising behind a pending wait later.
+        // SAFETY: ROWS_PTX is NUL-terminated PTX text; valid out-pointer; the context is
+        // bound. Loading eagerly here (not on first launch) keeps lazy module loading from
+        // synchronising behind a pending wait later.
         check("cuModuleLoadData", Some(ordinal), unsafe {
             sys::cuModuleLoadData(&mut module, ROWS_PTX.as_ptr().cast())
         })?;
-        let mut func = ptr::null_mut();
-        // SAFETY: module is live (never unloaded); the name is NUL-terminated.
-        check("cuModuleGetFunction", Some(ordinal), unsafe {
-            sys::cuModuleGetFunction(&mut func, module, c"ple_wait_copy_reset".as_ptr())
-        })?;
-        let k = RowsKernel { func, ordinal };
+        let get = |name: &std::ffi::CStr| -> Result<sys::CUfunction> {
+            let mut func = ptr::null_mut();
+            // SAFETY: module is live (never unloaded); the name is NUL-terminated.
+            check("cuModuleGetFunction", Some(ordinal), unsafe {
+                sys::cuModuleGetFunction(&mut func, module, name.as_ptr())
+            })?;
+            Ok(func)
+        };
+        let k = Kernels {
+            wait_copy_reset: get(c"ple_wait_copy_reset")?,
+            publish_ids: get(c"ple_publish_ids")?,
+            ordinal,
+        };
         map.insert(ordinal, k);
         Ok(k)
     }
 
-    /// Enqueue `wait until (gate & mask) != 0 ; copy n bytes src -> dst ; filled = EMPTY`
-    /// as one single-block kernel on `stream`.
-    ///
     /// # Safety
-    /// `src` (the slot's device address) and `dst` hold `n` bytes and are 16-byte aligned;
-    /// `gate` is the flag line's device address; all outlive every execution of the launch
-    /// (graph replays included); `stream` is live.
-    pub unsafe fn launch(
+    /// `params` point at values matching the kernel's parameters; the caller's contract of
+    /// the public launch functions holds.
+    unsafe fn launch(
         &self,
+        f: sys::CUfunction,
+        threads: u32,
         stream: RawStream,
-        src: DevicePtr,
-        dst: DevicePtr,
-        n: usize,
-        gate: DevicePtr,
-        mask: u64,
+        params: &mut [*mut c_void],
     ) -> Result<()> {
-        let n16 = n.div_ceil(16);
-        let threads = (n16.div_ceil(32) * 32).clamp(32, 1024) as u32;
-        let mut a_src = src;
-        let mut a_dst = dst;
-        let mut a_n = n as u64;
-        let mut a_gate = gate;
-        let mut a_mask = mask;
-        let mut params: [*mut c_void; 5] = [
-            (&mut a_src as *mut DevicePtr).cast(),
-            (&mut a_dst as *mut DevicePtr).cast(),
-            (&mut a_n as *mut u64).cast(),
-            (&mut a_gate as *mut DevicePtr).cast(),
-            (&mut a_mask as *mut u64).cast(),
-        ];
-        // SAFETY: params point at locals matching the kernel's five 8-byte parameters and
-        // live across the call (the driver copies them); the rest is the caller's contract.
+        // SAFETY: the caller's contract; the driver copies the parameter values.
         check("cuLaunchKernel", Some(self.ordinal), unsafe {
             sys::cuLaunchKernel(
-                self.func,
+                f,
                 1,
                 1,
                 1,
@@ -708,4 +701,98 @@ impl RowsKernel {
             )
         })
     }
+
+    /// Enqueue `wait until (gate & mask) != 0 ; copy n bytes src -> dst ; filled = EMPTY`
+    /// as one single-block kernel on `stream`.
+    ///
+    /// # Safety
+    /// `src` (the slot's device address) and `dst` hold `n` bytes and are 16-byte aligned;
+    /// `gate` is the flag line's device address; all outlive every execution of the launch
+    /// (graph replays included); `stream` is live.
+    pub unsafe fn wait_copy_reset(
+        &self,
+        stream: RawStream,
+        src: DevicePtr,
+        dst: DevicePtr,
+        n: usize,
+        gate: DevicePtr,
+        mask: u64,
+    ) -> Result<()> {
+        let (mut a, mut b, mut c, mut d, mut e) = (src, dst, n as u64, gate, mask);
+        let mut params: [*mut c_void; 5] = [
+            (&mut a as *mut u64).cast(),
+            (&mut b as *mut u64).cast(),
+            (&mut c as *mut u64).cast(),
+            (&mut d as *mut u64).cast(),
+            (&mut e as *mut u64).cast(),
+        ];
+        // SAFETY: five 8-byte parameters, as the kernel declares; the rest is the caller's.
+        unsafe {
+            self.launch(
+                self.wait_copy_reset,
+                block_for(n.div_ceil(16)),
+                stream,
+                &mut params,
+            )
+        }
+    }
+
+    /// Enqueue `copy count ids (elem bytes each) -> mailbox ; store count ; ready = 1`, where
+    /// `count` is `*count_dev` (clamped) when non-zero, else `max_ids`.
+    ///
+    /// # Safety
+    /// `ids` holds `max_ids` ids of `elem` (4 or 8) bytes, 4-byte aligned; `count_dev` is 0
+    /// or a device `int32`; the mailbox addresses are mapped pinned memory large enough;
+    /// all outlive every execution (graph replays included); `stream` is live.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn publish_ids(
+        &self,
+        stream: RawStream,
+        ids: DevicePtr,
+        max_ids: usize,
+        count_dev: DevicePtr,
+        elem: usize,
+        mailbox_ids: DevicePtr,
+        mailbox_count: DevicePtr,
+        ready: DevicePtr,
+    ) -> Result<()> {
+        let (mut a, mut b, mut c, mut d) = (ids, max_ids as u64, count_dev, elem as u64);
+        let (mut e, mut f, mut g) = (mailbox_ids, mailbox_count, ready);
+        let mut params: [*mut c_void; 7] = [
+            (&mut a as *mut u64).cast(),
+            (&mut b as *mut u64).cast(),
+            (&mut c as *mut u64).cast(),
+            (&mut d as *mut u64).cast(),
+            (&mut e as *mut u64).cast(),
+            (&mut f as *mut u64).cast(),
+            (&mut g as *mut u64).cast(),
+        ];
+        // SAFETY: seven 8-byte parameters, as the kernel declares; the rest is the caller's.
+        unsafe {
+            self.launch(
+                self.publish_ids,
+                block_for(max_ids * elem / 4),
+                stream,
+                &mut params,
+            )
+        }
+    }
+}
+
+/// Enqueue an asynchronous copy of `bytes` from device memory to mapped pinned memory.
+///
+/// # Safety
+/// `dst` is pinned host memory and `src` device memory, both `bytes` long, outliving every
+/// execution of the copy (graph replays included); `stream` is live.
+pub(crate) unsafe fn copy_d2h_async(
+    dst: *mut u8,
+    src: DevicePtr,
+    bytes: usize,
+    stream: RawStream,
+    ordinal: i32,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    check("cuMemcpyDtoHAsync_v2", Some(ordinal), unsafe {
+        sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, bytes, stream)
+    })
 }

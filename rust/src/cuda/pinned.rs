@@ -194,3 +194,174 @@ impl HostFlag {
         self.buf.retain_forever();
     }
 }
+
+enum MailboxMem {
+    Pinned(PinnedBuf),
+    /// Host mode (no GPU): plain, 8-byte-aligned heap memory.
+    Heap(Box<[u64]>),
+}
+
+/// Where the GPU publishes a step's ids for the host: a 64-byte control line (bytes 0..4
+/// `ready`, 4..8 `count`) followed by room for `max_ids` ids of `id_bytes` (4 or 8) bytes,
+/// in pinned, device-mapped memory (or heap memory in host mode, published from the host).
+///
+/// Protocol: the GPU writes the ids and the count, fences, stores READY (1); the host
+/// sees READY, copies the ids out, stores 0. The GPU cannot publish the next step's ids
+/// before the host has filled this step's rows, because its consumer waits on that fill
+/// first (same stream), so the host's copy never races the GPU's next write.
+pub struct IdMailbox {
+    mem: MailboxMem,
+    max_ids: usize,
+    id_bytes: usize,
+    retained: bool,
+}
+
+impl std::fmt::Debug for IdMailbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdMailbox")
+            .field("max_ids", &self.max_ids)
+            .field("id_bytes", &self.id_bytes)
+            .finish()
+    }
+}
+
+impl IdMailbox {
+    const HEADER: usize = 64;
+
+    fn bytes_for(max_ids: usize, id_bytes: usize) -> usize {
+        Self::HEADER + max_ids * id_bytes
+    }
+
+    /// Pinned and mapped for device `ordinal` (needs a current context).
+    pub fn pinned(max_ids: usize, id_bytes: usize, ordinal: i32) -> Result<Self> {
+        assert!(id_bytes == 4 || id_bytes == 8, "ids are 4 or 8 bytes");
+        let buf = PinnedBuf::new(Self::bytes_for(max_ids, id_bytes), ordinal)?;
+        Ok(Self {
+            mem: MailboxMem::Pinned(buf),
+            max_ids,
+            id_bytes,
+            retained: false,
+        })
+    }
+
+    /// Heap memory, for host mode (ids published by the host).
+    pub fn heap(max_ids: usize, id_bytes: usize) -> Self {
+        assert!(id_bytes == 4 || id_bytes == 8, "ids are 4 or 8 bytes");
+        let words = Self::bytes_for(max_ids, id_bytes).div_ceil(8);
+        Self {
+            mem: MailboxMem::Heap(vec![0u64; words].into_boxed_slice()),
+            max_ids,
+            id_bytes,
+            retained: false,
+        }
+    }
+
+    pub fn max_ids(&self) -> usize {
+        self.max_ids
+    }
+
+    pub fn id_bytes(&self) -> usize {
+        self.id_bytes
+    }
+
+    fn base(&self) -> *mut u8 {
+        match &self.mem {
+            MailboxMem::Pinned(p) => p.host_ptr() as *mut u8,
+            MailboxMem::Heap(h) => h.as_ptr() as *mut u8,
+        }
+    }
+
+    fn word(&self, offset: usize) -> &AtomicU32 {
+        debug_assert!(offset + 4 <= Self::HEADER);
+        // SAFETY: the header is 64 bytes inside a live allocation (page-aligned when pinned,
+        // 8-byte aligned on the heap), so the 4-aligned offset is in bounds and aligned; the
+        // word lives as long as `&self`; the host touches it only through atomics.
+        unsafe { AtomicU32::from_ptr(self.base().add(offset).cast()) }
+    }
+
+    /// Device addresses `(ids, count, ready)` (pinned mailboxes only).
+    pub fn device_ptrs(&self) -> Option<(DevicePtr, DevicePtr, DevicePtr)> {
+        match &self.mem {
+            MailboxMem::Pinned(p) => {
+                let d = p.device_ptr();
+                Some((d + Self::HEADER as u64, d + 4, d))
+            }
+            MailboxMem::Heap(_) => None,
+        }
+    }
+
+    /// Host address of the count word (for a copy-engine publish).
+    pub fn count_host_ptr(&self) -> *mut u8 {
+        // SAFETY: offset 4 is inside the 64-byte header.
+        unsafe { self.base().add(4) }
+    }
+
+    /// Host address of the ids area (for a copy-engine publish).
+    pub fn ids_host_ptr(&self) -> *mut u8 {
+        // SAFETY: HEADER is within the allocation (bytes_for adds it).
+        unsafe { self.base().add(Self::HEADER) }
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.word(0).load(Ordering::Acquire) != 0
+    }
+
+    /// Copy the published ids (as i64) into `out` and clear READY. Returns the count the
+    /// publisher stored, which the caller must check against its limits (only the first
+    /// `min(count, max_ids)` ids are copied).
+    pub fn take(&self, out: &mut Vec<i64>) -> usize {
+        fence(Ordering::Acquire);
+        let count = self.word(4).load(Ordering::Acquire) as usize;
+        let n = count.min(self.max_ids);
+        out.clear();
+        let p = self.ids_host_ptr();
+        // SAFETY: the ids area holds max_ids * id_bytes bytes >= n ids; the publisher wrote
+        // them before storing READY (seen above, after the acquire fence) and writes them
+        // again only after this step's fill (see the type's docs). Unaligned reads are used
+        // so no alignment assumption is needed.
+        unsafe {
+            if self.id_bytes == 8 {
+                out.extend((0..n).map(|i| std::ptr::read_unaligned((p as *const i64).add(i))));
+            } else {
+                out.extend(
+                    (0..n).map(|i| i64::from(std::ptr::read_unaligned((p as *const i32).add(i)))),
+                );
+            }
+        }
+        self.word(0).store(0, Ordering::Release);
+        count
+    }
+
+    /// Publish from the host (host mode, and tests): write the ids and the count, then READY.
+    pub fn publish_from_host(&self, ids: &[i64]) {
+        let n = ids.len().min(self.max_ids);
+        let p = self.ids_host_ptr();
+        // SAFETY: n ids fit in the ids area; nobody reads it until READY is stored below.
+        unsafe {
+            for (i, &v) in ids[..n].iter().enumerate() {
+                if self.id_bytes == 8 {
+                    std::ptr::write_unaligned((p as *mut i64).add(i), v);
+                } else {
+                    std::ptr::write_unaligned((p as *mut i32).add(i), v as i32);
+                }
+            }
+        }
+        self.word(4).store(n as u32, Ordering::Release);
+        fence(Ordering::SeqCst);
+        self.word(0).store(1, Ordering::SeqCst);
+    }
+
+    /// Never free the memory: a captured graph (or a queued publish) may still write it.
+    pub fn retain_forever(&mut self) {
+        if let MailboxMem::Pinned(p) = &mut self.mem {
+            p.retain_forever();
+        }
+        self.retained = true;
+    }
+}
+
+// SAFETY: the memory is plain host memory; concurrent access follows the protocol above
+// (atomics for the control words, ids read only after READY).
+unsafe impl Send for IdMailbox {}
+// SAFETY: as above.
+unsafe impl Sync for IdMailbox {}

@@ -44,3 +44,33 @@ extern "C" __global__ void ple_wait_copy_reset(const uint4* src, uint4* __restri
         *(volatile unsigned int*)gate = 0u;
     }
 }
+
+// Publish the step's ids to the host: copy `count` ids of `elem` bytes (4 or 8) from device
+// memory into the pinned, mapped mailbox, store the count, then READY (1) into `ready`.
+// `count` is `*count_dev` when that pointer is non-null (clamped to `max_ids`), else
+// `max_ids`. Launch with gridDim.x == 1; the fence orders the ids and count before READY.
+extern "C" __global__ void ple_publish_ids(const uint8_t* ids, unsigned long long max_ids,
+                                           const int* count_dev, unsigned long long elem,
+                                           uint8_t* mailbox_ids, unsigned int* mailbox_count,
+                                           unsigned int* ready) {
+    __shared__ unsigned long long count;
+    if (threadIdx.x == 0) {
+        long long c = count_dev ? (long long)*count_dev : (long long)max_ids;
+        if (c < 0) c = 0;
+        if ((unsigned long long)c > max_ids) c = (long long)max_ids;
+        count = (unsigned long long)c;
+    }
+    __syncthreads();
+    unsigned long long words = count * elem / 4;
+    const unsigned int* src = (const unsigned int*)ids;
+    unsigned int* dst = (unsigned int*)mailbox_ids;
+    for (unsigned long long i = threadIdx.x; i < words; i += blockDim.x) {
+        dst[i] = src[i];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        *(volatile unsigned int*)mailbox_count = (unsigned int)count;
+        __threadfence_system();
+        *(volatile unsigned int*)ready = 1u;
+    }
+}
