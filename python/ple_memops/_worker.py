@@ -1,0 +1,182 @@
+"""Device-produced row ids: :class:`GatherWorker`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import _native
+from ._deferred import DeferredRows, _torch
+from .errors import InvalidArgumentError, RowShapeError
+
+if TYPE_CHECKING:
+    from .table import MmapTable
+
+__all__ = ["GatherWorker", "WorkerStats"]
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """Counters and timings of one :class:`GatherWorker`."""
+
+    steps: int
+    fills: int
+    failures: int
+    ids_total: int
+    ready_to_filled_ns_last: int
+    """From the worker seeing the GPU's READY to its FILLED store."""
+    ready_to_filled_ns_max: int
+    ready_to_filled_ns_total: int
+    armed_to_ready_ns_last: int
+    """From ``begin()`` to READY: how far ahead of the GPU the host was."""
+    publishes_captured: int
+    publishes_eager: int
+
+
+class GatherWorker:
+    """Fill a :class:`DeferredRows` from a table with row ids that the GPU produces, with
+    no host synchronisation in the step.
+
+    Inside the graph, after the kernel that computes the ids, :meth:`publish` copies them
+    (and optionally a device count) into a pinned, mapped mailbox and stores READY. A
+    native thread (no GIL) sees READY, maps the ids to rows, gathers them from ``table``
+    into the slot and stores FILLED; the rows' consumer, enqueued later on the same
+    stream, waits for that. Per step::
+
+        worker.begin(n)            # the step's extent; arms the worker and the watchdog
+        graph.replay()             # computes ids, publishes, ..., consumes rows
+        ...                        # the host is free: no sync, no gather on this thread
+        worker.complete()          # waits (bounded) for the fill; raises the worker's error
+
+    An id out of range (or any failure of the gather) aborts the rows object: the GPU is
+    released and reads zeros, ``complete()`` raises the typed error
+    (:class:`~ple_memops.RowIdError`, ...) and later calls raise
+    :class:`~ple_memops.PoisonedError`. ``close()``, ``del`` and interpreter exit stop the
+    thread and release a pending step.
+
+    Args:
+        rows: the object to fill (deferred mode on a GPU, or host mode).
+        table: a :class:`~ple_memops.MmapTable` whose rows are ``rows.row_bytes`` wide.
+        max_ids: ids a step may publish (default ``rows.max_rows``).
+        id_dtype: ``"int64"`` or ``"int32"``: the dtype of the published tensor.
+        heads: ``(offsets, sizes)`` for per-head vocabularies: ids come as
+            ``[token, head]`` row-major, head ``h``'s id must be in ``0..sizes[h]`` and
+            maps to row ``offsets[h] + id``. ``None``: the id is the row.
+        publish: ``"kernel"`` (one small kernel; default) or ``"memop"`` (copy-engine D2H
+            copies and a stream write).
+    """
+
+    def __init__(
+        self,
+        rows: DeferredRows,
+        table: MmapTable,
+        *,
+        max_ids: int | None = None,
+        id_dtype: str = "int64",
+        heads: tuple[Sequence[int], Sequence[int]] | None = None,
+        publish: str = "kernel",
+    ) -> None:
+        if id_dtype not in ("int64", "int32"):
+            raise InvalidArgumentError(f"id_dtype must be 'int64' or 'int32', got {id_dtype!r}")
+        offsets: list[int] | None = None
+        sizes: list[int] | None = None
+        if heads is not None:
+            offsets, sizes = [int(v) for v in heads[0]], [int(v) for v in heads[1]]
+        core = rows._live()
+        self._rows = rows
+        self._table = table
+        self._id_dtype = id_dtype
+        self._core: _native.GatherWorkerCore | None = _native.GatherWorkerCore(
+            core,
+            table._live(),
+            core.max_rows if max_ids is None else int(max_ids),
+            8 if id_dtype == "int64" else 4,
+            offsets,
+            sizes,
+            publish,
+        )
+
+    @property
+    def rows(self) -> DeferredRows:
+        return self._rows
+
+    @property
+    def table(self) -> MmapTable:
+        return self._table
+
+    @property
+    def max_ids(self) -> int:
+        return self._live().max_ids
+
+    def publish(self, ids: Any, count: Any = None, *, stream: Any = None) -> None:
+        """Enqueue the publish of ``ids`` (a contiguous 1-D CUDA tensor of ``id_dtype``
+        with at most ``max_ids`` elements) on ``stream`` (default: torch's current
+        stream), eagerly or under capture. ``count``: an optional CUDA int32 scalar
+        tensor with the number of valid ids (clamped to ``ids.numel()``). Both tensors
+        must outlive every graph that captured the publish."""
+        core = self._live()
+        torch = _torch()
+        if torch is None or not isinstance(ids, torch.Tensor) or ids.device.type != "cuda":
+            raise RowShapeError("ids must be a CUDA tensor (use publish_from_host on the host)")
+        want = torch.int64 if self._id_dtype == "int64" else torch.int32
+        if ids.dtype != want or ids.dim() != 1 or not ids.is_contiguous():
+            raise RowShapeError(
+                f"ids must be a contiguous 1-D {self._id_dtype} tensor, got {ids.dtype} "
+                f"of shape {list(ids.shape)}"
+            )
+        if ids.device.index != self._rows.device:
+            raise RowShapeError(f"ids are on {ids.device}, the rows on cuda:{self._rows.device}")
+        count_ptr = 0
+        if count is not None:
+            if (
+                not isinstance(count, torch.Tensor)
+                or count.device != ids.device
+                or count.dtype != torch.int32
+                or count.numel() != 1
+            ):
+                raise RowShapeError("count must be a one-element int32 tensor on the ids' device")
+            count_ptr = int(count.data_ptr())
+        handle = self._rows._stream_handle(stream)
+        core.publish(handle, int(ids.data_ptr()), int(ids.numel()), count_ptr)
+
+    def publish_from_host(self, ids: Any) -> None:
+        """Publish ids from the host, as the GPU would (host mode; tests)."""
+        arr = np.ascontiguousarray(np.asarray(ids), dtype=np.int64)
+        if arr.ndim != 1:
+            raise RowShapeError(f"ids must be 1-D, got shape {list(arr.shape)}")
+        self._live().publish_from_host(arr)
+
+    def begin(self, rows: int | None = None) -> int:
+        """Start a step of ``rows`` rows (default ``max_rows``) and arm the worker."""
+        core = self._live()
+        return core.begin(self._rows.max_rows if rows is None else int(rows))
+
+    def complete(self, timeout: float = 5.0) -> None:
+        """Wait up to ``timeout`` seconds (GIL released) for the worker's fill, then end the
+        step. Raises the worker's error if the gather failed."""
+        self._live().complete(float(timeout))
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats(**self._live().stats())
+
+    def close(self) -> None:
+        """Stop the worker thread (idempotent); a pending step is aborted."""
+        core, self._core = self._core, None
+        if core is not None:
+            core.close()
+
+    def __enter__(self) -> GatherWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _live(self) -> _native.GatherWorkerCore:
+        if self._core is None:
+            from .errors import ClosedError
+
+            raise ClosedError("worker is closed")
+        return self._core

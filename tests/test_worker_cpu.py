@@ -1,0 +1,129 @@
+"""GatherWorker on the host path: the native worker thread maps and gathers ids published
+from the host (as the GPU would publish them), with every failure typed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import ple_memops as pm
+
+ROWS, WIDTH = 1000, 32
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> pm.MmapTable:
+    data = np.random.default_rng(0).integers(0, 256, (ROWS, WIDTH), dtype=np.uint8)
+    path = tmp_path / "t.safetensors"
+    save_file({"emb.weight": data.view(np.float32)}, str(path))
+    t = pm.MmapTable.open(path, "emb.weight")
+    yield t
+    t.close()
+
+
+def test_worker_fills_published_ids(table: pm.MmapTable) -> None:
+    rows = pm.DeferredRows(64, WIDTH, device="cpu")
+    with pm.GatherWorker(rows, table) as w:
+        rng = np.random.default_rng(1)
+        for _ in range(200):
+            k = int(rng.integers(1, 65))
+            ids = rng.integers(0, ROWS, k)
+            w.begin(64)
+            w.publish_from_host(ids)
+            w.complete()
+            np.testing.assert_array_equal(rows.staging[:k], table.gather(ids))
+            assert not rows.staging[k:].any()
+        s = w.stats()
+        assert s.fills == 200 and s.steps == 200 and s.failures == 0
+        assert s.ready_to_filled_ns_last > 0
+
+
+def test_per_head_mapping(table: pm.MmapTable) -> None:
+    rows = pm.DeferredRows(8, WIDTH, device="cpu")
+    offsets, sizes = [0, 500, 900], [500, 400, 100]
+    with pm.GatherWorker(rows, table, heads=(offsets, sizes), id_dtype="int32") as w:
+        ids = np.array([499, 0, 99, 1, 399, 5], dtype=np.int64)  # two tokens x three heads
+        w.begin(6)
+        w.publish_from_host(ids)
+        w.complete()
+        want = np.array([499, 500, 999, 1, 899, 905])
+        np.testing.assert_array_equal(rows.staging[:6], table.gather(want))
+        w.begin(6)
+        w.publish_from_host([0, 400, 0])  # head 1 holds 0..400
+        with pytest.raises(pm.RowIdError, match="head 1"):
+            w.complete()
+        with pytest.raises(pm.PoisonedError, match="out of range"):
+            w.begin(6)
+
+
+def test_bad_id_is_typed_and_writes_nothing(table: pm.MmapTable) -> None:
+    rows = pm.DeferredRows(8, WIDTH, device="cpu")
+    with pm.GatherWorker(rows, table) as w:
+        w.begin(8)
+        w.publish_from_host([1, 2])
+        w.complete()
+        before = rows.staging.copy()
+        w.begin(8)
+        w.publish_from_host([3, ROWS])
+        with pytest.raises(pm.RowIdError):
+            w.complete()
+        np.testing.assert_array_equal(rows.staging, before)
+        assert rows.phase == "poisoned"
+
+
+def test_too_many_ids_for_the_step(table: pm.MmapTable) -> None:
+    rows = pm.DeferredRows(8, WIDTH, device="cpu")
+    with pm.GatherWorker(rows, table) as w:
+        w.begin(2)
+        w.publish_from_host([1, 2, 3])
+        with pytest.raises(pm.RowShapeError, match="step holds 2"):
+            w.complete()
+        with pytest.raises(pm.RowShapeError):
+            w.publish_from_host(list(range(9)))
+
+
+def test_complete_times_out_without_ids_and_close_releases(table: pm.MmapTable) -> None:
+    rows = pm.DeferredRows(8, WIDTH, device="cpu", watchdog=None)
+    w = pm.GatherWorker(rows, table)
+    w.begin(8)
+    with pytest.raises(pm.StateError, match="has not published"):
+        w.complete(timeout=0.05)
+    w.close()
+    w.close()
+    assert "closed" in (rows.poison_cause or "")
+    with pytest.raises(pm.ClosedError):
+        w.begin(8)
+
+
+def test_watchdog_releases_a_step_whose_ids_never_come(table: pm.MmapTable) -> None:
+    rows = pm.DeferredRows(8, WIDTH, device="cpu", watchdog=0.05)
+    with pm.GatherWorker(rows, table) as w:
+        w.begin(8)
+        with pytest.raises(pm.PoisonedError, match="watchdog"):
+            w.complete(timeout=5.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_ids": 9},
+        {"max_ids": 0},
+        {"id_dtype": "float32"},
+        {"heads": ([0, 10], [10])},
+        {"heads": ([0], [ROWS + 1])},
+        {"publish": "dma"},
+    ],
+)
+def test_bad_worker_arguments(table: pm.MmapTable, kwargs: dict[str, object]) -> None:
+    rows = pm.DeferredRows(8, WIDTH, device="cpu")
+    with pytest.raises(pm.InvalidArgumentError):
+        pm.GatherWorker(rows, table, **kwargs)  # type: ignore[arg-type]
+
+
+def test_row_width_must_match(table: pm.MmapTable) -> None:
+    rows = pm.DeferredRows(8, WIDTH * 2, device="cpu")
+    with pytest.raises(pm.InvalidArgumentError, match="bytes"):
+        pm.GatherWorker(rows, table)

@@ -1,0 +1,209 @@
+"""GatherWorker on a real GPU: a captured graph computes ids with a kernel, publishes
+them, and consumes the rows the native worker gathered; >= 1000 replays with changing
+ids, bytes checked every replay; faults release the GPU and poison.
+
+No test may hang: every wait for the GPU polls an event with a bound.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import ple_memops as pm
+
+pytestmark = pytest.mark.gpu
+
+TABLE_ROWS, WIDTH = 50_000, 160
+
+
+@pytest.fixture(scope="module")
+def torch():  # type: ignore[no-untyped-def]
+    import torch
+
+    torch.cuda.init()
+    return torch
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory: pytest.TempPathFactory) -> pm.MmapTable:
+    data = np.random.default_rng(0).integers(0, 256, (TABLE_ROWS, WIDTH), dtype=np.uint8)
+    path = tmp_path_factory.mktemp("ckpt") / "model.safetensors"
+    save_file({"embed_tokens_per_layer.weight": data.view(np.float16)}, str(path))
+    t = pm.MmapTable.open(path, "embed_tokens_per_layer.weight")
+    yield t
+    t.close()
+
+
+@pytest.fixture(params=["kernel", "memop"])
+def publish(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def done(event, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    t0 = time.monotonic()
+    while not event.query():
+        if time.monotonic() - t0 > timeout:
+            return False
+        time.sleep(0.0002)
+    return True
+
+
+class IdGraph:
+    """A graph that bumps a device counter, computes ``n`` ids from it with a kernel,
+    publishes them, optionally sleeps on the GPU, then consumes the rows into ``out``.
+    Replay ``i`` (counting from 1) uses the ids :meth:`ids_for` predicts."""
+
+    def __init__(
+        self,
+        torch,
+        worker: pm.GatherWorker,
+        n: int,
+        *,
+        modulo: int = TABLE_ROWS,  # type: ignore[no-untyped-def]
+        sleep_cycles: int = 0,
+        poison_at: int | None = None,
+        dtype: str = "int64",
+    ) -> None:
+        self.torch, self.n, self.modulo, self.poison_at = torch, n, modulo, poison_at
+        rows = worker.rows
+        tdt = torch.int64 if dtype == "int64" else torch.int32
+        self.counter = torch.zeros(1, dtype=torch.int64, device="cuda")
+        self.lanes = torch.arange(n, dtype=torch.int64, device="cuda")
+        self.ids = torch.zeros(n, dtype=tdt, device="cuda")
+        self.out = torch.zeros_like(rows.staging)
+        self.end = torch.cuda.Event()
+
+        def body() -> None:
+            self.counter.add_(1)
+            v = (self.counter * 7919 + self.lanes * 104729) % modulo
+            if poison_at is not None:
+                v = torch.where((self.counter == poison_at) & (self.lanes == 0), TABLE_ROWS + 5, v)
+            self.ids.copy_(v.to(tdt))
+            worker.publish(self.ids)
+            if sleep_cycles:
+                torch.cuda._sleep(sleep_cycles)
+            rows.enqueue(rows=n)
+            self.out.copy_(rows.staging)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            # Eager warm-up through the worker itself: publish, enqueue before the fill (the
+            # worker fills it; no host-thread sync can block it), complete.
+            worker.begin(n)
+            body()
+            worker.complete(timeout=10.0)
+        torch.cuda.synchronize()
+        self.counter.zero_()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            body()
+
+    def ids_for(self, i: int) -> np.ndarray:
+        v = (i * 7919 + np.arange(self.n, dtype=np.int64) * 104729) % self.modulo
+        if self.poison_at == i:
+            v[0] = TABLE_ROWS + 5
+        return v
+
+    def replay(self) -> None:
+        self.graph.replay()
+        self.end.record()
+
+
+def test_captured_ids_1000_replays(torch, table: pm.MmapTable, publish: str) -> None:  # type: ignore[no-untyped-def]
+    rows = pm.DeferredRows(64, WIDTH, device=0, watchdog=10.0, track_arrival=True)
+    with pm.GatherWorker(rows, table, publish=publish) as w:
+        g = IdGraph(torch, w, 48)
+        for i in range(1, 1001):
+            w.begin(64)
+            g.replay()
+            w.complete(timeout=10.0)
+            assert done(g.end), f"replay {i} never finished"
+            got = g.out.cpu().numpy()
+            np.testing.assert_array_equal(
+                got[:48], table.gather(g.ids_for(i)), err_msg=f"replay {i}"
+            )
+            assert not got[48:].any()
+        s = w.stats()
+        assert s.fills == 1001 and s.failures == 0 and s.publishes_captured == 1
+        assert s.ready_to_filled_ns_last > 0
+
+
+def test_int32_ids_with_per_head_vocabularies(torch, table: pm.MmapTable) -> None:  # type: ignore[no-untyped-def]
+    heads = 4
+    offsets, sizes = [0, 1000, 20_000, 40_000], [1000, 19_000, 20_000, 10_000]
+    rows = pm.DeferredRows(64, WIDTH, device=0)
+    with pm.GatherWorker(rows, table, heads=(offsets, sizes), id_dtype="int32") as w:
+        g = IdGraph(torch, w, 16 * heads, modulo=1000, dtype="int32")
+        for i in range(1, 101):
+            w.begin(64)
+            g.replay()
+            w.complete(timeout=10.0)
+            assert done(g.end)
+            ids = g.ids_for(i)
+            mapped = ids + np.tile(offsets, 16)
+            np.testing.assert_array_equal(g.out.cpu().numpy(), table.gather(mapped))
+
+
+def test_bad_id_from_the_gpu_releases_and_poisons(torch, table: pm.MmapTable, publish: str) -> None:  # type: ignore[no-untyped-def]
+    rows = pm.DeferredRows(16, WIDTH, device=0, watchdog=10.0)
+    w = pm.GatherWorker(rows, table, publish=publish)
+    g = IdGraph(torch, w, 16, poison_at=3)
+    for _ in (1, 2):
+        w.begin(16)
+        g.replay()
+        w.complete()
+        assert done(g.end)
+    w.begin(16)
+    g.replay()
+    with pytest.raises(pm.RowIdError, match=str(TABLE_ROWS + 5)):
+        w.complete()
+    assert done(g.end), "a bad id left the GPU waiting"
+    assert not g.out.cpu().numpy().any()  # the consumer read zeros, not stale rows
+    with pytest.raises(pm.PoisonedError):
+        w.begin(16)
+    for _ in range(2):  # the gate stays open
+        g.replay()
+        assert done(g.end)
+    w.close()
+
+
+def test_abort_mid_step_releases(torch, table: pm.MmapTable) -> None:  # type: ignore[no-untyped-def]
+    rows = pm.DeferredRows(16, WIDTH, device=0, watchdog=None)
+    w = pm.GatherWorker(rows, table)
+    g = IdGraph(torch, w, 16, sleep_cycles=100_000_000)  # ~50 ms before the publish
+    w.begin(16)
+    g.replay()
+    rows.abort("scheduler cancelled the step")
+    assert done(g.end), "abort did not release the GPU"
+    with pytest.raises(pm.PoisonedError, match="cancelled"):
+        w.complete()
+    w.close()
+
+
+def test_watchdog_releases_when_ids_come_too_late(torch, table: pm.MmapTable) -> None:  # type: ignore[no-untyped-def]
+    rows = pm.DeferredRows(16, WIDTH, device=0, watchdog=0.05)
+    w = pm.GatherWorker(rows, table)
+    g = IdGraph(torch, w, 16, sleep_cycles=400_000_000)  # ~0.2 s of GPU work first
+    w.begin(16)
+    g.replay()
+    with pytest.raises(pm.PoisonedError, match="watchdog"):
+        w.complete(timeout=5.0)
+    assert done(g.end)
+    w.close()
+
+
+def test_closing_the_worker_releases_a_pending_step(torch, table: pm.MmapTable) -> None:  # type: ignore[no-untyped-def]
+    rows = pm.DeferredRows(16, WIDTH, device=0, watchdog=None)
+    w = pm.GatherWorker(rows, table)
+    g = IdGraph(torch, w, 16, sleep_cycles=100_000_000)
+    w.begin(16)
+    g.replay()
+    del w  # the last reference: the native worker's drop must release the step
+    gc.collect()
+    assert done(g.end), "dropping the worker did not release the GPU"
