@@ -91,7 +91,8 @@ class MmapTable:
         Args:
             path: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a
                 checkpoint directory holding either (the index wins).
-            name: the exact tensor name, e.g. ``"model.language_model.embed_tokens_per_layer.weight"``.
+            name: the exact tensor name, e.g.
+                ``"model.language_model.embed_tokens_per_layer.weight"``.
             pattern: instead of ``name``, the shard names with ``{}`` for the shard index,
                 e.g. ``"model.layers.2.ple.ple_embedding.ngram_embedding.shard_{}.weight"``;
                 shards ``0..n`` must all exist and agree in dtype and width; their rows
@@ -189,7 +190,8 @@ class MmapTable:
         tensor, or a sequence of ints. Duplicates are fine. Raises
         :class:`~ple_memops.RowIdError` for an id outside ``[0, rows)``, before anything is
         copied."""
-        return self._live().gather(_as_ids(ids))
+        rows: np.ndarray[Any, np.dtype[np.uint8]] = self._live().gather(_as_ids(ids))
+        return rows
 
     def gather_into(self, ids: Any, out: Any) -> None:
         """Copy rows ``ids`` into ``out``: a C-contiguous, writable ``uint8`` numpy array
