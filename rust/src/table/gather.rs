@@ -41,6 +41,43 @@ pub(crate) fn pool() -> Option<&'static rayon::ThreadPool> {
     .as_ref()
 }
 
+/// Rows prefetched ahead of the copy (measured: 4-16 give the same speed-up on x86-64).
+const PREFETCH_AHEAD: usize = 8;
+
+/// Hint the CPU to load row bytes `off..off + len` of `data` (every cache line of it).
+#[inline(always)]
+fn prefetch_row(data: &[u8], off: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let Some(row) = data.get(off..off.saturating_add(len)) else {
+            return;
+        };
+        let mut p = 0;
+        while p < row.len() {
+            // SAFETY: a prefetch is a hint that never faults and reads nothing into Rust
+            // values; the pointer is inside `row` anyway. (The intrinsic is an `unsafe fn`
+            // before Rust 1.87, a safe one after: hence the allow.)
+            #[allow(unused_unsafe)]
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().add(p).cast::<i8>())
+            };
+            p += 64;
+        }
+        if len % 64 != 0 || off % 64 != 0 {
+            // SAFETY: as above; the last byte of the row (its last cache line).
+            #[allow(unused_unsafe)]
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().add(row.len() - 1).cast::<i8>())
+            };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (data, off, len);
+    }
+}
+
 /// A row id type the gather accepts.
 pub(crate) trait Id: Copy + Send + Sync {
     fn as_i64(self) -> i64;
@@ -107,13 +144,22 @@ impl RowSource<'_> {
         if let [seg] = self.segments {
             // One shard (the common case): no search, one bounds-checked slice.
             let data = &self.files[seg.file].map[seg.start..seg.start + seg.len];
-            for (&id, out) in ids.iter().zip(dst.chunks_exact_mut(rb)) {
+            for (i, (&id, out)) in ids.iter().zip(dst.chunks_exact_mut(rb)).enumerate() {
+                // Random rows of a large table miss every cache level (and the TLB);
+                // prefetching a few rows ahead keeps several misses in flight.
+                if let Some(&next) = ids.get(i + PREFETCH_AHEAD) {
+                    prefetch_row(data, next.as_i64() as usize * rb, rb);
+                }
                 let off = id.as_i64() as usize * rb;
                 out.copy_from_slice(&data[off..off + rb]);
             }
             return;
         }
-        for (&id, out) in ids.iter().zip(dst.chunks_exact_mut(rb)) {
+        for (i, (&id, out)) in ids.iter().zip(dst.chunks_exact_mut(rb)).enumerate() {
+            if let Some(&next) = ids.get(i + PREFETCH_AHEAD) {
+                let (si, off) = self.locate(next.as_i64() as u64);
+                prefetch_row(&self.files[self.segments[si].file].map, off, rb);
+            }
             let (si, off) = self.locate(id.as_i64() as u64);
             let map = &self.files[self.segments[si].file].map;
             out.copy_from_slice(&map[off..off + rb]);
