@@ -11,10 +11,10 @@ use super::discover::{MappedFile, Segment};
 /// Gathers of at least this many bytes run on the pool; smaller ones inline.
 ///
 /// Chosen by measurement (`cargo test --release -- --ignored --nocapture gather_timings`,
-/// page-cache-resident table, 160 B and 320 B rows, 2-core x86-64 VM): the pool's
-/// fork/join costs a few microseconds, which inline copying of resident rows repays only
-/// from about 256 KiB on; below that the inline gather is as fast or faster. See
-/// BENCHMARKS.md ("Row gather") for the numbers.
+/// page-cache-resident 2^20-row table, 160 B and 320 B rows, 2-vCPU x86-64 VM): the pool's
+/// fork/join cost 10-30 us there, which it repaid from about 300 KiB on; inline won at
+/// 160 KiB and below. See BENCHMARKS.md ("Row gather"); re-tune per host with
+/// [`super::TableOptions::parallel_min_bytes`].
 pub const PARALLEL_MIN_BYTES: usize = 256 << 10;
 
 /// Most threads the gather pool uses: a gather is memory-bound and a serving process has
