@@ -43,6 +43,9 @@ def retained_bytes() -> int: ...
 def error_kinds() -> list[tuple[str, str]]: ...
 def _raise_kind(kind: str) -> None: ...
 
+from typing import final  # noqa: E402
+
+@final
 class MmapTableCore:
     def __new__(
         cls,
