@@ -23,12 +23,10 @@ def _demo_gpu(device: int, steps: int, rows: int, row_bytes: int) -> int:
         print(f"  [{'ok' if c.passed else 'NO'}] {c.name}: {c.detail}")
     torch.cuda.set_device(device)
     dr = DeferredRows(rows, row_bytes, device=device)
-    print(
-        f"DeferredRows(max_rows={rows}, row_bytes={row_bytes}) mode={dr.mode}"
-        + (f" (fallback: {dr.fallback_reason})" if dr.fallback_reason else "")
-    )
+    print(f"DeferredRows(max_rows={rows}, row_bytes={row_bytes}) mode={dr.mode}"
+          + (f" (fallback: {dr.fallback_reason})" if dr.fallback_reason else ""))
     out = torch.zeros(rows * row_bytes, dtype=torch.int64, device=f"cuda:{device}")
-    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    stream = torch.cuda.Stream(device)
     # Warm-up and capture on a side stream, as torch.cuda.graph does.
     with torch.cuda.stream(stream):
         dr.begin(rows)
@@ -50,9 +48,9 @@ def _demo_gpu(device: int, steps: int, rows: int, row_bytes: int) -> int:
         dr.begin(rows)
         if dr.deferred:
             graph.replay()  # launched first: the graph waits on the flag
-            dr.fill(host)  # the host gathers after the launch
+            dr.fill(host)   # the host gathers after the launch
         else:
-            dr.fill(host)  # fallback: fill before the launch
+            dr.fill(host)   # fallback: fill before the launch
             graph.replay()
         dr.complete()
         got = out.cpu().numpy()
@@ -63,14 +61,9 @@ def _demo_gpu(device: int, steps: int, rows: int, row_bytes: int) -> int:
         dr.wait_consumed(5.0)
     dt = time.perf_counter() - t0
     s = dr.stats()
-    print(
-        f"{steps} replays, bytes checked every replay: ok "
-        f"({dt * 1e6 / steps:.1f} us/step incl. checks)"
-    )
-    print(
-        f"stats: steps={s.steps} fills={s.fills} dummies={s.dummies} "
-        f"fill host time median-ish last={s.fill_ns_last / 1e3:.2f} us"
-    )
+    print(f"{steps} replays, bytes checked every replay: ok ({dt * 1e6 / steps:.1f} us/step incl. checks)")
+    print(f"stats: steps={s.steps} fills={s.fills} dummies={s.dummies} "
+          f"fill host time median-ish last={s.fill_ns_last / 1e3:.2f} us")
     dr.close()
     return 0
 
@@ -79,10 +72,8 @@ def _demo_host(steps: int, rows: int, row_bytes: int) -> int:
     cap = probe(0)
     print(f"no CUDA device usable here: {cap.reason}")
     dr = DeferredRows(rows, row_bytes, device="cpu")
-    print(
-        f"DeferredRows(max_rows={rows}, row_bytes={row_bytes}) mode={dr.mode} "
-        f"(fallback: {dr.fallback_reason}); filling the host staging buffer synchronously"
-    )
+    print(f"DeferredRows(max_rows={rows}, row_bytes={row_bytes}) mode={dr.mode} "
+          f"(fallback: {dr.fallback_reason}); filling the host staging buffer synchronously")
     rng = np.random.default_rng(0)
     for _ in range(steps):
         k = int(rng.integers(1, rows + 1))

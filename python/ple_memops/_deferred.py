@@ -114,9 +114,7 @@ def _parse_device(device: object) -> int | None:
         return int(torch.cuda.current_device()) if torch is not None else 0
     if text.startswith("cuda:") and text[5:].isdigit():
         return int(text[5:])
-    raise InvalidArgumentError(
-        f"device must be 'cpu', 'cuda', 'cuda:N', an int or None, got {device!r}"
-    )
+    raise InvalidArgumentError(f"device must be 'cpu', 'cuda', 'cuda:N', an int or None, got {device!r}")
 
 
 class DeferredRows:
@@ -339,9 +337,7 @@ class DeferredRows:
             return stream
         handle = getattr(stream, "cuda_stream", None)
         if handle is None:
-            raise InvalidArgumentError(
-                f"stream must be a torch stream or a raw handle, got {stream!r}"
-            )
+            raise InvalidArgumentError(f"stream must be a torch stream or a raw handle, got {stream!r}")
         return int(handle)
 
     def _fill_stream(self, stream: Any) -> int | None:
@@ -400,9 +396,7 @@ def _staging_device(staging: Any) -> object:
         return "cpu"
     dev = getattr(staging, "device", None)
     if dev is None:
-        raise InvalidArgumentError(
-            f"staging must be a torch tensor or numpy array, got {type(staging)!r}"
-        )
+        raise InvalidArgumentError(f"staging must be a torch tensor or numpy array, got {type(staging)!r}")
     return "cpu" if dev.type == "cpu" else f"cuda:{dev.index if dev.index is not None else 0}"
 
 
@@ -421,25 +415,15 @@ def _check_staging(staging: Any, max_rows: int, row_bytes: int, ordinal: int | N
         raise InvalidArgumentError(f"staging must have shape {(max_rows, row_bytes)}, got {shape}")
     if isinstance(staging, np.ndarray):
         if ordinal is not None:
-            raise InvalidArgumentError(
-                "a numpy staging buffer lives on the host; device must be 'cpu'"
-            )
-        if (
-            staging.dtype != np.uint8
-            or not staging.flags.c_contiguous
-            or not staging.flags.writeable
-        ):
+            raise InvalidArgumentError("a numpy staging buffer lives on the host; device must be 'cpu'")
+        if staging.dtype != np.uint8 or not staging.flags.c_contiguous or not staging.flags.writeable:
             raise InvalidArgumentError("staging must be a writable, C-contiguous uint8 array")
         return int(staging.ctypes.data)
     torch = _torch()
     if torch is None or not isinstance(staging, torch.Tensor):
-        raise InvalidArgumentError(
-            f"staging must be a torch tensor or numpy array, got {type(staging)!r}"
-        )
+        raise InvalidArgumentError(f"staging must be a torch tensor or numpy array, got {type(staging)!r}")
     if staging.dtype != torch.uint8 or not staging.is_contiguous():
-        raise InvalidArgumentError(
-            f"staging must be a contiguous uint8 tensor, got {staging.dtype}"
-        )
+        raise InvalidArgumentError(f"staging must be a contiguous uint8 tensor, got {staging.dtype}")
     want = "cpu" if ordinal is None else f"cuda:{ordinal}"
     dev = staging.device
     have = "cpu" if dev.type == "cpu" else f"cuda:{dev.index if dev.index is not None else 0}"
@@ -458,9 +442,7 @@ def _as_rows(rows: Any, row_bytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
                 raise RowShapeError(f"rows must be uint8, got {rows.dtype}")
             rows = rows.detach().numpy()
         else:
-            raise RowShapeError(
-                f"rows must be a numpy array or torch CPU tensor, got {type(rows)!r}"
-            )
+            raise RowShapeError(f"rows must be a numpy array or torch CPU tensor, got {type(rows)!r}")
     if rows.dtype != np.uint8:
         raise RowShapeError(f"rows must be uint8, got {rows.dtype}")
     if rows.ndim != 2 or rows.shape[1] != row_bytes:

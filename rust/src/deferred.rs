@@ -199,15 +199,12 @@ impl DeferredRows {
                 cfg.max_rows, cfg.row_bytes
             )));
         }
-        let bytes = cfg
-            .max_rows
-            .checked_mul(cfg.row_bytes)
-            .ok_or_else(|| Error::invalid("max_rows * row_bytes overflows"))?;
+        let bytes = cfg.max_rows.checked_mul(cfg.row_bytes).ok_or_else(|| {
+            Error::invalid("max_rows * row_bytes overflows")
+        })?;
         if let Some(d) = cfg.watchdog {
             if d.is_zero() {
-                return Err(Error::invalid(
-                    "watchdog timeout must be positive (or None)",
-                ));
+                return Err(Error::invalid("watchdog timeout must be positive (or None)"));
             }
         }
         let (mode, ctx, flag, slot, fallback_reason) = match target {
@@ -215,13 +212,7 @@ impl DeferredRows {
                 if staging.is_null() {
                     return Err(Error::invalid("null host staging buffer"));
                 }
-                (
-                    Mode::Host,
-                    None,
-                    None,
-                    Slot::Heap(vec![0; bytes]),
-                    Some("no CUDA device".to_string()),
-                )
+                (Mode::Host, None, None, Slot::Heap(vec![0; bytes]), Some("no CUDA device".to_string()))
             }
             Target::Cuda {
                 device,
@@ -364,8 +355,7 @@ impl DeferredRows {
         busy_wait: Duration,
         write: impl FnOnce(&mut [u8]) -> Result<()>,
     ) -> Result<()> {
-        self.shared
-            .fill_impl(Op::Fill, k, stream, busy_wait, Some(write))
+        self.shared.fill_impl(Op::Fill, k, stream, busy_wait, Some(write))
     }
 
     /// Fill from contiguous rows (`rows.len()` a multiple of `row_bytes`).
@@ -386,13 +376,8 @@ impl DeferredRows {
     /// Publish the pending step without real data (warm-up, profiling, capture passes):
     /// the consumer sees whatever the slot held.
     pub fn prepare_dummy(&self, stream: Option<RawStream>, busy_wait: Duration) -> Result<()> {
-        self.shared.fill_impl(
-            Op::PrepareDummy,
-            0,
-            stream,
-            busy_wait,
-            None::<fn(&mut [u8]) -> Result<()>>,
-        )
+        self.shared
+            .fill_impl(Op::PrepareDummy, 0, stream, busy_wait, None::<fn(&mut [u8]) -> Result<()>>)
     }
 
     /// Put the consumer's side on `stream`: under capture, record it (`rows`: the
@@ -696,9 +681,7 @@ impl Watched for Shared {
         if let Phase::Pending { step: s, .. } = inner.phase {
             if s == step {
                 let secs = self.cfg.watchdog.map_or(0.0, |d| d.as_secs_f64());
-                let cause = format!(
-                    "watchdog: step {step} was not filled within {secs:.3} s; the GPU was released"
-                );
+                let cause = format!("watchdog: step {step} was not filled within {secs:.3} s; the GPU was released");
                 self.abort_locked(&mut inner, cause);
                 inner.stats.watchdog_releases += 1;
             }

@@ -54,12 +54,7 @@ pub fn probe(device: i32) -> Result<Capability> {
     Ok(cap)
 }
 
-fn unsupported(
-    device: i32,
-    version: Option<i32>,
-    checks: Vec<Check>,
-    reason: String,
-) -> Capability {
+fn unsupported(device: i32, version: Option<i32>, checks: Vec<Check>, reason: String) -> Capability {
     Capability {
         device,
         supported: false,
@@ -87,22 +82,14 @@ fn run(device: i32) -> Result<Capability> {
     checks.push(Check {
         name: "driver",
         passed: true,
-        detail: format!(
-            "{} (CUDA {})",
-            info.library,
-            driver::fmt_version(info.version)
-        ),
+        detail: format!("{} (CUDA {})", info.library, driver::fmt_version(info.version)),
     });
     let attrs = [
         (Attr::CanMapHostMemory, "CAN_MAP_HOST_MEMORY", true),
         (Attr::UnifiedAddressing, "UNIFIED_ADDRESSING", true),
         (Attr::StreamMemOps64, "CAN_USE_64_BIT_STREAM_MEM_OPS", true),
         (Attr::WaitValueNor, "CAN_USE_STREAM_WAIT_VALUE_NOR", false),
-        (
-            Attr::HostPointerForRegisteredMem,
-            "CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM",
-            false,
-        ),
+        (Attr::HostPointerForRegisteredMem, "CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM", false),
     ];
     let mut missing = Vec::new();
     let mut values = Vec::new();
@@ -124,10 +111,7 @@ fn run(device: i32) -> Result<Capability> {
     }
     let ctx = PrimaryContext::retain(device)?;
     let _g = ctx.bind()?;
-    for (name, result) in [
-        ("live_wait", live_wait(device)),
-        ("capture_replay", capture_replay(device)),
-    ] {
+    for (name, result) in [("live_wait", live_wait(device)), ("capture_replay", capture_replay(device))] {
         match result {
             Ok(detail) => checks.push(Check {
                 name,
@@ -140,12 +124,7 @@ fn run(device: i32) -> Result<Capability> {
                     passed: false,
                     detail: why.clone(),
                 });
-                return Ok(unsupported(
-                    device,
-                    version,
-                    checks,
-                    format!("{name}: {why}"),
-                ));
+                return Ok(unsupported(device, version, checks, format!("{name}: {why}")));
             }
             Err(Failure::Fault(e)) => return Err(e),
         }
@@ -240,14 +219,10 @@ impl Rig {
         let mut out = vec![0u8; PROBE_BYTES];
         self.stream.read_device(self.dst.ptr, &mut out)?;
         if out != self.slot.as_slice() {
-            return Err(Failure::Unsupported(format!(
-                "{what}: copied bytes differ (seed {seed})"
-            )));
+            return Err(Failure::Unsupported(format!("{what}: copied bytes differ (seed {seed})")));
         }
         if self.flag.filled() != HostFlag::EMPTY {
-            return Err(Failure::Unsupported(format!(
-                "{what}: the GPU did not reset the flag"
-            )));
+            return Err(Failure::Unsupported(format!("{what}: the GPU did not reset the flag")));
         }
         Ok(())
     }
@@ -274,9 +249,7 @@ fn live_wait(device: i32) -> std::result::Result<String, Failure> {
     rig.drain("eager")?;
     let us = t.elapsed().as_secs_f64() * 1e6;
     rig.verify(7, "eager")?;
-    Ok(format!(
-        "WAIT blocked, released {us:.1} us after the fill; bytes and reset ok"
-    ))
+    Ok(format!("WAIT blocked, released {us:.1} us after the fill; bytes and reset ok"))
 }
 
 fn capture_replay(device: i32) -> std::result::Result<String, Failure> {
@@ -299,7 +272,5 @@ fn capture_replay(device: i32) -> std::result::Result<String, Failure> {
     graph.launch(&rig.stream)?;
     rig.drain("poisoned replay")?;
     drop(graph);
-    Ok(format!(
-        "{REPLAYS} replays with host fills ok; poisoned gate passes replays"
-    ))
+    Ok(format!("{REPLAYS} replays with host fills ok; poisoned gate passes replays"))
 }

@@ -16,11 +16,7 @@ pub enum Phase {
     /// `begin(rows)` was called; waiting for a fill (the GPU may already wait).
     Pending { rows: usize, step: u64 },
     /// The flag says FILLED (or, in the fallback, the staging buffer is written).
-    Filled {
-        rows: usize,
-        step: u64,
-        eager_enqueued: bool,
-    },
+    Filled { rows: usize, step: u64, eager_enqueued: bool },
     /// Aborted; carries the first cause.
     Poisoned { cause: String },
     /// Closed by its owner.
@@ -61,10 +57,7 @@ impl Phase {
             Phase::Idle => Ok(Phase::Pending { rows, step }),
             other => Err(Error::state(
                 Op::Begin,
-                format!(
-                    "step still {}; call complete() (or abort()) first",
-                    other.name()
-                ),
+                format!("step still {}; call complete() (or abort()) first", other.name()),
             )),
         }
     }
@@ -160,39 +153,24 @@ mod tests {
     #[test]
     fn misuse_is_refused() {
         let idle = Phase::Idle;
-        assert_eq!(
-            idle.check_fill(Op::Fill, 1).unwrap_err().kind(),
-            ErrorKind::State
-        );
+        assert_eq!(idle.check_fill(Op::Fill, 1).unwrap_err().kind(), ErrorKind::State);
         assert_eq!(idle.complete().unwrap_err().kind(), ErrorKind::State);
         assert_eq!(idle.eager_enqueue().unwrap_err().kind(), ErrorKind::State);
         let p = idle.begin(2, 8, 1).unwrap();
         assert_eq!(p.begin(2, 8, 2).unwrap_err().kind(), ErrorKind::State);
         assert_eq!(p.complete().unwrap_err().kind(), ErrorKind::State);
         assert_eq!(p.eager_enqueue().unwrap_err().kind(), ErrorKind::State);
-        assert_eq!(
-            p.check_fill(Op::Fill, 3).unwrap_err().kind(),
-            ErrorKind::RowShape
-        );
+        assert_eq!(p.check_fill(Op::Fill, 3).unwrap_err().kind(), ErrorKind::RowShape);
         let f = p.filled();
-        assert_eq!(
-            f.check_fill(Op::Fill, 1).unwrap_err().kind(),
-            ErrorKind::State
-        );
+        assert_eq!(f.check_fill(Op::Fill, 1).unwrap_err().kind(), ErrorKind::State);
         let (_, f) = f.eager_enqueue().unwrap();
         assert_eq!(f.eager_enqueue().unwrap_err().kind(), ErrorKind::State);
     }
 
     #[test]
     fn begin_checks_extent() {
-        assert_eq!(
-            Phase::Idle.begin(0, 8, 1).unwrap_err().kind(),
-            ErrorKind::RowShape
-        );
-        assert_eq!(
-            Phase::Idle.begin(9, 8, 1).unwrap_err().kind(),
-            ErrorKind::RowShape
-        );
+        assert_eq!(Phase::Idle.begin(0, 8, 1).unwrap_err().kind(), ErrorKind::RowShape);
+        assert_eq!(Phase::Idle.begin(9, 8, 1).unwrap_err().kind(), ErrorKind::RowShape);
     }
 
     #[test]
@@ -210,9 +188,6 @@ mod tests {
             assert_eq!(e.kind(), ErrorKind::Poisoned);
             assert!(e.to_string().contains("boom"));
         }
-        assert_eq!(
-            Phase::Closed.complete().unwrap_err().kind(),
-            ErrorKind::Closed
-        );
+        assert_eq!(Phase::Closed.complete().unwrap_err().kind(), ErrorKind::Closed);
     }
 }

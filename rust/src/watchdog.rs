@@ -78,7 +78,7 @@ pub fn arm(target: &Arc<dyn Watched>, step: u64, deadline: Instant) {
         step,
         target: Arc::downgrade(target),
     }));
-    if earliest.map_or(true, |d| deadline < d) {
+    if earliest.is_none_or(|d| deadline < d) {
         w.wake.notify_one();
     }
 }

@@ -136,10 +136,7 @@ fn load_driver() -> std::result::Result<DriverInfo, String> {
     // SAFETY: cuInit takes a flags word that must be 0.
     let r = unsafe { sys::cuInit(0) };
     if r != sys::CUresult::CUDA_SUCCESS {
-        return Err(format!(
-            "cuInit failed: {} (no usable CUDA device?)",
-            error_name(r)
-        ));
+        return Err(format!("cuInit failed: {} (no usable CUDA device?)", error_name(r)));
     }
     let mut count = 0;
     // SAFETY: valid out-pointer; cuInit succeeded.
@@ -334,9 +331,7 @@ pub(crate) fn host_alloc_mapped(bytes: usize, ordinal: i32) -> Result<*mut u8> {
 /// live graph) can still read it.
 pub(crate) unsafe fn host_free(p: *mut u8) -> Result<()> {
     // SAFETY: the caller's contract.
-    check("cuMemFreeHost", None, unsafe {
-        sys::cuMemFreeHost(p.cast())
-    })
+    check("cuMemFreeHost", None, unsafe { sys::cuMemFreeHost(p.cast()) })
 }
 
 /// The device address of mapped host memory.
@@ -354,12 +349,7 @@ pub(crate) fn host_device_pointer(p: *mut u8, ordinal: i32) -> Result<DevicePtr>
 /// # Safety
 /// `addr` is a device address of memory that outlives every execution of this operation
 /// (including replays of any graph the stream is capturing into).
-pub(crate) unsafe fn wait_any_bit64(
-    stream: RawStream,
-    addr: DevicePtr,
-    mask: u64,
-    ordinal: i32,
-) -> Result<()> {
+pub(crate) unsafe fn wait_any_bit64(stream: RawStream, addr: DevicePtr, mask: u64, ordinal: i32) -> Result<()> {
     let flags = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_AND as u32;
     // SAFETY: the caller's contract; stream is a live handle owned by the caller.
     check("cuStreamWaitValue64_v2", Some(ordinal), unsafe {
@@ -371,12 +361,7 @@ pub(crate) unsafe fn wait_any_bit64(
 ///
 /// # Safety
 /// As for [`wait_any_bit64`].
-pub(crate) unsafe fn write_u32(
-    stream: RawStream,
-    addr: DevicePtr,
-    value: u32,
-    ordinal: i32,
-) -> Result<()> {
+pub(crate) unsafe fn write_u32(stream: RawStream, addr: DevicePtr, value: u32, ordinal: i32) -> Result<()> {
     let flags = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
     // SAFETY: the caller's contract.
     check("cuStreamWriteValue32_v2", Some(ordinal), unsafe {
@@ -389,13 +374,7 @@ pub(crate) unsafe fn write_u32(
 /// # Safety
 /// `src` is pinned and `bytes` long, `dst` is device memory `bytes` long, and both outlive
 /// every execution of the copy (graph replays included).
-pub(crate) unsafe fn copy_h2d_async(
-    dst: DevicePtr,
-    src: *const u8,
-    bytes: usize,
-    stream: RawStream,
-    ordinal: i32,
-) -> Result<()> {
+pub(crate) unsafe fn copy_h2d_async(dst: DevicePtr, src: *const u8, bytes: usize, stream: RawStream, ordinal: i32) -> Result<()> {
     // SAFETY: the caller's contract.
     check("cuMemcpyHtoDAsync_v2", Some(ordinal), unsafe {
         sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), bytes, stream)
@@ -411,14 +390,7 @@ pub(crate) unsafe fn capture_id(stream: RawStream, ordinal: i32) -> Result<Optio
     let mut id: u64 = 0;
     // SAFETY: the caller's contract; the optional out-pointers may be null.
     check("cuStreamGetCaptureInfo_v2", Some(ordinal), unsafe {
-        sys::cuStreamGetCaptureInfo_v2(
-            stream,
-            &mut status,
-            &mut id,
-            ptr::null_mut(),
-            ptr::null_mut(),
-            ptr::null_mut(),
-        )
+        sys::cuStreamGetCaptureInfo_v2(stream, &mut status, &mut id, ptr::null_mut(), ptr::null_mut(), ptr::null_mut())
     })?;
     match status {
         sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => Ok(None),

@@ -96,10 +96,7 @@ impl PinnedBuf {
 
     /// The 32-bit word at byte `offset` (4-byte aligned, in bounds) as an atomic.
     pub fn word(&self, offset: usize) -> &AtomicU32 {
-        assert!(
-            offset % 4 == 0 && offset + 4 <= self.len,
-            "word out of bounds"
-        );
+        assert!(offset % 4 == 0 && offset + 4 <= self.len, "word out of bounds");
         // SAFETY: in bounds and aligned (asserted; the base is page-aligned); the memory
         // lives as long as `&self`; every host access to these words goes through atomics.
         unsafe { &*(self.ptr.add(offset) as *const AtomicU32) }

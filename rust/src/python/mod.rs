@@ -20,7 +20,9 @@ use crate::error::{Error, ErrorKind};
 /// (`ple_memops.errors`, written in Python so classes can also derive from builtins).
 pub(crate) fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
     static MODULE: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
-    let module = MODULE.get_or_try_init(py, || py.import("ple_memops.errors").map(|m| m.unbind()));
+    let module = MODULE.get_or_try_init(py, || {
+        py.import("ple_memops.errors").map(|m| m.unbind())
+    });
     let name = e.kind().python_name();
     match module.and_then(|m| m.bind(py).getattr(name)) {
         Ok(cls) => match cls.cast_into::<PyType>() {
@@ -47,9 +49,7 @@ fn stream_of(raw: Option<u64>) -> Option<RawStream> {
 
 fn secs(s: f64, what: &str) -> crate::error::Result<Duration> {
     if !s.is_finite() || s < 0.0 {
-        return Err(Error::invalid(format!(
-            "{what} must be a finite number of seconds >= 0, got {s}"
-        )));
+        return Err(Error::invalid(format!("{what} must be a finite number of seconds >= 0, got {s}")));
     }
     Ok(Duration::from_secs_f64(s))
 }
@@ -81,12 +81,7 @@ impl PyDeferredRows {
     ) -> PyResult<Self> {
         let watchdog = match watchdog_s {
             Some(s) if s > 0.0 => Some(secs(s, "watchdog").py(py)?),
-            Some(_) => {
-                return Err(to_pyerr(
-                    py,
-                    Error::invalid("watchdog must be > 0 seconds or None"),
-                ))
-            }
+            Some(_) => return Err(to_pyerr(py, Error::invalid("watchdog must be > 0 seconds or None"))),
             None => None,
         };
         let cfg = Config {
@@ -109,9 +104,7 @@ impl PyDeferredRows {
         // of max_rows * row_bytes bytes (checked there) and `staging_owner`, the object
         // that owns it; we hold that object for as long as we live. Graph-capture
         // lifetime: the wrapper documents that the staging tensor must outlive graphs.
-        let inner = py
-            .detach(|| unsafe { DeferredRows::new(cfg, target()) })
-            .py(py)?;
+        let inner = py.detach(|| unsafe { DeferredRows::new(cfg, target()) }).py(py)?;
         Ok(Self {
             inner,
             staging_owner,
@@ -158,42 +151,27 @@ impl PyDeferredRows {
     }
 
     #[pyo3(signature = (rows, stream=None, busy_wait_s=0.0))]
-    fn fill(
-        &self,
-        py: Python<'_>,
-        rows: &Bound<'_, PyAny>,
-        stream: Option<u64>,
-        busy_wait_s: f64,
-    ) -> PyResult<()> {
+    fn fill(&self, py: Python<'_>, rows: &Bound<'_, PyAny>, stream: Option<u64>, busy_wait_s: f64) -> PyResult<()> {
         let wait = secs(busy_wait_s, "busy_wait").py(py)?;
-        let arr: PyReadonlyArray2<'_, u8> = rows
-            .extract()
-            .map_err(|_| to_pyerr(py, Error::rows("rows must be a 2-D numpy uint8 array")))?;
+        let arr: PyReadonlyArray2<'_, u8> = rows.extract().map_err(|_| {
+            to_pyerr(py, Error::rows("rows must be a 2-D numpy uint8 array"))
+        })?;
         let shape = arr.shape();
         if shape[1] != self.inner.row_bytes() {
-            return Err(to_pyerr(
-                py,
-                Error::rows(format!(
-                    "rows are {} bytes wide, this object's rows are {}",
-                    shape[1],
-                    self.inner.row_bytes()
-                )),
-            ));
+            return Err(to_pyerr(py, Error::rows(format!(
+                "rows are {} bytes wide, this object's rows are {}", shape[1], self.inner.row_bytes()
+            ))));
         }
-        let data = arr
-            .as_slice()
-            .map_err(|_| to_pyerr(py, Error::rows("rows must be C-contiguous")))?;
+        let data = arr.as_slice().map_err(|_| to_pyerr(py, Error::rows("rows must be C-contiguous")))?;
         let inner = &self.inner;
-        py.detach(|| inner.fill(data, stream_of(stream), wait))
-            .py(py)
+        py.detach(|| inner.fill(data, stream_of(stream), wait)).py(py)
     }
 
     #[pyo3(signature = (stream=None, busy_wait_s=0.0))]
     fn prepare_dummy(&self, py: Python<'_>, stream: Option<u64>, busy_wait_s: f64) -> PyResult<()> {
         let wait = secs(busy_wait_s, "busy_wait").py(py)?;
         let inner = &self.inner;
-        py.detach(|| inner.prepare_dummy(stream_of(stream), wait))
-            .py(py)
+        py.detach(|| inner.prepare_dummy(stream_of(stream), wait)).py(py)
     }
 
     /// Returns "captured", "eager" or "nothing".
@@ -300,34 +278,16 @@ fn error_kinds() -> Vec<(String, &'static str)> {
 fn _raise_kind(py: Python<'_>, kind: &str) -> PyResult<()> {
     let e = match kind {
         "Unsupported" => Error::unsupported("test"),
-        "Driver" => Error::Driver {
-            call: "cuTest",
-            device: Some(0),
-            code: 1,
-            name: "CUDA_ERROR_INVALID_VALUE".into(),
-        },
-        "Poisoned" => Error::Poisoned {
-            cause: "test".into(),
-        },
+        "Driver" => Error::Driver { call: "cuTest", device: Some(0), code: 1, name: "CUDA_ERROR_INVALID_VALUE".into() },
+        "Poisoned" => Error::Poisoned { cause: "test".into() },
         "Closed" => Error::Closed,
         "State" => Error::state(crate::error::Op::Fill, "test"),
         "SlotBusy" => Error::SlotBusy,
         "RowShape" => Error::rows("test"),
         "InvalidArgument" => Error::invalid("test"),
-        "Table" => Error::Table {
-            file: "f".into(),
-            detail: "test".into(),
-        },
-        "RowId" => Error::RowId {
-            id: 9,
-            position: 0,
-            rows: 1,
-            table: "t".into(),
-        },
-        "Io" => Error::Io {
-            path: "p".into(),
-            detail: "test".into(),
-        },
+        "Table" => Error::Table { file: "f".into(), detail: "test".into() },
+        "RowId" => Error::RowId { id: 9, position: 0, rows: 1, table: "t".into() },
+        "Io" => Error::Io { path: "p".into(), detail: "test".into() },
         other => return Err(PyRuntimeError::new_err(format!("unknown kind {other}"))),
     };
     Err(to_pyerr(py, e))
