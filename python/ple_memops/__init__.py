@@ -30,6 +30,7 @@ from .errors import (
     TableIoError,
     UnsupportedError,
 )
+from .table import MmapTable
 
 __all__ = [
     "Capability",
@@ -38,6 +39,7 @@ __all__ = [
     "CudaDriverError",
     "DeferredRows",
     "InvalidArgumentError",
+    "MmapTable",
     "PleMemopsError",
     "PoisonedError",
     "RowIdError",

@@ -8,6 +8,8 @@
 //! * [`state`]: the lifecycle as a pure state machine.
 //! * [`probe`]: the per-device capability probe.
 //! * [`deferred`]: [`DeferredRows`], the safe type the bindings use.
+//! * [`table`]: [`MmapTable`], a memory-mapped safetensors table and the native row
+//!   gather.
 //! * `python` (feature `python`): the PyO3 module `ple_memops._native`; nothing else in
 //!   the crate knows about Python.
 
@@ -18,6 +20,7 @@ pub mod deferred;
 pub mod error;
 pub mod probe;
 pub mod state;
+pub mod table;
 pub mod watchdog;
 pub mod worker;
 
@@ -29,3 +32,4 @@ pub use deferred::{
 };
 pub use error::{Error, ErrorKind, Result};
 pub use probe::{probe, Capability, Check};
+pub use table::{MmapTable, RowIds, Selector, TableOptions};

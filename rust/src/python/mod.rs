@@ -2,6 +2,8 @@
 //! it converts arguments, releases the GIL around anything that can block, and maps
 //! [`Error`] to the package's exceptions in exactly one place ([`to_pyerr`]).
 
+mod table;
+
 use std::time::Duration;
 
 use numpy::{PyReadonlyArray2, PyUntypedArrayMethods};
@@ -364,5 +366,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(retained_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(error_kinds, m)?)?;
     m.add_function(wrap_pyfunction!(_raise_kind, m)?)?;
+    table::register(m)?;
     Ok(())
 }

@@ -1,0 +1,262 @@
+"""The public :class:`MmapTable`: PLE rows served from a safetensors checkpoint through
+a read-only memory map, gathered by native code with the GIL released."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from . import _native
+from .errors import ClosedError, InvalidArgumentError, RowIdError
+
+__all__ = ["MmapTable"]
+
+# numpy type numbers the native gather takes as-is (int64/int32 in every platform spelling).
+_NATIVE_ID_NUMS = frozenset(np.dtype(t).num for t in (np.int64, np.int32, np.intp, np.longlong))
+
+
+def _as_ids(ids: Any) -> Any:
+    """``ids`` as a 1-D int64/int32 numpy array (no copy when it already is one)."""
+    if type(ids) is np.ndarray and ids.dtype.num in _NATIVE_ID_NUMS:
+        return ids  # ndim and strides are checked natively
+    if hasattr(ids, "detach") and hasattr(ids, "numpy"):  # a torch tensor
+        if ids.device.type != "cpu":
+            raise InvalidArgumentError(f"ids must be on the CPU, got a tensor on {ids.device}")
+        ids = ids.detach().numpy()
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise InvalidArgumentError(f"ids must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0:
+            return np.empty(0, np.int64)
+        raise InvalidArgumentError(f"ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype.num in _NATIVE_ID_NUMS:
+        return arr
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        pos = int(np.argmax(arr > np.iinfo(np.int64).max))
+        raise RowIdError(f"row id {int(arr[pos])} out of range (position {pos})")
+    return arr.astype(np.int64)
+
+
+def _as_out(out: Any) -> Any:
+    """A destination as the numpy array the native gather writes (torch CPU tensors are
+    viewed, not copied)."""
+    if type(out) is np.ndarray:
+        return out
+    if hasattr(out, "data_ptr") and hasattr(out, "numpy"):  # a torch tensor
+        if out.device.type != "cpu":
+            raise InvalidArgumentError(f"out must be a CPU tensor, got one on {out.device}")
+        if str(out.dtype) != "torch.uint8":
+            raise InvalidArgumentError(f"out must be uint8, got {out.dtype}")
+        if not out.is_contiguous():
+            raise InvalidArgumentError("out must be contiguous")
+        return out.numpy()  # shares memory with the tensor (pinned or not)
+    raise InvalidArgumentError(
+        f"out must be a numpy uint8 array or a torch CPU uint8 tensor, got {type(out)!r}"
+    )
+
+
+class MmapTable:
+    """A 2-D embedding table (or its row shards) in a safetensors checkpoint, memory-mapped
+    read-only; :meth:`gather` copies rows by id in native code with the GIL released.
+
+    Open with :meth:`open`. A row is the raw bytes of one row of the tensor
+    (``row_bytes = cols * itemsize``); decode them with the table's :attr:`dtype` and, for
+    FP8, multiply by :attr:`scale`. The checkpoint's files must not change while open.
+
+    Thread-safe: any number of threads may gather at once. ``close()`` (or leaving a
+    ``with`` block) releases the mapping once no gather is running.
+    """
+
+    def __init__(self, core: _native.MmapTableCore) -> None:
+        """Wrap a native table; use :meth:`open`."""
+        self._core: _native.MmapTableCore | None = core
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        name: str | None = None,
+        *,
+        pattern: str | None = None,
+        prewarm_bytes: int | None = None,
+        readahead: bool = False,
+        rss_budget_bytes: int | None = None,
+        parallel_min_bytes: int | None = None,
+    ) -> MmapTable:
+        """Open a table.
+
+        Args:
+            path: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a
+                checkpoint directory holding either (the index wins).
+            name: the exact tensor name, e.g.
+                ``"model.language_model.embed_tokens_per_layer.weight"``.
+            pattern: instead of ``name``, the shard names with ``{}`` for the shard index,
+                e.g. ``"model.layers.2.ple.ple_embedding.ngram_embedding.shard_{}.weight"``;
+                shards ``0..n`` must all exist and agree in dtype and width; their rows
+                concatenate in shard order.
+            prewarm_bytes: fault in the first this-many bytes of the table at open.
+            readahead: ``MADV_WILLNEED`` the rows of each gather before copying them (for
+                tables that do not stay resident; one ``madvise`` per page read).
+            rss_budget_bytes: when the table's distinct pages read since the last drop
+                exceed this, drop them all (see :meth:`drop_pages`).
+            parallel_min_bytes: gathers of at least this many bytes use the native thread
+                pool (default: the measured threshold, 256 KiB).
+
+        Raises:
+            TableError: the checkpoint or tensor is missing, malformed or inconsistent.
+            TableIoError: a file could not be read.
+            InvalidArgumentError: neither or both of ``name`` and ``pattern``, or a pattern
+                without exactly one ``{}``.
+        """
+        if (name is None) == (pattern is None):
+            raise InvalidArgumentError("give exactly one of name= and pattern=")
+        for what, v in (
+            ("prewarm_bytes", prewarm_bytes),
+            ("rss_budget_bytes", rss_budget_bytes),
+            ("parallel_min_bytes", parallel_min_bytes),
+        ):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise InvalidArgumentError(f"{what} must be a non-negative int or None, got {v!r}")
+        core = _native.MmapTableCore(
+            os.fspath(path),
+            name,
+            pattern,
+            prewarm_bytes,
+            bool(readahead),
+            rss_budget_bytes,
+            parallel_min_bytes,
+        )
+        return cls(core)
+
+    # -- properties -------------------------------------------------------------------
+
+    @property
+    def rows(self) -> int:
+        """Rows in the table (all shards)."""
+        return self._live().rows
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per row."""
+        return self._live().row_bytes
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(rows, cols)`` in elements of :attr:`dtype`."""
+        core = self._live()
+        return (core.rows, core.cols)
+
+    @property
+    def dtype(self) -> str:
+        """The safetensors dtype: ``"F8_E4M3"``, ``"F8_E5M2"``, ``"BF16"``, ``"F16"`` or
+        ``"F32"``."""
+        return self._live().dtype
+
+    @property
+    def scale(self) -> float | None:
+        """The scalar dequantization scale of an FP8 table, or ``None``. Looked for, per
+        shard, as ``<tensor>_scale``, ``<tensor>.scale``, then ``<stem>.scale`` (where
+        the tensor is ``<stem>.weight``); all shards must agree."""
+        return self._live().scale
+
+    @property
+    def scale_tensor(self) -> str | None:
+        """The name of the tensor :attr:`scale` came from."""
+        return self._live().scale_tensor
+
+    @property
+    def files(self) -> list[str]:
+        """The mapped checkpoint files."""
+        return [os.fspath(p) for p in self._live().files]
+
+    @property
+    def shards(self) -> list[tuple[str, int]]:
+        """``(tensor name, rows)`` per shard, in row order."""
+        return self._live().shards
+
+    @property
+    def closed(self) -> bool:
+        return self._core is None
+
+    # -- gathers ----------------------------------------------------------------------
+
+    def gather(self, ids: Any) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """Rows ``ids`` as a new ``uint8`` array ``[len(ids), row_bytes]``.
+
+        ``ids``: a 1-D integer numpy array (int64/int32 pass without a copy), a torch CPU
+        tensor, or a sequence of ints. Duplicates are fine. Raises
+        :class:`~ple_memops.RowIdError` for an id outside ``[0, rows)``, before anything is
+        copied."""
+        rows: np.ndarray[Any, np.dtype[np.uint8]] = self._live().gather(_as_ids(ids))
+        return rows
+
+    def gather_into(self, ids: Any, out: Any) -> None:
+        """Copy rows ``ids`` into ``out``: a C-contiguous, writable ``uint8`` numpy array
+        or torch CPU tensor (pinned or not) of shape ``[len(ids), row_bytes]``. Every id
+        is checked first: on any error ``out`` is left untouched."""
+        self._live().gather_into(_as_ids(ids), _as_out(out))
+
+    def check_ids(self, ids: Any) -> None:
+        """Raise :class:`~ple_memops.RowIdError` unless every id is a row."""
+        self._live().check_ids(_as_ids(ids))
+
+    # -- page cache -------------------------------------------------------------------
+
+    def resident_bytes(self) -> int:
+        """Bytes of the table's pages in the page cache now (``mincore``; page-granular)."""
+        return self._live().resident_bytes()
+
+    def prewarm(self, budget: int | None = None) -> int:
+        """Fault in the table's first ``budget`` bytes (all of it by default; capped by
+        the RSS budget). Returns the bytes warmed."""
+        if budget is None:
+            budget = 2**64 - 1
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise InvalidArgumentError(f"budget must be a non-negative int, got {budget!r}")
+        return self._live().prewarm(min(budget, 2**64 - 1))
+
+    def drop_pages(self) -> None:
+        """Drop the table's pages from this process (``MADV_DONTNEED``) and from the page
+        cache (``POSIX_FADV_DONTNEED``; clean pages no other process maps). The data is
+        unaffected: later gathers read it back from the file."""
+        self._live().drop_pages()
+
+    def page_stats(self) -> dict[str, Any]:
+        """``budget_drops``, ``touched_bytes``, ``last_drop_error``, ``data_bytes``."""
+        return self._live().page_stats()
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the mapping (idempotent). A gather running in another thread keeps it
+        alive until it returns; every later call raises :class:`~ple_memops.ClosedError`."""
+        self._core = None
+
+    def __enter__(self) -> MmapTable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self._core is None:
+            return "MmapTable(closed)"
+        c = self._core
+        return (
+            f"MmapTable({c.label}, dtype={c.dtype}, shape=({c.rows}, {c.cols}), "
+            f"row_bytes={c.row_bytes}, shards={len(c.shards)})"
+        )
+
+    def _live(self) -> _native.MmapTableCore:
+        core = self._core
+        if core is None:
+            raise ClosedError("table is closed")
+        return core
+
+    @property
+    def _native_core(self) -> _native.MmapTableCore:
+        """The native table, for other native code (``DeferredRows.fill_from``)."""
+        return self._live()

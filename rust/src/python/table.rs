@@ -1,0 +1,291 @@
+//! `ple_memops._native.MmapTableCore`: the native half of `ple_memops.MmapTable`.
+//!
+//! Arguments arrive as numpy arrays (the Python wrapper turns lists and torch CPU tensors
+//! into them); every check the gather needs is made here or in the core, every error goes
+//! through [`to_pyerr`], and the gather itself runs with the GIL released.
+
+use std::borrow::Cow;
+use std::ops::Range;
+use std::path::PathBuf;
+
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::to_pyerr;
+use crate::error::Error;
+use crate::table::{MmapTable, RowIds, Selector, TableOptions};
+
+/// Ids borrowed from a numpy array (or copied, when it is strided).
+enum Ids<'py> {
+    I64(PyReadonlyArray1<'py, i64>),
+    I32(PyReadonlyArray1<'py, i32>),
+}
+
+fn slice_or_copy<'a, T: numpy::Element + Copy>(a: &'a PyReadonlyArray1<'_, T>) -> Cow<'a, [T]> {
+    match a.as_slice() {
+        Ok(s) => Cow::Borrowed(s),
+        Err(_) => Cow::Owned(a.as_array().iter().copied().collect()),
+    }
+}
+
+fn extract_ids<'py>(ids: &Bound<'py, PyAny>) -> Result<Ids<'py>, Error> {
+    let borrow = |e: numpy::BorrowError| Error::invalid(format!("ids: {e}"));
+    if let Ok(a) = ids.cast::<PyArray1<i64>>() {
+        return a.try_readonly().map(Ids::I64).map_err(borrow);
+    }
+    if let Ok(a) = ids.cast::<PyArray1<i32>>() {
+        return a.try_readonly().map(Ids::I32).map_err(borrow);
+    }
+    Err(Error::invalid(
+        "ids must be a 1-D numpy array of int64 or int32",
+    ))
+}
+
+fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
+    a.start < b.end && b.start < a.end
+}
+
+/// The native half of `ple_memops.MmapTable` (use that class, not this one).
+#[pyclass(name = "MmapTableCore", module = "ple_memops._native", frozen)]
+pub struct PyMmapTable {
+    inner: MmapTable,
+}
+
+impl PyMmapTable {
+    /// The Rust table, for other bindings (e.g. `DeferredRows.fill_from`) to gather from.
+    #[allow(dead_code)]
+    pub(crate) fn table(&self) -> &MmapTable {
+        &self.inner
+    }
+
+    fn run(&self, py: Python<'_>, ids: &Ids<'_>, dst: &mut [u8]) -> PyResult<()> {
+        let table = &self.inner;
+        let r = match ids {
+            Ids::I64(a) => {
+                let v = slice_or_copy(a);
+                let ids = RowIds::I64(&v);
+                if overlaps(&ids.byte_range(), &dst.as_ptr_range().into_usize()) {
+                    Err(Error::invalid("ids and the destination share memory"))
+                } else {
+                    py.detach(|| table.gather_into(ids, dst))
+                }
+            }
+            Ids::I32(a) => {
+                let v = slice_or_copy(a);
+                let ids = RowIds::I32(&v);
+                if overlaps(&ids.byte_range(), &dst.as_ptr_range().into_usize()) {
+                    Err(Error::invalid("ids and the destination share memory"))
+                } else {
+                    py.detach(|| table.gather_into(ids, dst))
+                }
+            }
+        };
+        r.map_err(|e| to_pyerr(py, e))
+    }
+}
+
+trait IntoUsize {
+    fn into_usize(self) -> Range<usize>;
+}
+
+impl IntoUsize for Range<*const u8> {
+    fn into_usize(self) -> Range<usize> {
+        self.start as usize..self.end as usize
+    }
+}
+
+#[pymethods]
+impl PyMmapTable {
+    /// Open a table; exactly one of `name` and `pattern`.
+    #[new]
+    #[pyo3(signature = (path, name=None, pattern=None, prewarm_bytes=None, readahead=false, rss_budget_bytes=None, parallel_min_bytes=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        name: Option<String>,
+        pattern: Option<String>,
+        prewarm_bytes: Option<u64>,
+        readahead: bool,
+        rss_budget_bytes: Option<u64>,
+        parallel_min_bytes: Option<usize>,
+    ) -> PyResult<Self> {
+        let selector = match (name, pattern) {
+            (Some(n), None) => Selector::Name(n),
+            (None, Some(p)) => Selector::Pattern(p),
+            _ => {
+                return Err(to_pyerr(
+                    py,
+                    Error::invalid("give exactly one of name= and pattern="),
+                ))
+            }
+        };
+        let mut opts = TableOptions {
+            prewarm_bytes,
+            readahead,
+            rss_budget_bytes,
+            ..TableOptions::default()
+        };
+        if let Some(m) = parallel_min_bytes {
+            opts.parallel_min_bytes = m;
+        }
+        let inner = py
+            .detach(|| MmapTable::open(&path, &selector, opts))
+            .map_err(|e| to_pyerr(py, e))?;
+        Ok(Self { inner })
+    }
+
+    #[getter]
+    fn rows(&self) -> u64 {
+        self.inner.rows()
+    }
+
+    #[getter]
+    fn row_bytes(&self) -> usize {
+        self.inner.row_bytes()
+    }
+
+    #[getter]
+    fn cols(&self) -> usize {
+        self.inner.cols()
+    }
+
+    #[getter]
+    fn dtype(&self) -> String {
+        self.inner.dtype_name()
+    }
+
+    #[getter]
+    fn scale(&self) -> Option<f64> {
+        self.inner.scale()
+    }
+
+    #[getter]
+    fn scale_tensor(&self) -> Option<String> {
+        self.inner.scale_tensor().map(str::to_owned)
+    }
+
+    #[getter]
+    fn files(&self) -> Vec<PathBuf> {
+        self.inner
+            .files()
+            .into_iter()
+            .map(|p| p.to_path_buf())
+            .collect()
+    }
+
+    #[getter]
+    fn shards(&self) -> Vec<(String, u64)> {
+        self.inner
+            .shards()
+            .into_iter()
+            .map(|(n, r)| (n.to_owned(), r))
+            .collect()
+    }
+
+    #[getter]
+    fn label(&self) -> String {
+        self.inner.label().to_owned()
+    }
+
+    /// Gather rows `ids` (1-D int64/int32 numpy) into `out` (C-contiguous, writable uint8
+    /// numpy of shape `[len(ids), row_bytes]`). Nothing is written on any error.
+    fn gather_into(
+        &self,
+        py: Python<'_>,
+        ids: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let ids = extract_ids(ids).map_err(|e| to_pyerr(py, e))?;
+        let arr = out
+            .cast::<PyArray2<u8>>()
+            .map_err(|_| to_pyerr(py, Error::invalid("out must be a 2-D numpy uint8 array")))?;
+        let n = match &ids {
+            Ids::I64(a) => a.len(),
+            Ids::I32(a) => a.len(),
+        };
+        let shape = arr.shape();
+        if shape != [n, self.inner.row_bytes()] {
+            return Err(to_pyerr(
+                py,
+                Error::invalid(format!(
+                    "out has shape {shape:?}; {n} rows of this table need [{n}, {}]",
+                    self.inner.row_bytes()
+                )),
+            ));
+        }
+        let mut rw = arr
+            .try_readwrite()
+            .map_err(|e| to_pyerr(py, Error::invalid(format!("out: {e}"))))?;
+        let dst = rw
+            .as_slice_mut()
+            .map_err(|_| to_pyerr(py, Error::invalid("out must be C-contiguous")))?;
+        self.run(py, &ids, dst)
+    }
+
+    /// Gather rows `ids` into a new uint8 array `[len(ids), row_bytes]`.
+    fn gather<'py>(
+        &self,
+        py: Python<'py>,
+        ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray2<u8>>> {
+        let ids = extract_ids(ids).map_err(|e| to_pyerr(py, e))?;
+        let n = match &ids {
+            Ids::I64(a) => a.len(),
+            Ids::I32(a) => a.len(),
+        };
+        let out = PyArray2::<u8>::zeros(py, [n, self.inner.row_bytes()], false);
+        {
+            let mut rw = out
+                .try_readwrite()
+                .map_err(|e| to_pyerr(py, Error::invalid(format!("out: {e}"))))?;
+            let dst = rw
+                .as_slice_mut()
+                .map_err(|_| to_pyerr(py, Error::invalid("out must be C-contiguous")))?;
+            self.run(py, &ids, dst)?;
+        }
+        Ok(out)
+    }
+
+    /// Check `ids` against the table without gathering.
+    fn check_ids(&self, py: Python<'_>, ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = extract_ids(ids).map_err(|e| to_pyerr(py, e))?;
+        let r = match &ids {
+            Ids::I64(a) => self.inner.check_ids(RowIds::I64(&slice_or_copy(a))),
+            Ids::I32(a) => self.inner.check_ids(RowIds::I32(&slice_or_copy(a))),
+        };
+        r.map_err(|e| to_pyerr(py, e))
+    }
+
+    fn resident_bytes(&self, py: Python<'_>) -> PyResult<u64> {
+        let t = &self.inner;
+        py.detach(|| t.resident_bytes())
+            .map_err(|e| to_pyerr(py, e))
+    }
+
+    fn prewarm(&self, py: Python<'_>, budget: u64) -> PyResult<u64> {
+        let t = &self.inner;
+        py.detach(|| t.prewarm(budget)).map_err(|e| to_pyerr(py, e))
+    }
+
+    fn drop_pages(&self, py: Python<'_>) -> PyResult<()> {
+        let t = &self.inner;
+        py.detach(|| t.drop_pages()).map_err(|e| to_pyerr(py, e))
+    }
+
+    fn page_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.page_stats();
+        let d = PyDict::new(py);
+        d.set_item("budget_drops", s.budget_drops)?;
+        d.set_item("touched_bytes", s.touched_bytes)?;
+        d.set_item("last_drop_error", s.last_drop_error)?;
+        d.set_item("data_bytes", self.inner.data_bytes())?;
+        Ok(d)
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyMmapTable>()?;
+    Ok(())
+}

@@ -1,0 +1,191 @@
+//! The row gather: validate every id, then copy rows from the mapping into the
+//! destination, inline for small gathers and on a private rayon pool above a size
+//! threshold.
+
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use super::discover::{MappedFile, Segment};
+
+/// Gathers of at least this many bytes run on the pool; smaller ones inline.
+///
+/// Chosen by measurement (`cargo test --release -- --ignored --nocapture gather_timings`,
+/// page-cache-resident 2^20-row table, 160 B and 320 B rows, 2-vCPU x86-64 VM): the pool's
+/// fork/join cost 10-30 us there, which it repaid from about 300 KiB on; inline won at
+/// 160 KiB and below. See BENCHMARKS.md ("Row gather"); re-tune per host with
+/// [`super::TableOptions::parallel_min_bytes`].
+pub const PARALLEL_MIN_BYTES: usize = 256 << 10;
+
+/// Most threads the gather pool uses: a gather is memory-bound and a serving process has
+/// other work; more threads than this only add fork/join cost.
+const MAX_THREADS: usize = 8;
+
+/// The gather pool, built on first use; `None` if the OS refused threads (we then gather
+/// inline rather than fail).
+pub(crate) fn pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let n = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(MAX_THREADS);
+        if n < 2 {
+            return None;
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .thread_name(|i| format!("ple-gather-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
+/// Rows prefetched ahead of the copy (measured: 4-16 give the same speed-up on x86-64).
+const PREFETCH_AHEAD: usize = 8;
+
+/// Hint the CPU to load row bytes `off..off + len` of `data` (every cache line of it).
+#[inline(always)]
+fn prefetch_row(data: &[u8], off: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let Some(row) = data.get(off..off.saturating_add(len)) else {
+            return;
+        };
+        let mut p = 0;
+        while p < row.len() {
+            // SAFETY: a prefetch is a hint that never faults and reads nothing into Rust
+            // values; the pointer is inside `row` anyway. (The intrinsic is an `unsafe fn`
+            // before Rust 1.87, a safe one after: hence the allow.)
+            #[allow(unused_unsafe)]
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().add(p).cast::<i8>())
+            };
+            p += 64;
+        }
+        if len % 64 != 0 || off % 64 != 0 {
+            // SAFETY: as above; the last byte of the row (its last cache line).
+            #[allow(unused_unsafe)]
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().add(row.len() - 1).cast::<i8>())
+            };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (data, off, len);
+    }
+}
+
+/// A row id type the gather accepts.
+pub(crate) trait Id: Copy + Send + Sync {
+    fn as_i64(self) -> i64;
+}
+
+impl Id for i32 {
+    #[inline(always)]
+    fn as_i64(self) -> i64 {
+        i64::from(self)
+    }
+}
+
+impl Id for i64 {
+    #[inline(always)]
+    fn as_i64(self) -> i64 {
+        self
+    }
+}
+
+/// The first id outside `0..rows`, as `(position, id)`.
+#[inline]
+pub(crate) fn first_bad<T: Id>(ids: &[T], rows: u64) -> Option<(usize, i64)> {
+    // Branch-free scan first (vectorises); locate the culprit only on failure.
+    let bad = ids
+        .iter()
+        .fold(false, |acc, &id| acc | (id.as_i64() as u64 >= rows));
+    if !bad {
+        return None;
+    }
+    ids.iter()
+        .position(|&id| id.as_i64() as u64 >= rows)
+        .map(|p| (p, ids[p].as_i64()))
+}
+
+/// Where rows come from: one mapped byte range per shard, by first row.
+pub(crate) struct RowSource<'a> {
+    pub files: &'a [MappedFile],
+    pub segments: &'a [Segment],
+    /// `ends[i]` is one past segment i's last table row.
+    pub ends: &'a [u64],
+    pub row_bytes: usize,
+}
+
+impl RowSource<'_> {
+    /// Segment index and byte offset (in its file's mapping) of row `id` (in range).
+    #[inline(always)]
+    pub fn locate(&self, id: u64) -> (usize, usize) {
+        let si = if self.segments.len() == 1 {
+            0
+        } else {
+            self.ends.partition_point(|&e| e <= id)
+        };
+        let seg = &self.segments[si];
+        // id - first_row < seg.rows, and rows * row_bytes == seg.len fits usize (checked
+        // at open), so neither the cast nor the product can overflow.
+        let off = seg.start + (id - seg.first_row) as usize * self.row_bytes;
+        (si, off)
+    }
+
+    /// Copy rows `ids` (all in range) into `dst` (`ids.len() * row_bytes` bytes).
+    #[inline]
+    pub fn copy<T: Id>(&self, ids: &[T], dst: &mut [u8]) {
+        let rb = self.row_bytes;
+        if let [seg] = self.segments {
+            // One shard (the common case): no search, one bounds-checked slice.
+            let data = &self.files[seg.file].map[seg.start..seg.start + seg.len];
+            for (i, (&id, out)) in ids.iter().zip(dst.chunks_exact_mut(rb)).enumerate() {
+                // Random rows of a large table miss every cache level (and the TLB);
+                // prefetching a few rows ahead keeps several misses in flight.
+                if let Some(&next) = ids.get(i + PREFETCH_AHEAD) {
+                    prefetch_row(data, next.as_i64() as usize * rb, rb);
+                }
+                let off = id.as_i64() as usize * rb;
+                out.copy_from_slice(&data[off..off + rb]);
+            }
+            return;
+        }
+        for (i, (&id, out)) in ids.iter().zip(dst.chunks_exact_mut(rb)).enumerate() {
+            if let Some(&next) = ids.get(i + PREFETCH_AHEAD) {
+                let (si, off) = self.locate(next.as_i64() as u64);
+                prefetch_row(&self.files[self.segments[si].file].map, off, rb);
+            }
+            let (si, off) = self.locate(id.as_i64() as u64);
+            let map = &self.files[self.segments[si].file].map;
+            out.copy_from_slice(&map[off..off + rb]);
+        }
+    }
+
+    /// As [`Self::copy`], split across the pool when `dst` is at least `min_bytes`.
+    pub fn copy_maybe_parallel<T: Id>(&self, ids: &[T], dst: &mut [u8], min_bytes: usize) {
+        let rb = self.row_bytes;
+        let pool = if dst.len() >= min_bytes && ids.len() >= 2 {
+            pool()
+        } else {
+            None
+        };
+        let Some(pool) = pool else {
+            self.copy(ids, dst);
+            return;
+        };
+        // Two chunks a thread: even work (rows are equal-sized), a little slack for a
+        // thread that starts late.
+        let chunks = pool.current_num_threads() * 2;
+        let per = ids.len().div_ceil(chunks).max(1);
+        pool.install(|| {
+            dst.par_chunks_mut(per * rb)
+                .zip(ids.par_chunks(per))
+                .for_each(|(d, i)| self.copy(i, d));
+        });
+    }
+}

@@ -1,0 +1,229 @@
+//! Page-cache control for a mapped table: measure residency (`mincore`), prewarm within a
+//! byte budget (`MADV_WILLNEED` plus a read of every page), per-gather readahead, and
+//! dropping the table's pages (`MADV_DONTNEED` on our read-only mapping, then
+//! `POSIX_FADV_DONTNEED` on the file so clean pages leave the page cache too: cgroup
+//! memory accounting counts the page cache, so unmapping alone would not shrink it).
+//!
+//! All `unsafe` of this module is the three libc calls and memmap2's unchecked advice.
+
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+use memmap2::{Advice, UncheckedAdvice};
+
+use super::discover::{MappedFile, Segment};
+use crate::error::{Error, Result};
+
+/// The system page size (4 KiB on x86-64 Linux), read once.
+pub fn page_size() -> usize {
+    static PAGE: OnceLock<usize> = OnceLock::new();
+    *PAGE.get_or_init(|| {
+        // SAFETY: sysconf has no preconditions.
+        let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        usize::try_from(p)
+            .ok()
+            .filter(|&p| p.is_power_of_two())
+            .unwrap_or(4096)
+    })
+}
+
+fn io_err(path: &Path, what: &str, e: std::io::Error) -> Error {
+    Error::Io {
+        path: path.display().to_string(),
+        detail: format!("{what}: {e}"),
+    }
+}
+
+/// `[first page, end page)` of `start..start+len`, as page-aligned byte offsets.
+fn page_span(start: usize, len: usize) -> (usize, usize) {
+    let ps = page_size();
+    let lo = start - start % ps;
+    let end = start.saturating_add(len);
+    let hi = end.div_ceil(ps).saturating_mul(ps);
+    (lo, hi)
+}
+
+/// Bytes of the table's pages that are in the page cache (page-granular: a page shared
+/// with a neighbouring tensor counts whole).
+pub(crate) fn resident_bytes(files: &[MappedFile], segments: &[Segment]) -> Result<u64> {
+    const CHUNK_PAGES: usize = 1 << 16;
+    let ps = page_size();
+    let mut vec = vec![0u8; CHUNK_PAGES];
+    let mut total = 0u64;
+    for seg in segments {
+        let f = &files[seg.file];
+        let (lo, hi) = page_span(seg.start, seg.len);
+        let hi = hi.min(f.map.len().div_ceil(ps) * ps);
+        let mut off = lo;
+        while off < hi {
+            let pages = ((hi - off) / ps).min(CHUNK_PAGES);
+            // SAFETY: `off` is a page-aligned offset inside our live mapping (the mapping
+            // starts on a page boundary and `hi` is clipped to its page-rounded length), so
+            // `ptr + off .. + pages * ps` lies within it; `vec` holds `pages` bytes.
+            let rc = unsafe {
+                libc::mincore(
+                    f.map.as_ptr().add(off) as *mut libc::c_void,
+                    pages * ps,
+                    vec.as_mut_ptr(),
+                )
+            };
+            if rc != 0 {
+                return Err(io_err(&f.path, "mincore", std::io::Error::last_os_error()));
+            }
+            total += vec[..pages].iter().filter(|&&b| b & 1 != 0).count() as u64 * ps as u64;
+            off += pages * ps;
+        }
+    }
+    Ok(total)
+}
+
+/// Fault in the table's pages, in row order, until `budget` bytes; returns the bytes
+/// warmed. `mark` is told each warmed span (for the RSS budget's accounting).
+pub(crate) fn prewarm(
+    files: &[MappedFile],
+    segments: &[Segment],
+    budget: u64,
+    mut mark: impl FnMut(usize, usize, usize),
+) -> Result<u64> {
+    let ps = page_size();
+    let mut left = budget;
+    let mut warmed = 0u64;
+    for (si, seg) in segments.iter().enumerate() {
+        if left == 0 {
+            break;
+        }
+        let f = &files[seg.file];
+        let len = seg.len.min(usize::try_from(left).unwrap_or(usize::MAX));
+        if len == 0 {
+            continue;
+        }
+        // Start the reads for the whole span at once, then touch each page so the call
+        // returns with the pages resident (WILLNEED alone is asynchronous).
+        f.map
+            .advise_range(Advice::WillNeed, seg.start, len)
+            .map_err(|e| io_err(&f.path, "madvise(WILLNEED)", e))?;
+        let data = &f.map[seg.start..seg.start + len];
+        let first = ps - seg.start % ps;
+        let mut sum = 0u8;
+        sum ^= data[0];
+        let mut i = first;
+        while i < len {
+            sum ^= data[i];
+            i += ps;
+        }
+        sum ^= data[len - 1];
+        std::hint::black_box(sum);
+        mark(si, 0, len);
+        warmed += len as u64;
+        left -= len as u64;
+    }
+    Ok(warmed)
+}
+
+/// Ask the kernel to start reading `len` bytes at `offset` of `f` (readahead for the rows
+/// of one gather). Advisory: an error only means no readahead.
+pub(crate) fn will_need(f: &MappedFile, offset: usize, len: usize) {
+    let _ = f.map.advise_range(Advice::WillNeed, offset, len);
+}
+
+/// Drop the table's pages: unmap them from this process and evict the clean ones from
+/// the page cache. Later gathers read them back from the file.
+pub(crate) fn drop_pages(files: &[MappedFile], segments: &[Segment]) -> Result<()> {
+    for seg in segments {
+        let f = &files[seg.file];
+        if seg.len == 0 {
+            continue;
+        }
+        // SAFETY: the mapping is read-only and file-backed (MAP_SHARED, never written), so
+        // MADV_DONTNEED only discards page-table entries: the next access re-reads the same
+        // bytes from the file, and no `&[u8]` into the map ever observes a change.
+        unsafe {
+            f.map
+                .unchecked_advise_range(UncheckedAdvice::DontNeed, seg.start, seg.len)
+        }
+        .map_err(|e| io_err(&f.path, "madvise(DONTNEED)", e))?;
+        let (lo, hi) = page_span(seg.start, seg.len);
+        let (Ok(off), Ok(n)) = (libc::off_t::try_from(lo), libc::off_t::try_from(hi - lo)) else {
+            continue;
+        };
+        // SAFETY: `f.file` is an open descriptor we own for the table's life; fadvise
+        // touches no memory of ours.
+        let rc =
+            unsafe { libc::posix_fadvise(f.file.as_raw_fd(), off, n, libc::POSIX_FADV_DONTNEED) };
+        if rc != 0 {
+            return Err(io_err(
+                &f.path,
+                "posix_fadvise(DONTNEED)",
+                std::io::Error::from_raw_os_error(rc),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Which of the table's pages our gathers (and prewarm) touched since the last drop: one
+/// bit a page, set with `fetch_or`, so a hot row counts once however often it is read.
+pub(crate) struct Touched {
+    bits: Vec<AtomicU64>,
+    /// Global page number of each segment's first page.
+    base: Vec<usize>,
+    /// Page-aligned start of each segment.
+    seg_lo: Vec<usize>,
+    count: AtomicU64,
+}
+
+impl Touched {
+    pub fn new(segments: &[Segment]) -> Self {
+        let ps = page_size();
+        let mut base = Vec::with_capacity(segments.len());
+        let mut seg_lo = Vec::with_capacity(segments.len());
+        let mut pages = 0usize;
+        for s in segments {
+            let (lo, hi) = page_span(s.start, s.len);
+            base.push(pages);
+            seg_lo.push(lo);
+            pages += (hi - lo) / ps;
+        }
+        Self {
+            bits: (0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            base,
+            seg_lo,
+            count: AtomicU64::new(0),
+        }
+    }
+
+    /// Record bytes `offset..offset+len` of segment `seg` (offsets relative to the
+    /// segment's data) as touched.
+    pub fn mark(&self, seg: usize, seg_start: usize, offset: usize, len: usize) {
+        if len == 0 {
+            return;
+        }
+        let ps = page_size();
+        let abs = seg_start + offset;
+        let p0 = (abs - self.seg_lo[seg]) / ps + self.base[seg];
+        let p1 = (abs + len - 1 - self.seg_lo[seg]) / ps + self.base[seg];
+        for p in p0..=p1 {
+            let Some(word) = self.bits.get(p / 64) else {
+                return;
+            };
+            let bit = 1u64 << (p % 64);
+            if word.fetch_or(bit, Ordering::Relaxed) & bit == 0 {
+                self.count.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Bytes of distinct pages touched since the last reset.
+    pub fn bytes(&self) -> u64 {
+        self.count.load(Ordering::Relaxed) * page_size() as u64
+    }
+
+    pub fn reset(&self) {
+        for w in &self.bits {
+            w.store(0, Ordering::Relaxed);
+        }
+        self.count.store(0, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,785 @@
+//! Unit tests of the table: checkpoints built in memory with the safetensors crate's
+//! `serialize`, written to a private temp directory.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use proptest::prelude::*;
+use safetensors::tensor::TensorView;
+
+use super::*;
+use crate::error::ErrorKind;
+
+/// A temp directory removed on drop (no tempfile crate needed).
+pub(crate) struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new() -> Self {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let p = std::env::temp_dir().join(format!(
+            "ple-table-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&p).expect("create temp dir");
+        Self(p)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    pub fn write(&self, name: &str, bytes: &[u8]) -> PathBuf {
+        let p = self.0.join(name);
+        std::fs::write(&p, bytes).expect("write temp file");
+        p
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// One tensor to serialize: name, dtype, shape, raw bytes.
+pub(crate) type T = (String, Dtype, Vec<usize>, Vec<u8>);
+
+pub(crate) fn tensor(name: &str, dtype: Dtype, shape: &[usize], seed: u8) -> T {
+    let n: usize = shape.iter().product::<usize>() * supported_dtype(dtype).unwrap_or(4);
+    let bytes = (0..n)
+        .map(|i| {
+            (i as u8)
+                .wrapping_mul(31)
+                .wrapping_add(seed)
+                .wrapping_add((i >> 8) as u8)
+        })
+        .collect();
+    (name.to_string(), dtype, shape.to_vec(), bytes)
+}
+
+pub(crate) fn scalar_f32(name: &str, v: f32) -> T {
+    (
+        name.to_string(),
+        Dtype::F32,
+        vec![],
+        v.to_le_bytes().to_vec(),
+    )
+}
+
+pub(crate) fn st(tensors: &[T]) -> Vec<u8> {
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                TensorView::new(*d, s.clone(), b).expect("valid view"),
+            )
+        })
+        .collect();
+    safetensors::serialize(views, None).expect("serialize")
+}
+
+fn index_json(entries: &[(&str, &str)]) -> Vec<u8> {
+    let map: BTreeMap<&str, &str> = entries.iter().copied().collect();
+    serde_json::to_vec(&serde_json::json!({"metadata": {}, "weight_map": map})).expect("json")
+}
+
+fn open(path: &Path, sel: &Selector) -> Result<MmapTable> {
+    MmapTable::open(path, sel, TableOptions::default())
+}
+
+fn name(s: &str) -> Selector {
+    Selector::Name(s.into())
+}
+
+fn pattern(s: &str) -> Selector {
+    Selector::Pattern(s.into())
+}
+
+/// The reference gather: rows of the concatenated shard bytes.
+fn reference(shards: &[&[u8]], row_bytes: usize, ids: &[i64]) -> Vec<u8> {
+    let all: Vec<u8> = shards.concat();
+    ids.iter()
+        .flat_map(|&i| all[i as usize * row_bytes..(i as usize + 1) * row_bytes].to_vec())
+        .collect()
+}
+
+fn err_of(r: Result<MmapTable>) -> Error {
+    match r {
+        Ok(t) => panic!("expected an error, opened {t:?}"),
+        Err(e) => e,
+    }
+}
+
+const QWEN: &str = "model.layers.2.ple.ple_embedding.ngram_embedding.shard_{}.weight";
+
+fn qwen(k: usize) -> String {
+    QWEN.replace("{}", &k.to_string())
+}
+
+#[test]
+fn table_is_send_sync_clone() {
+    fn check<X: Send + Sync + Clone + 'static>() {}
+    check::<MmapTable>();
+    fn copy<X: Copy>() {}
+    copy::<RowIds<'static>>();
+}
+
+#[test]
+fn single_tensor_every_dtype() {
+    let d = TempDir::new();
+    for (dtype, elem) in [
+        (Dtype::F8_E4M3, 1),
+        (Dtype::F8_E5M2, 1),
+        (Dtype::BF16, 2),
+        (Dtype::F16, 2),
+        (Dtype::F32, 4),
+    ] {
+        let t = tensor("embed_tokens_per_layer.weight", dtype, &[37, 80], 3);
+        let other = tensor("other", Dtype::F32, &[5], 1);
+        let p = d.write(&format!("{dtype:?}.safetensors"), &st(&[other, t.clone()]));
+        let table = open(&p, &name("embed_tokens_per_layer.weight")).unwrap();
+        assert_eq!(table.rows(), 37);
+        assert_eq!(table.cols(), 80);
+        assert_eq!(table.row_bytes(), 80 * elem);
+        assert_eq!(table.dtype_name(), format!("{dtype:?}"));
+        assert_eq!(table.scale(), None);
+        let ids: Vec<i64> = vec![0, 36, 5, 5, 17, 0];
+        let got = table.gather(RowIds::I64(&ids)).unwrap();
+        assert_eq!(got, reference(&[&t.3], table.row_bytes(), &ids));
+        let ids32: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+        assert_eq!(table.gather(RowIds::I32(&ids32)).unwrap(), got);
+    }
+}
+
+#[test]
+fn pattern_shards_concatenate_in_shard_order() {
+    let d = TempDir::new();
+    // Stored out of order (and with 10+ shards, so "10" sorts after "9", not after "1").
+    let shards: Vec<T> = (0..11)
+        .map(|k| tensor(&qwen(k), Dtype::BF16, &[3 + k, 8], k as u8))
+        .collect();
+    let mut stored = shards.clone();
+    stored.reverse();
+    stored.push(tensor(
+        "model.layers.2.ple.other.weight",
+        Dtype::BF16,
+        &[2, 8],
+        9,
+    ));
+    let p = d.write("model.safetensors", &st(&stored));
+    let table = open(d.path(), &pattern(QWEN)).unwrap();
+    let total: usize = (0..11).map(|k| 3 + k).sum();
+    assert_eq!(table.rows(), total as u64);
+    assert_eq!(table.files(), vec![p.as_path()]);
+    let names: Vec<String> = table.shards().iter().map(|s| s.0.to_string()).collect();
+    assert_eq!(names, (0..11).map(qwen).collect::<Vec<_>>());
+    let ids: Vec<i64> = (0..total as i64).rev().chain([0, 2, 3, 4, 7, 8]).collect();
+    let parts: Vec<&[u8]> = shards.iter().map(|t| t.3.as_slice()).collect();
+    assert_eq!(
+        table.gather(RowIds::I64(&ids)).unwrap(),
+        reference(&parts, 16, &ids)
+    );
+}
+
+#[test]
+fn indexed_directory_with_shards_in_two_files() {
+    let d = TempDir::new();
+    let s0 = tensor(&qwen(0), Dtype::F8_E4M3, &[10, 160], 1);
+    let s1 = tensor(&qwen(1), Dtype::F8_E4M3, &[7, 160], 2);
+    let s2 = tensor(&qwen(2), Dtype::F8_E4M3, &[5, 160], 3);
+    d.write("a.safetensors", &st(std::slice::from_ref(&s1)));
+    d.write("b.safetensors", &st(&[s2.clone(), s0.clone()]));
+    d.write(
+        INDEX_FILE,
+        &index_json(&[
+            (&qwen(0), "b.safetensors"),
+            (&qwen(1), "a.safetensors"),
+            (&qwen(2), "b.safetensors"),
+        ]),
+    );
+    let table = open(d.path(), &pattern(QWEN)).unwrap();
+    assert_eq!(table.rows(), 22);
+    assert_eq!(table.files().len(), 2);
+    let ids: Vec<i64> = vec![9, 10, 16, 17, 21, 0, 10, 10];
+    let want = reference(&[&s0.3, &s1.3, &s2.3], 160, &ids);
+    assert_eq!(table.gather(RowIds::I64(&ids)).unwrap(), want);
+    // The index file itself is also accepted as the path.
+    let t2 = open(&d.path().join(INDEX_FILE), &pattern(QWEN)).unwrap();
+    assert_eq!(t2.gather(RowIds::I64(&ids)).unwrap(), want);
+}
+
+#[test]
+fn fp8_scale_is_found_and_must_agree() {
+    let d = TempDir::new();
+    let w = tensor("ple.weight", Dtype::F8_E4M3, &[4, 16], 0);
+    for sname in ["ple.weight_scale", "ple.weight.scale", "ple.scale"] {
+        let p = d.write("s.safetensors", &st(&[w.clone(), scalar_f32(sname, 0.125)]));
+        let t = open(&p, &name("ple.weight")).unwrap();
+        assert_eq!(t.scale(), Some(0.125), "{sname}");
+        assert_eq!(t.scale_tensor(), Some(sname));
+    }
+    // A BF16 scale of 2.0 and a [1]-shaped one.
+    let bf = (
+        "ple.weight_scale".to_string(),
+        Dtype::BF16,
+        vec![1],
+        0x4000u16.to_le_bytes().to_vec(),
+    );
+    let p = d.write("bf.safetensors", &st(&[w.clone(), bf]));
+    assert_eq!(open(&p, &name("ple.weight")).unwrap().scale(), Some(2.0));
+    // A per-row scale is not a float: refused, not ignored.
+    let rowwise = tensor("ple.weight_scale", Dtype::F32, &[4, 1], 0);
+    let p = d.write("r.safetensors", &st(&[w.clone(), rowwise]));
+    let e = err_of(open(&p, &name("ple.weight")));
+    assert_eq!(e.kind(), ErrorKind::Table);
+    assert!(e.to_string().contains("scalar"), "{e}");
+    // Shards with different scales.
+    let a = tensor("s.0.weight", Dtype::F8_E4M3, &[2, 4], 0);
+    let b = tensor("s.1.weight", Dtype::F8_E4M3, &[2, 4], 1);
+    let p = d.write(
+        "m.safetensors",
+        &st(&[
+            a.clone(),
+            b.clone(),
+            scalar_f32("s.0.weight_scale", 1.0),
+            scalar_f32("s.1.weight_scale", 2.0),
+        ]),
+    );
+    let e = err_of(open(&p, &pattern("s.{}.weight")));
+    assert!(e.to_string().contains("different scales"), "{e}");
+    let p = d.write(
+        "m2.safetensors",
+        &st(&[a.clone(), b.clone(), scalar_f32("s.1.weight_scale", 2.0)]),
+    );
+    let e = err_of(open(&p, &pattern("s.{}.weight")));
+    assert!(e.to_string().contains("has a scale"), "{e}");
+    let p = d.write(
+        "m3.safetensors",
+        &st(&[
+            a,
+            b,
+            scalar_f32("s.0.weight_scale", 0.5),
+            scalar_f32("s.1.weight_scale", 0.5),
+        ]),
+    );
+    assert_eq!(
+        open(&p, &pattern("s.{}.weight")).unwrap().scale(),
+        Some(0.5)
+    );
+    // A BF16 table never looks for a scale.
+    let w16 = tensor("ple.weight", Dtype::BF16, &[4, 16], 0);
+    let p = d.write(
+        "b16.safetensors",
+        &st(&[w16, scalar_f32("ple.weight_scale", 3.0)]),
+    );
+    assert_eq!(open(&p, &name("ple.weight")).unwrap().scale(), None);
+}
+
+#[test]
+fn validation_errors_name_file_and_tensor() {
+    let d = TempDir::new();
+    let good = st(&[tensor("w", Dtype::BF16, &[8, 4], 0)]);
+    let p = d.write("good.safetensors", &good);
+    let cases: Vec<(Vec<T>, Selector, ErrorKind, &str)> = vec![
+        (
+            vec![tensor("w", Dtype::BF16, &[8, 4], 0)],
+            name("nope"),
+            ErrorKind::Table,
+            "no tensor named \"nope\"",
+        ),
+        (
+            vec![tensor("w", Dtype::BF16, &[8, 4], 0)],
+            pattern("s{}"),
+            ErrorKind::Table,
+            "no tensor matches",
+        ),
+        (
+            vec![tensor("w", Dtype::BF16, &[8], 0)],
+            name("w"),
+            ErrorKind::Table,
+            "2-D",
+        ),
+        (
+            vec![tensor("w", Dtype::BF16, &[2, 2, 2], 0)],
+            name("w"),
+            ErrorKind::Table,
+            "2-D",
+        ),
+        (
+            vec![tensor("w", Dtype::I32, &[2, 2], 0)],
+            name("w"),
+            ErrorKind::Table,
+            "unsupported dtype I32",
+        ),
+        (
+            vec![tensor("w", Dtype::BF16, &[2, 0], 0)],
+            name("w"),
+            ErrorKind::Table,
+            "zero-width",
+        ),
+        (
+            vec![tensor("w", Dtype::BF16, &[0, 4], 0)],
+            name("w"),
+            ErrorKind::Table,
+            "no rows",
+        ),
+        (
+            vec![
+                tensor("s0", Dtype::BF16, &[2, 4], 0),
+                tensor("s2", Dtype::BF16, &[2, 4], 0),
+            ],
+            pattern("s{}"),
+            ErrorKind::Table,
+            "shard 1 of \"s{}\" is missing",
+        ),
+        (
+            vec![
+                tensor("s0", Dtype::BF16, &[2, 4], 0),
+                tensor("s1", Dtype::BF16, &[2, 4], 0),
+                tensor("s01", Dtype::BF16, &[2, 4], 0),
+            ],
+            pattern("s{}"),
+            ErrorKind::Table,
+            "duplicate shard 1",
+        ),
+        (
+            vec![
+                tensor("s0", Dtype::BF16, &[2, 4], 0),
+                tensor("s1", Dtype::F16, &[2, 4], 0),
+            ],
+            pattern("s{}"),
+            ErrorKind::Table,
+            "shard \"s1\" is F16 but shard \"s0\" is BF16",
+        ),
+        (
+            vec![
+                tensor("s0", Dtype::BF16, &[2, 4], 0),
+                tensor("s1", Dtype::BF16, &[2, 5], 0),
+            ],
+            pattern("s{}"),
+            ErrorKind::Table,
+            "has 5 columns",
+        ),
+        (
+            vec![tensor("w", Dtype::BF16, &[2, 4], 0)],
+            pattern("w{}{}"),
+            ErrorKind::InvalidArgument,
+            "exactly one",
+        ),
+        (
+            vec![tensor("w", Dtype::BF16, &[2, 4], 0)],
+            pattern("w"),
+            ErrorKind::InvalidArgument,
+            "exactly one",
+        ),
+    ];
+    for (i, (ts, sel, kind, needle)) in cases.into_iter().enumerate() {
+        let f = d.write(&format!("case{i}.safetensors"), &st(&ts));
+        let e = err_of(open(&f, &sel));
+        assert_eq!(e.kind(), kind, "case {i}: {e}");
+        let msg = e.to_string();
+        assert!(msg.contains(needle), "case {i}: {msg}");
+        if kind == ErrorKind::Table {
+            assert!(
+                msg.contains(&format!("case{i}.safetensors")),
+                "case {i} names no file: {msg}"
+            );
+        }
+    }
+
+    // Truncated, trailing bytes, garbage, empty.
+    let cut = d.write("cut.safetensors", &good[..good.len() - 3]);
+    let e = err_of(open(&cut, &name("w")));
+    assert_eq!(e.kind(), ErrorKind::Table);
+    assert!(e.to_string().contains("truncated"), "{e}");
+    assert!(e.to_string().contains("cut.safetensors"), "{e}");
+    let mut long = good.clone();
+    long.extend([0, 0]);
+    let e = err_of(open(&d.write("long.safetensors", &long), &name("w")));
+    assert!(e.to_string().contains("trailing"), "{e}");
+    let e = err_of(open(
+        &d.write("junk.safetensors", b"\xff\xff\xff\xff\xff\xff\xff\x7fxx"),
+        &name("w"),
+    ));
+    assert!(e.to_string().contains("malformed header"), "{e}");
+    let e = err_of(open(&d.write("empty.safetensors", b""), &name("w")));
+    assert!(e.to_string().contains("too short"), "{e}");
+    let mut bad_json = good.clone();
+    bad_json[8] = b'[';
+    let e = err_of(open(&d.write("badjson.safetensors", &bad_json), &name("w")));
+    assert!(e.to_string().contains("malformed header"), "{e}");
+    // Missing path: an I/O error naming it.
+    let e = err_of(open(&d.path().join("absent.safetensors"), &name("w")));
+    assert_eq!(e.kind(), ErrorKind::Io);
+    assert!(e.to_string().contains("absent.safetensors"), "{e}");
+    assert!(open(&p, &name("w")).is_ok());
+}
+
+#[test]
+fn index_errors() {
+    let d = TempDir::new();
+    let s0 = tensor("s0", Dtype::BF16, &[2, 4], 0);
+    let s1 = tensor("s1", Dtype::BF16, &[2, 4], 1);
+    d.write("a.safetensors", &st(std::slice::from_ref(&s0)));
+    d.write("b.safetensors", &st(std::slice::from_ref(&s1)));
+    let check = |index: &[u8], needle: &str, kind: ErrorKind| {
+        d.write(INDEX_FILE, index);
+        let e = err_of(open(d.path(), &pattern("s{}")));
+        assert_eq!(e.kind(), kind, "{e}");
+        assert!(e.to_string().contains(needle), "{needle:?} not in {e}");
+    };
+    check(b"{not json", "malformed index", ErrorKind::Table);
+    check(
+        b"{\"weight_map\": 3}",
+        "no \"weight_map\"",
+        ErrorKind::Table,
+    );
+    check(
+        b"{\"weight_map\": {\"s0\": 7}}",
+        "not a file name",
+        ErrorKind::Table,
+    );
+    check(
+        &index_json(&[("s0", "../a.safetensors")]),
+        "inside the checkpoint",
+        ErrorKind::Table,
+    );
+    check(
+        &index_json(&[("s0", "/etc/passwd")]),
+        "inside the checkpoint",
+        ErrorKind::Table,
+    );
+    check(
+        &index_json(&[("s0", "missing.safetensors")]),
+        "missing.safetensors",
+        ErrorKind::Io,
+    );
+    check(
+        &index_json(&[("s0", "b.safetensors")]),
+        "not in this file's header",
+        ErrorKind::Table,
+    );
+    // s1 is in both files; the index puts it in b.
+    d.write("a.safetensors", &st(&[s0.clone(), s1.clone()]));
+    check(
+        &index_json(&[("s0", "a.safetensors"), ("s1", "b.safetensors")]),
+        "duplicate tensor \"s1\"",
+        ErrorKind::Table,
+    );
+    // The same file under two spellings is one file, not a duplicate.
+    d.write("a.safetensors", &st(&[s0, s1]));
+    d.write(
+        INDEX_FILE,
+        &index_json(&[("s0", "a.safetensors"), ("s1", "./a.safetensors")]),
+    );
+    let t = open(d.path(), &pattern("s{}")).unwrap();
+    assert_eq!((t.rows(), t.files().len()), (4, 1));
+    // A directory with neither index nor model file.
+    let empty = TempDir::new();
+    let e = err_of(open(empty.path(), &name("w")));
+    assert!(e.to_string().contains("neither"), "{e}");
+}
+
+#[test]
+fn bad_ids_and_destinations_write_nothing() {
+    let d = TempDir::new();
+    let p = d.write(
+        "t.safetensors",
+        &st(&[tensor("w", Dtype::F32, &[10, 3], 0)]),
+    );
+    let t = open(&p, &name("w")).unwrap();
+    for (ids, pos, id) in [
+        (vec![0i64, 9, 10], 2, 10),
+        (vec![-1], 0, -1),
+        (vec![3, i64::MIN], 1, i64::MIN),
+    ] {
+        let mut dst = vec![0xAAu8; ids.len() * 12];
+        let e = t.gather_into(RowIds::I64(&ids), &mut dst).unwrap_err();
+        match e {
+            Error::RowId {
+                id: got,
+                position,
+                rows,
+                ref table,
+            } => {
+                assert_eq!((got, position, rows), (id, pos, 10));
+                assert!(table.contains("\"w\""), "{table}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(dst.iter().all(|&b| b == 0xAA));
+    }
+    let mut dst = vec![0xAAu8; 24];
+    let e = t.gather_into(RowIds::I32(&[1, -5]), &mut dst).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::RowId);
+    assert!(dst.iter().all(|&b| b == 0xAA));
+    let e = t
+        .gather_into(RowIds::I32(&[1, 2]), &mut dst[..23])
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    t.gather_into(RowIds::I32(&[]), &mut []).unwrap();
+}
+
+#[test]
+fn parallel_gather_matches_inline() {
+    let d = TempDir::new();
+    let shards: Vec<T> = (0..3)
+        .map(|k| tensor(&format!("s{k}"), Dtype::F8_E4M3, &[1000, 160], k as u8))
+        .collect();
+    let p = d.write("t.safetensors", &st(&shards));
+    let par = MmapTable::open(
+        &p,
+        &pattern("s{}"),
+        TableOptions {
+            parallel_min_bytes: 0,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let seq = MmapTable::open(
+        &p,
+        &pattern("s{}"),
+        TableOptions {
+            parallel_min_bytes: usize::MAX,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let ids: Vec<i64> = (0..5000).map(|i| (i * 7919) % 3000).collect();
+    let a = par.gather(RowIds::I64(&ids)).unwrap();
+    let b = seq.gather(RowIds::I64(&ids)).unwrap();
+    let parts: Vec<&[u8]> = shards.iter().map(|t| t.3.as_slice()).collect();
+    assert_eq!(a, b);
+    assert_eq!(a, reference(&parts, 160, &ids));
+}
+
+/// A file large enough that page-cache effects are visible, written and synced (clean
+/// pages are what POSIX_FADV_DONTNEED can evict).
+fn big_table(d: &TempDir, rows: usize) -> PathBuf {
+    let t = tensor("w", Dtype::BF16, &[rows, 128], 7);
+    let p = d.write("big.safetensors", &st(&[t]));
+    std::fs::File::open(&p)
+        .and_then(|f| f.sync_all())
+        .expect("sync");
+    p
+}
+
+#[test]
+fn prewarm_raises_residency_and_drop_lowers_it() {
+    let d = TempDir::new();
+    let p = big_table(&d, 16384); // 4 MiB
+    let t = open(&p, &name("w")).unwrap();
+    let total = t.data_bytes();
+    t.drop_pages().unwrap();
+    let cold = t.resident_bytes().unwrap();
+    assert!(cold < total / 4, "after drop: {cold} of {total} resident");
+    assert_eq!(t.prewarm(total / 2).unwrap(), total / 2);
+    let half = t.resident_bytes().unwrap();
+    assert!(
+        half >= total / 2 && half > cold,
+        "after prewarm(half): {half} of {total}"
+    );
+    assert_eq!(t.prewarm(u64::MAX).unwrap(), total);
+    assert!(t.resident_bytes().unwrap() >= total);
+    t.drop_pages().unwrap();
+    let dropped = t.resident_bytes().unwrap();
+    assert!(dropped < total / 4, "after drop: {dropped} of {total}");
+    // Prewarm at open.
+    let t2 = MmapTable::open(
+        &p,
+        &name("w"),
+        TableOptions {
+            prewarm_bytes: Some(total),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(t2.resident_bytes().unwrap() >= total);
+}
+
+#[test]
+fn rss_budget_drops_pages_when_exceeded() {
+    let d = TempDir::new();
+    let p = big_table(&d, 16384); // 4 MiB, 256 B rows: 16 rows a page
+    let budget = 1 << 20;
+    let t = MmapTable::open(
+        &p,
+        &name("w"),
+        TableOptions {
+            rss_budget_bytes: Some(budget),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    t.drop_pages().unwrap();
+    // Read 200 distinct pages (800 KiB): under budget, nothing dropped.
+    let ids: Vec<i64> = (0..200).map(|pg| pg * 16).collect();
+    t.gather(RowIds::I64(&ids)).unwrap();
+    let s = t.page_stats();
+    assert_eq!((s.budget_drops, s.touched_bytes), (0, 200 * 4096));
+    let warm = t.resident_bytes().unwrap();
+    assert!(warm >= 200 * 4096, "{warm}");
+    // The same pages again: still under budget (a page counts once).
+    t.gather(RowIds::I64(&ids)).unwrap();
+    assert_eq!(t.page_stats().budget_drops, 0);
+    // 100 more pages cross 1 MiB: the gather drops the table's pages.
+    let more: Vec<i64> = (200..300).map(|pg| pg * 16).collect();
+    let rows = t.gather(RowIds::I64(&more)).unwrap();
+    let s = t.page_stats();
+    assert_eq!(s.budget_drops, 1);
+    assert_eq!(s.touched_bytes, 0);
+    assert_eq!(s.last_drop_error, None);
+    let after = t.resident_bytes().unwrap();
+    assert!(
+        after < warm / 4,
+        "residency {after} after the budget drop (was {warm})"
+    );
+    // The data is unaffected.
+    let plain = open(&p, &name("w")).unwrap();
+    assert_eq!(plain.gather(RowIds::I64(&more)).unwrap(), rows);
+    // Prewarm is capped by the budget.
+    assert_eq!(t.prewarm(u64::MAX).unwrap(), budget);
+}
+
+#[test]
+fn readahead_gathers_the_same_rows() {
+    let d = TempDir::new();
+    let p = big_table(&d, 4096);
+    let ra = MmapTable::open(
+        &p,
+        &name("w"),
+        TableOptions {
+            readahead: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let plain = open(&p, &name("w")).unwrap();
+    ra.drop_pages().unwrap();
+    let ids: Vec<i32> = vec![4095, 0, 1, 2, 17, 17, 2048];
+    assert_eq!(
+        ra.gather(RowIds::I32(&ids)).unwrap(),
+        plain.gather(RowIds::I32(&ids)).unwrap()
+    );
+}
+
+/// Mutate a valid checkpoint at random; opening must return a typed error or a valid
+/// table, never panic, and any table it opens must gather in bounds.
+fn open_any(bytes: &[u8], d: &TempDir, sel: &Selector) {
+    let p = d.write("fuzz.safetensors", bytes);
+    if let Ok(t) = open(&p, sel) {
+        let n = t.rows();
+        let ids = [0, n as i64 - 1, n as i64, -1];
+        let _ = t.gather(RowIds::I64(&ids));
+        let ok = t.gather(RowIds::I64(&ids[..2])).unwrap();
+        assert_eq!(ok.len(), 2 * t.row_bytes());
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn hostile_headers_never_panic(
+        edits in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..8),
+        cut in proptest::option::of(any::<usize>()),
+        header_len in proptest::option::of(any::<u64>()),
+        shards in 1usize..4,
+    ) {
+        let d = TempDir::new();
+        let mut ts: Vec<T> = (0..shards).map(|k| tensor(&format!("s{k}"), Dtype::BF16, &[3, 4], k as u8)).collect();
+        ts.push(scalar_f32("s0_scale", 1.0));
+        let mut bytes = st(&ts);
+        // Edits land mostly in the header, where the parser is.
+        let hl = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        for (pos, b) in edits {
+            let i = if pos % 4 == 0 { pos % bytes.len() } else { pos % hl };
+            bytes[i] = b;
+        }
+        if let Some(n) = header_len {
+            bytes[..8].copy_from_slice(&n.to_le_bytes());
+        }
+        if let Some(c) = cut {
+            bytes.truncate(c % (bytes.len() + 1));
+        }
+        open_any(&bytes, &d, &pattern("s{}"));
+        open_any(&bytes, &d, &name("s0"));
+    }
+
+    #[test]
+    fn gather_matches_reference(
+        rows in proptest::collection::vec(1usize..40, 1..5),
+        cols in 1usize..24,
+        ids in proptest::collection::vec(any::<u32>(), 0..300),
+        parallel in any::<bool>(),
+    ) {
+        let d = TempDir::new();
+        let ts: Vec<T> = rows.iter().enumerate().map(|(k, &r)| tensor(&format!("p.{k}.w"), Dtype::F16, &[r, cols], k as u8)).collect();
+        let p = d.write("t.safetensors", &st(&ts));
+        let opts = TableOptions { parallel_min_bytes: if parallel { 0 } else { usize::MAX }, ..Default::default() };
+        let t = MmapTable::open(&p, &pattern("p.{}.w"), opts).unwrap();
+        let total: usize = rows.iter().sum();
+        let ids: Vec<i64> = ids.iter().map(|&i| i64::from(i) % total as i64).collect();
+        let parts: Vec<&[u8]> = ts.iter().map(|t| t.3.as_slice()).collect();
+        prop_assert_eq!(t.gather(RowIds::I64(&ids)).unwrap(), reference(&parts, cols * 2, &ids));
+    }
+}
+
+/// Inline vs pool gather times on a resident table; how PARALLEL_MIN_BYTES was chosen.
+/// `cargo test --release -- --ignored --nocapture gather_timings`
+#[test]
+#[ignore = "timing measurement, run by hand in release mode"]
+fn gather_timings() {
+    use std::time::Instant;
+    let d = TempDir::new();
+    for row_bytes in [160usize, 320] {
+        let rows = 1 << 20;
+        let t = tensor("w", Dtype::F8_E4M3, &[rows, row_bytes], 1);
+        let p = d.write(&format!("t{row_bytes}.safetensors"), &st(&[t]));
+        let mk = |min| {
+            MmapTable::open(
+                &p,
+                &name("w"),
+                TableOptions {
+                    parallel_min_bytes: min,
+                    ..Default::default()
+                },
+            )
+            .unwrap()
+        };
+        let (seq, par) = (mk(usize::MAX), mk(0));
+        seq.prewarm(u64::MAX).unwrap();
+        println!("row_bytes={row_bytes}  (median ns over 2000 reps, 8 rotating id sets)");
+        println!(
+            "{:>8} {:>10} {:>10} {:>10}",
+            "rows", "bytes", "inline", "pool"
+        );
+        for n in [16usize, 64, 256, 512, 1024, 2048, 4096, 8192, 16384] {
+            let sets: Vec<Vec<i64>> = (0..8u64)
+                .map(|s| {
+                    (0..n as u64)
+                        .map(|i| ((i * 2654435761 + s * 97) % rows as u64) as i64)
+                        .collect()
+                })
+                .collect();
+            let mut dst = vec![0u8; n * row_bytes];
+            let med = |t: &MmapTable, dst: &mut [u8]| {
+                let mut v: Vec<u128> = (0..2000)
+                    .map(|r| {
+                        let t0 = Instant::now();
+                        t.gather_into(RowIds::I64(&sets[r % 8]), dst).unwrap();
+                        t0.elapsed().as_nanos()
+                    })
+                    .collect();
+                v.sort_unstable();
+                v[v.len() / 2]
+            };
+            let a = med(&seq, &mut dst);
+            let b = med(&par, &mut dst);
+            println!("{n:>8} {:>10} {a:>10} {b:>10}", n * row_bytes);
+        }
+    }
+}
