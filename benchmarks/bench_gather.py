@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from ple_memops import MmapTable
 from safetensors.torch import save_file
+
+from ple_memops import MmapTable
 
 SIZES = (16, 256, 4096)
 ROW_BYTES = (160, 320)

@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import ple_memops
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
+import ple_memops
 from ple_memops import (
     ClosedError,
     InvalidArgumentError,
@@ -20,7 +22,6 @@ from ple_memops import (
     TableError,
     TableIoError,
 )
-from safetensors.torch import load_file, save_file
 
 QWEN = "model.layers.2.ple.ple_embedding.ngram_embedding.shard_{}.weight"
 GEMMA = "model.language_model.embed_tokens_per_layer.weight"

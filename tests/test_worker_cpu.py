@@ -127,3 +127,28 @@ def test_row_width_must_match(table: pm.MmapTable) -> None:
     rows = pm.DeferredRows(8, WIDTH * 2, device="cpu")
     with pytest.raises(pm.InvalidArgumentError, match="bytes"):
         pm.GatherWorker(rows, table)
+
+
+def test_fill_from_gathers_straight_into_the_slot(table: pm.MmapTable) -> None:
+    rows = pm.DeferredRows(16, WIDTH, device="cpu")
+    ids = np.array([0, ROWS - 1, 5, 5, 999], dtype=np.int32)
+    rows.begin(8)
+    rows.fill_from(table, ids)
+    rows.complete()
+    np.testing.assert_array_equal(rows.staging[:5], table.gather(ids))
+    assert not rows.staging[5:8].any()
+    before = rows.staging.copy()
+    rows.begin(8)
+    with pytest.raises(pm.RowIdError):
+        rows.fill_from(table, [1, ROWS])
+    np.testing.assert_array_equal(rows.staging, before)
+    assert rows.phase == "pending"  # nothing was published; the step can still be filled
+    rows.fill_from(table, [2, 3])
+    rows.complete()
+    with pytest.raises(pm.RowShapeError):
+        rows.begin(2)
+        rows.fill_from(table, [1, 2, 3])
+    narrow = pm.DeferredRows(4, WIDTH // 2, device="cpu")
+    narrow.begin(1)
+    with pytest.raises(pm.RowShapeError, match="bytes"):
+        narrow.fill_from(table, [1])

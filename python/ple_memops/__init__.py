@@ -16,6 +16,7 @@ from ._deferred import (
     probe,
     retained_bytes,
 )
+from ._worker import GatherWorker, WorkerStats
 from .errors import (
     ClosedError,
     CudaDriverError,
@@ -38,6 +39,7 @@ __all__ = [
     "ClosedError",
     "CudaDriverError",
     "DeferredRows",
+    "GatherWorker",
     "InvalidArgumentError",
     "MmapTable",
     "PleMemopsError",
@@ -50,6 +52,7 @@ __all__ = [
     "TableError",
     "TableIoError",
     "UnsupportedError",
+    "WorkerStats",
     "create_group",
     "probe",
     "retained_bytes",

@@ -17,6 +17,8 @@ from .errors import InvalidArgumentError, RowShapeError
 if TYPE_CHECKING:
     import torch
 
+    from .table import MmapTable
+
 __all__ = ["Capability", "DeferredRows", "Stats", "create_group", "probe"]
 
 _LIVE: weakref.WeakSet[DeferredRows] = weakref.WeakSet()
@@ -271,6 +273,18 @@ class DeferredRows:
         core = self._live()
         arr = _as_rows(rows, core.row_bytes)
         core.fill(arr, self._fill_stream(stream), float(busy_wait))
+
+    def fill_from(
+        self, table: MmapTable, ids: Any, *, stream: Any = None, busy_wait: float = 0.0
+    ) -> None:
+        """Gather rows ``ids`` of ``table`` straight into the pinned slot (native, GIL
+        released; no intermediate array) and publish them, as :meth:`fill` does. Every id
+        is checked first: a bad one raises :class:`~ple_memops.RowIdError` and nothing is
+        written or signalled."""
+        from .table import _as_ids
+
+        core = self._live()
+        core.fill_from(table._live(), _as_ids(ids), self._fill_stream(stream), float(busy_wait))
 
     def prepare_dummy(self, *, stream: Any = None, busy_wait: float = 0.0) -> None:
         """Publish the pending step without data (warm-up, profiling, capture passes)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,6 +18,15 @@ if TYPE_CHECKING:
     from .table import MmapTable
 
 __all__ = ["GatherWorker", "WorkerStats"]
+
+_LIVE: weakref.WeakSet[GatherWorker] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    # Stop the native threads and release any pending step before the interpreter goes.
+    for worker in list(_LIVE):
+        worker.close()
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,7 @@ class GatherWorker:
             sizes,
             publish,
         )
+        _LIVE.add(self)
 
     @property
     def rows(self) -> DeferredRows:
@@ -167,6 +179,7 @@ class GatherWorker:
         core, self._core = self._core, None
         if core is not None:
             core.close()
+        _LIVE.discard(self)
 
     def __enter__(self) -> GatherWorker:
         return self

@@ -31,6 +31,21 @@ pub trait RowSource: Send + Sync {
     fn gather_rows(&self, ids: &[i64], dst: &mut [u8]) -> Result<()>;
 }
 
+impl RowSource for crate::table::MmapTable {
+    fn rows(&self) -> u64 {
+        crate::table::MmapTable::rows(self)
+    }
+    fn row_bytes(&self) -> usize {
+        crate::table::MmapTable::row_bytes(self)
+    }
+    fn name(&self) -> String {
+        self.label().to_string()
+    }
+    fn gather_rows(&self, ids: &[i64], dst: &mut [u8]) -> Result<()> {
+        self.gather_into(crate::table::RowIds::I64(ids), dst)
+    }
+}
+
 /// How a published id becomes a table row.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RowMap {
@@ -154,10 +169,10 @@ struct Shared {
     stop: AtomicBool,
 }
 
-/// See the module docs.
+/// See the module docs. Every method takes `&self`; the object is `Send + Sync`.
 pub struct GatherWorker {
     shared: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 const SPIN: Duration = Duration::from_micros(100);
@@ -239,7 +254,7 @@ impl GatherWorker {
             .map_err(|e| Error::invalid(format!("cannot start the gather worker thread: {e}")))?;
         Ok(Self {
             shared,
-            thread: Some(thread),
+            thread: Mutex::new(Some(thread)),
         })
     }
 
@@ -401,8 +416,14 @@ impl GatherWorker {
         Ok(())
     }
 
-    /// Stop the worker thread; a step still armed is aborted (the GPU is released).
-    pub fn close(&mut self) {
+    /// Whether `close()` ran.
+    pub fn is_closed(&self) -> bool {
+        self.shared.stop.load(Ordering::Acquire)
+    }
+
+    /// Stop the worker thread (idempotent); a step still armed is aborted (the GPU is
+    /// released).
+    pub fn close(&self) {
         let sh = &self.shared;
         sh.stop.store(true, Ordering::Release);
         {
@@ -412,7 +433,8 @@ impl GatherWorker {
             }
             sh.cv.notify_all();
         }
-        if let Some(t) = self.thread.take() {
+        let handle = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = handle {
             let _ = t.join();
         }
         sh.rows.set_worker_fed(false);
@@ -633,7 +655,7 @@ mod tests {
             rows: 100,
             width: 4,
         });
-        let mut w = GatherWorker::new(
+        let w = GatherWorker::new(
             rows.clone(),
             src,
             RowMap::Identity,
@@ -670,7 +692,7 @@ mod tests {
         let mut staging = vec![0u8; 4 * 4];
         let rows = host_rows(4, 4, &mut staging);
         let src = Arc::new(Counting { rows: 10, width: 4 });
-        let mut w = GatherWorker::new(
+        let w = GatherWorker::new(
             rows.clone(),
             src,
             RowMap::Identity,

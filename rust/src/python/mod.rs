@@ -3,6 +3,7 @@
 //! [`Error`] to the package's exceptions in exactly one place ([`to_pyerr`]).
 
 mod table;
+mod worker;
 
 use std::time::Duration;
 
@@ -31,7 +32,7 @@ pub(crate) fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
     }
 }
 
-trait IntoPy<T> {
+pub(crate) trait IntoPy<T> {
     fn py(self, py: Python<'_>) -> PyResult<T>;
 }
 
@@ -41,11 +42,11 @@ impl<T> IntoPy<T> for crate::error::Result<T> {
     }
 }
 
-fn stream_of(raw: Option<u64>) -> Option<RawStream> {
+pub(crate) fn stream_of(raw: Option<u64>) -> Option<RawStream> {
     raw.map(|s| s as usize as RawStream)
 }
 
-fn secs(s: f64, what: &str) -> crate::error::Result<Duration> {
+pub(crate) fn secs(s: f64, what: &str) -> crate::error::Result<Duration> {
     if !s.is_finite() || s < 0.0 {
         return Err(Error::invalid(format!(
             "{what} must be a finite number of seconds >= 0, got {s}"
@@ -61,6 +62,13 @@ pub struct PyDeferredRows {
     /// The object that owns the staging memory (a tensor or array), kept alive with us.
     #[allow(dead_code)]
     staging_owner: Py<PyAny>,
+}
+
+impl PyDeferredRows {
+    /// The Rust object, for other bindings (the gather worker).
+    pub(crate) fn rows(&self) -> &DeferredRows {
+        &self.inner
+    }
 }
 
 #[pymethods]
@@ -211,6 +219,52 @@ impl PyDeferredRows {
         let inner = &self.inner;
         py.detach(|| inner.fill(data, stream_of(stream), wait))
             .py(py)
+    }
+
+    /// Gather `ids` (numpy int64/int32) from `table` straight into the slot and publish.
+    #[pyo3(signature = (table, ids, stream=None, busy_wait_s=0.0))]
+    fn fill_from(
+        &self,
+        py: Python<'_>,
+        table: &Bound<'_, table::PyMmapTable>,
+        ids: &Bound<'_, PyAny>,
+        stream: Option<u64>,
+        busy_wait_s: f64,
+    ) -> PyResult<()> {
+        let wait = secs(busy_wait_s, "busy_wait").py(py)?;
+        let table = table.get().table();
+        if table.row_bytes() != self.inner.row_bytes() {
+            return Err(to_pyerr(
+                py,
+                Error::rows(format!(
+                    "table rows are {} bytes, this object's rows are {}",
+                    table.row_bytes(),
+                    self.inner.row_bytes()
+                )),
+            ));
+        }
+        let ids = table::extract_ids(ids).py(py)?;
+        let inner = &self.inner;
+        let s = stream;
+        match &ids {
+            table::Ids::I64(a) => {
+                let v = table::slice_or_copy(a);
+                py.detach(|| {
+                    inner.fill_with(v.len(), stream_of(s), wait, |dst| {
+                        table.gather_into(crate::table::RowIds::I64(&v), dst)
+                    })
+                })
+            }
+            table::Ids::I32(a) => {
+                let v = table::slice_or_copy(a);
+                py.detach(|| {
+                    inner.fill_with(v.len(), stream_of(s), wait, |dst| {
+                        table.gather_into(crate::table::RowIds::I32(&v), dst)
+                    })
+                })
+            }
+        }
+        .py(py)
     }
 
     #[pyo3(signature = (stream=None, busy_wait_s=0.0))]
@@ -367,5 +421,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(error_kinds, m)?)?;
     m.add_function(wrap_pyfunction!(_raise_kind, m)?)?;
     table::register(m)?;
+    worker::register(m)?;
     Ok(())
 }

@@ -17,19 +17,21 @@ use crate::error::Error;
 use crate::table::{MmapTable, RowIds, Selector, TableOptions};
 
 /// Ids borrowed from a numpy array (or copied, when it is strided).
-enum Ids<'py> {
+pub(crate) enum Ids<'py> {
     I64(PyReadonlyArray1<'py, i64>),
     I32(PyReadonlyArray1<'py, i32>),
 }
 
-fn slice_or_copy<'a, T: numpy::Element + Copy>(a: &'a PyReadonlyArray1<'_, T>) -> Cow<'a, [T]> {
+pub(crate) fn slice_or_copy<'a, T: numpy::Element + Copy>(
+    a: &'a PyReadonlyArray1<'_, T>,
+) -> Cow<'a, [T]> {
     match a.as_slice() {
         Ok(s) => Cow::Borrowed(s),
         Err(_) => Cow::Owned(a.as_array().iter().copied().collect()),
     }
 }
 
-fn extract_ids<'py>(ids: &Bound<'py, PyAny>) -> Result<Ids<'py>, Error> {
+pub(crate) fn extract_ids<'py>(ids: &Bound<'py, PyAny>) -> Result<Ids<'py>, Error> {
     let borrow = |e: numpy::BorrowError| Error::invalid(format!("ids: {e}"));
     if let Ok(a) = ids.cast::<PyArray1<i64>>() {
         return a.try_readonly().map(Ids::I64).map_err(borrow);
@@ -54,7 +56,6 @@ pub struct PyMmapTable {
 
 impl PyMmapTable {
     /// The Rust table, for other bindings (e.g. `DeferredRows.fill_from`) to gather from.
-    #[allow(dead_code)]
     pub(crate) fn table(&self) -> &MmapTable {
         &self.inner
     }

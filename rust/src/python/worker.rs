@@ -1,0 +1,132 @@
+//! `ple_memops._native.GatherWorkerCore`: the native half of `ple_memops.GatherWorker`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use numpy::PyReadonlyArray1;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::table::PyMmapTable;
+use super::{secs, stream_of, to_pyerr, IntoPy, PyDeferredRows};
+use crate::error::Error;
+use crate::worker::{GatherWorker, PublishPath, RowMap, RowSource};
+
+/// The native half of `ple_memops.GatherWorker` (use that class, not this one).
+#[pyclass(name = "GatherWorkerCore", module = "ple_memops._native", frozen)]
+pub struct PyGatherWorker {
+    inner: GatherWorker,
+}
+
+#[pymethods]
+impl PyGatherWorker {
+    #[new]
+    #[pyo3(signature = (rows, table, max_ids, id_bytes, offsets=None, sizes=None, publish="kernel"))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        rows: &Bound<'_, PyDeferredRows>,
+        table: &Bound<'_, PyMmapTable>,
+        max_ids: usize,
+        id_bytes: usize,
+        offsets: Option<Vec<i64>>,
+        sizes: Option<Vec<i64>>,
+        publish: &str,
+    ) -> PyResult<Self> {
+        let path = match publish {
+            "kernel" => PublishPath::Kernel,
+            "memop" => PublishPath::Memop,
+            other => {
+                return Err(to_pyerr(
+                    py,
+                    Error::invalid(format!(
+                        "publish must be 'kernel' or 'memop', got {other:?}"
+                    )),
+                ))
+            }
+        };
+        let map = match (offsets, sizes) {
+            (None, None) => RowMap::Identity,
+            (Some(offsets), Some(sizes)) => RowMap::PerHead { offsets, sizes },
+            _ => {
+                return Err(to_pyerr(
+                    py,
+                    Error::invalid("give both offsets and sizes, or neither"),
+                ))
+            }
+        };
+        let rows = rows.get().rows().clone();
+        let source: Arc<dyn RowSource> = Arc::new(table.get().table().clone());
+        let inner = py
+            .detach(|| GatherWorker::new(rows, source, map, max_ids, id_bytes, path))
+            .py(py)?;
+        Ok(Self { inner })
+    }
+
+    #[getter]
+    fn max_ids(&self) -> usize {
+        self.inner.max_ids()
+    }
+
+    fn begin(&self, py: Python<'_>, rows: usize) -> PyResult<u64> {
+        self.inner.begin(rows).py(py)
+    }
+
+    fn complete(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+        let t: Duration = secs(timeout_s, "timeout").py(py)?;
+        let inner = &self.inner;
+        py.detach(|| inner.complete(t)).py(py)
+    }
+
+    /// Enqueue the publish on `stream` (a raw handle).
+    fn publish(
+        &self,
+        py: Python<'_>,
+        stream: u64,
+        ids_ptr: u64,
+        n_ids: usize,
+        count_ptr: u64,
+    ) -> PyResult<()> {
+        let s = stream_of(Some(stream)).expect("a stream was given");
+        // SAFETY: the wrapper passes torch's current stream of the rows' device and the
+        // data pointers of CUDA tensors it checked (dtype, shape, device); their owners keep
+        // them alive for as long as the graphs that capture the publish (documented).
+        unsafe { self.inner.publish(s, ids_ptr, n_ids, count_ptr) }.py(py)
+    }
+
+    fn publish_from_host(&self, py: Python<'_>, ids: PyReadonlyArray1<'_, i64>) -> PyResult<()> {
+        let v = ids
+            .as_slice()
+            .map_err(|_| to_pyerr(py, Error::rows("ids must be contiguous")))?;
+        self.inner.publish_from_host(v).py(py)
+    }
+
+    fn close(&self, py: Python<'_>) {
+        let inner = &self.inner;
+        py.detach(|| inner.close());
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        for (k, v) in [
+            ("steps", s.steps),
+            ("fills", s.fills),
+            ("failures", s.failures),
+            ("ids_total", s.ids_total),
+            ("ready_to_filled_ns_last", s.ready_to_filled_ns_last),
+            ("ready_to_filled_ns_max", s.ready_to_filled_ns_max),
+            ("ready_to_filled_ns_total", s.ready_to_filled_ns_total),
+            ("armed_to_ready_ns_last", s.armed_to_ready_ns_last),
+            ("publishes_captured", s.publishes_captured),
+            ("publishes_eager", s.publishes_eager),
+        ] {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyGatherWorker>()
+}
