@@ -68,6 +68,7 @@ class IdGraph:
         sleep_cycles: int = 0,
         poison_at: int | None = None,
         dtype: str = "int64",
+        pre_sleep_cycles: int = 0,
     ) -> None:
         self.torch, self.n, self.modulo, self.poison_at = torch, n, modulo, poison_at
         rows = worker.rows
@@ -79,6 +80,8 @@ class IdGraph:
         self.end = torch.cuda.Event()
 
         def body() -> None:
+            if pre_sleep_cycles:
+                torch.cuda._sleep(pre_sleep_cycles)  # GPU work before the ids exist
             self.counter.add_(1)
             v = (self.counter * 7919 + self.lanes * 104729) % modulo
             if poison_at is not None:
@@ -132,6 +135,7 @@ def test_captured_ids_1000_replays(torch, table: pm.MmapTable, publish: str) -> 
         s = w.stats()
         assert s.fills == 1001 and s.failures == 0 and s.publishes_captured == 1
         assert s.ready_to_filled_ns_last > 0
+        assert rows.stats().fills == 1001
 
 
 def test_int32_ids_with_per_head_vocabularies(torch, table: pm.MmapTable) -> None:  # type: ignore[no-untyped-def]
@@ -176,7 +180,7 @@ def test_bad_id_from_the_gpu_releases_and_poisons(torch, table: pm.MmapTable, pu
 def test_abort_mid_step_releases(torch, table: pm.MmapTable) -> None:  # type: ignore[no-untyped-def]
     rows = pm.DeferredRows(16, WIDTH, device=0, watchdog=None)
     w = pm.GatherWorker(rows, table)
-    g = IdGraph(torch, w, 16, sleep_cycles=100_000_000)  # ~50 ms before the publish
+    g = IdGraph(torch, w, 16, pre_sleep_cycles=100_000_000)  # GPU busy before the publish
     w.begin(16)
     g.replay()
     rows.abort("scheduler cancelled the step")
@@ -189,7 +193,7 @@ def test_abort_mid_step_releases(torch, table: pm.MmapTable) -> None:  # type: i
 def test_watchdog_releases_when_ids_come_too_late(torch, table: pm.MmapTable) -> None:  # type: ignore[no-untyped-def]
     rows = pm.DeferredRows(16, WIDTH, device=0, watchdog=0.05)
     w = pm.GatherWorker(rows, table)
-    g = IdGraph(torch, w, 16, sleep_cycles=400_000_000)  # ~0.2 s of GPU work first
+    g = IdGraph(torch, w, 16, pre_sleep_cycles=400_000_000)  # GPU busy before the publish
     w.begin(16)
     g.replay()
     with pytest.raises(pm.PoisonedError, match="watchdog"):
@@ -201,7 +205,7 @@ def test_watchdog_releases_when_ids_come_too_late(torch, table: pm.MmapTable) ->
 def test_closing_the_worker_releases_a_pending_step(torch, table: pm.MmapTable) -> None:  # type: ignore[no-untyped-def]
     rows = pm.DeferredRows(16, WIDTH, device=0, watchdog=None)
     w = pm.GatherWorker(rows, table)
-    g = IdGraph(torch, w, 16, sleep_cycles=100_000_000)
+    g = IdGraph(torch, w, 16, pre_sleep_cycles=100_000_000)
     w.begin(16)
     g.replay()
     del w  # the last reference: the native worker's drop must release the step

@@ -34,7 +34,8 @@ pub struct Config {
     /// Abort a step that nobody fills within this bound (`None`: never).
     pub watchdog: Option<Duration>,
     /// Enqueue an extra WRITE before the WAIT so `fill` can tell whether the GPU was
-    /// already waiting (counted in [`Stats::gpu_waited`]). Costs one stream write a step.
+    /// already waiting (counted in [`Stats::gpu_waited`]). Costs one stream write a step
+    /// (two on the memop path).
     pub track_arrival: bool,
     /// How the consumer's side runs on the GPU (deferred mode only).
     pub copy: CopyPath,
@@ -661,6 +662,9 @@ impl Shared {
                     )?;
                     driver::copy_h2d_async(staging, self.slot_ptr, bytes, stream, dev)?;
                     driver::write_u32(stream, flag.gate_device_ptr(), HostFlag::EMPTY, dev)?;
+                    if self.cfg.track_arrival {
+                        driver::write_u32(stream, flag.arrived_device_ptr(), 0, dev)?;
+                    }
                 }
             }
         }
@@ -747,7 +751,7 @@ impl Shared {
         match (self.mode, self.staging) {
             (Mode::Deferred, _) => {
                 let flag = self.flag.as_ref().expect("deferred mode has a flag");
-                if self.cfg.track_arrival && flag.take_arrived() {
+                if self.cfg.track_arrival && flag.gpu_arrived() {
                     inner.stats.gpu_waited += 1;
                 }
                 flag.store_filled();

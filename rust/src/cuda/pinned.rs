@@ -123,8 +123,8 @@ impl Drop for PinnedBuf {
 /// The flag line of one `DeferredRows`: a 64-byte region in pinned, device-mapped memory.
 ///
 /// Layout (little-endian): bytes 0..4 `filled` (host stores FILLED, the GPU writes EMPTY
-/// after its copy), bytes 4..8 `poison` (host only, sticky), bytes 8..12 `arrived` (the
-/// GPU writes 1 when it reaches the WAIT, when arrival tracking is on).
+/// after its copy), bytes 4..8 `poison` (host only, sticky), bytes 8..12 `arrived` (with
+/// arrival tracking, the GPU writes 1 just before the wait and 0 after the copy).
 ///
 /// The GPU waits with one 64-bit `(word & mask) != 0` on bytes 0..8, so setting `poison`
 /// opens the gate for this and every later replay, while the GPU's 32-bit EMPTY write can
@@ -185,9 +185,10 @@ impl HostFlag {
         self.buf.word(4).store(1, Ordering::SeqCst);
     }
 
-    /// Read and clear the `arrived` word.
-    pub fn take_arrived(&self) -> bool {
-        self.buf.word(8).swap(0, Ordering::AcqRel) != 0
+    /// Whether the GPU has reached this step's wait: it sets `arrived` just before the
+    /// wait and clears it after the copy, so at fill time 1 means "already waiting".
+    pub fn gpu_arrived(&self) -> bool {
+        self.buf.word(8).load(Ordering::Acquire) != 0
     }
 
     pub fn retain_forever(&mut self) {

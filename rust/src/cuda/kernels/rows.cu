@@ -15,8 +15,8 @@
 #include <stdint.h>
 
 // Launch with gridDim.x == 1. `gate` is the device address of the flag line: bytes 0..4
-// `filled`, 4..8 `poison`; the kernel proceeds once (gate & mask) != 0 and ends by
-// writing EMPTY (0) into `filled`, leaving `poison` alone.
+// `filled`, 4..8 `poison`, 8..12 `arrived`; the kernel proceeds once (gate & mask) != 0
+// and ends by writing EMPTY (0) into `filled` and 0 into `arrived`, leaving `poison` alone.
 extern "C" __global__ void ple_wait_copy_reset(const uint4* src, uint4* __restrict__ dst,
                                                unsigned long long n, unsigned int* gate,
                                                unsigned long long mask) {
@@ -42,6 +42,9 @@ extern "C" __global__ void ple_wait_copy_reset(const uint4* src, uint4* __restri
     if (threadIdx.x == 0) {
         __threadfence_system();
         *(volatile unsigned int*)gate = 0u;
+        // Clear `arrived` (bytes 8..12), which an optional stream write set before this
+        // kernel: the host reads it at fill time to learn whether the GPU was waiting.
+        gate[2] = 0u;
     }
 }
 
