@@ -79,8 +79,8 @@ class IdGraph:
         self.out = torch.zeros_like(rows.staging)
         self.end = torch.cuda.Event()
 
-        def body() -> None:
-            if pre_sleep_cycles:
+        def body(warm: bool = False) -> None:
+            if pre_sleep_cycles and not warm:
                 torch.cuda._sleep(pre_sleep_cycles)  # GPU work before the ids exist
             self.counter.add_(1)
             v = (self.counter * 7919 + self.lanes * 104729) % modulo
@@ -88,7 +88,7 @@ class IdGraph:
                 v = torch.where((self.counter == poison_at) & (self.lanes == 0), TABLE_ROWS + 5, v)
             self.ids.copy_(v.to(tdt))
             worker.publish(self.ids)
-            if sleep_cycles:
+            if sleep_cycles and not warm:
                 torch.cuda._sleep(sleep_cycles)
             rows.enqueue(rows=n)
             self.out.copy_(rows.staging)
@@ -99,7 +99,7 @@ class IdGraph:
             # Eager warm-up through the worker itself: publish, enqueue before the fill (the
             # worker fills it; no host-thread sync can block it), complete.
             worker.begin(n)
-            body()
+            body(warm=True)
             worker.complete(timeout=10.0)
         torch.cuda.synchronize()
         self.counter.zero_()
