@@ -78,6 +78,20 @@ fn prefetch_row(data: &[u8], off: usize, len: usize) {
     }
 }
 
+/// [`RowSource::copy`] for one shard and rows of exactly `N` bytes.
+#[inline(always)]
+fn copy_fixed<T: Id, const N: usize>(data: &[u8], ids: &[T], dst: &mut [u8]) {
+    for (i, (&id, out)) in ids.iter().zip(dst.chunks_exact_mut(N)).enumerate() {
+        if let Some(&next) = ids.get(i + PREFETCH_AHEAD) {
+            prefetch_row(data, next.as_i64() as usize * N, N);
+        }
+        let off = id.as_i64() as usize * N;
+        let src: &[u8; N] = data[off..off + N].try_into().expect("N-byte row");
+        let out: &mut [u8; N] = out.try_into().expect("N-byte row");
+        *out = *src;
+    }
+}
+
 /// A row id type the gather accepts.
 pub(crate) trait Id: Copy + Send + Sync {
     fn as_i64(self) -> i64;
@@ -142,6 +156,14 @@ impl RowSource<'_> {
     pub fn copy<T: Id>(&self, ids: &[T], dst: &mut [u8]) {
         let rb = self.row_bytes;
         if let [seg] = self.segments {
+            let data = &self.files[seg.file].map[seg.start..seg.start + seg.len];
+            // The PLE row widths (160 B FP8, 320 B BF16) get a copy of a compile-time size:
+            // inlined vector moves instead of a memcpy call per row.
+            match rb {
+                160 => return copy_fixed::<T, 160>(data, ids, dst),
+                320 => return copy_fixed::<T, 320>(data, ids, dst),
+                _ => {}
+            }
             // One shard (the common case): no search, one bounds-checked slice.
             let data = &self.files[seg.file].map[seg.start..seg.start + seg.len];
             for (i, (&id, out)) in ids.iter().zip(dst.chunks_exact_mut(rb)).enumerate() {
