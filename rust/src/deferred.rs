@@ -521,14 +521,8 @@ impl DeferredRows {
                 // SAFETY: stream is live (caller); memory stays alive until the event
                 // recorded below has completed (Drop waits for it).
                 unsafe { s.issue(stream, n, dev)? };
-                let ev = match inner.last_copy.take() {
-                    Some(ev) => ev,
-                    None => Event::new(dev)?,
-                };
-                // SAFETY: live, non-capturing stream.
-                unsafe { ev.record(stream)? };
-                inner.last_copy = Some(ev);
-                inner.copy_pending = true;
+                // SAFETY: live, non-capturing stream (capture was ruled out above).
+                unsafe { inner.record_copy(stream, dev)? };
                 inner.phase = next;
                 inner.stats.eager_enqueues += 1;
                 Ok(Enqueued::Eager)
@@ -610,6 +604,26 @@ impl DeferredRows {
     /// The slot's current bytes (tests and diagnostics).
     pub fn slot_snapshot(&self) -> Vec<u8> {
         self.shared.lock().slot.bytes().to_vec()
+    }
+}
+
+impl Inner {
+    /// Record that an eager copy reading the slot was just enqueued on `stream`, so the
+    /// slot is not rewritten (sync mode) or freed (drop) before it completes.
+    ///
+    /// # Safety
+    /// `stream` is live and not capturing.
+    unsafe fn record_copy(&mut self, stream: RawStream, dev: i32) -> Result<()> {
+        let ev = match self.last_copy.take() {
+            Some(ev) => ev,
+            None => Event::new(dev)?,
+        };
+        // SAFETY: the caller's contract.
+        let recorded = unsafe { ev.record(stream) };
+        self.last_copy = Some(ev);
+        recorded?;
+        self.copy_pending = true;
+        Ok(())
     }
 }
 
@@ -767,14 +781,8 @@ impl Shared {
                 // SAFETY: live stream (caller); pinned slot and staging hold `bytes`; the
                 // slot is not rewritten before the event recorded below completes.
                 unsafe { driver::copy_h2d_async(staging, src, bytes, stream, dev)? };
-                let ev = match inner.last_copy.take() {
-                    Some(ev) => ev,
-                    None => Event::new(dev)?,
-                };
                 // SAFETY: live, non-capturing stream (checked in fill_impl).
-                unsafe { ev.record(stream)? };
-                inner.last_copy = Some(ev);
-                inner.copy_pending = true;
+                unsafe { inner.record_copy(stream, dev)? };
             }
             (Mode::Host, Target::Host { staging }) => {
                 let src = inner.slot.bytes();

@@ -55,6 +55,18 @@ pub(crate) fn secs(s: f64, what: &str) -> crate::error::Result<Duration> {
     Ok(Duration::from_secs_f64(s))
 }
 
+/// A dict of named counters (the `stats()` methods).
+pub(crate) fn counters<'py>(
+    py: Python<'py>,
+    items: &[(&str, u64)],
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (k, v) in items {
+        d.set_item(*k, *v)?;
+    }
+    Ok(d)
+}
+
 /// The native half of `ple_memops.DeferredRows` (use that class, not this one).
 #[pyclass(name = "DeferredRowsCore", module = "ple_memops._native", frozen)]
 pub struct PyDeferredRows {
@@ -310,24 +322,23 @@ impl PyDeferredRows {
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
-        let d = PyDict::new(py);
-        for (k, v) in [
-            ("steps", s.steps),
-            ("fills", s.fills),
-            ("dummies", s.dummies),
-            ("aborts", s.aborts),
-            ("watchdog_releases", s.watchdog_releases),
-            ("eager_enqueues", s.eager_enqueues),
-            ("captured_enqueues", s.captured_enqueues),
-            ("slot_busy", s.slot_busy),
-            ("gpu_waited", s.gpu_waited),
-            ("fill_ns_last", s.fill_ns_last),
-            ("fill_ns_max", s.fill_ns_max),
-            ("fill_ns_total", s.fill_ns_total),
-        ] {
-            d.set_item(k, v)?;
-        }
-        Ok(d)
+        counters(
+            py,
+            &[
+                ("steps", s.steps),
+                ("fills", s.fills),
+                ("dummies", s.dummies),
+                ("aborts", s.aborts),
+                ("watchdog_releases", s.watchdog_releases),
+                ("eager_enqueues", s.eager_enqueues),
+                ("captured_enqueues", s.captured_enqueues),
+                ("slot_busy", s.slot_busy),
+                ("gpu_waited", s.gpu_waited),
+                ("fill_ns_last", s.fill_ns_last),
+                ("fill_ns_max", s.fill_ns_max),
+                ("fill_ns_total", s.fill_ns_total),
+            ],
+        )
     }
 
     fn slot_snapshot(&self) -> Vec<u8> {

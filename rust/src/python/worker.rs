@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::table::PyMmapTable;
-use super::{secs, stream_of, to_pyerr, IntoPy, PyDeferredRows};
+use super::{counters, secs, stream_of, to_pyerr, IntoPy, PyDeferredRows};
 use crate::error::Error;
 use crate::worker::{GatherWorker, PublishPath, RowMap, RowSource};
 
@@ -108,22 +108,21 @@ impl PyGatherWorker {
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
-        let d = PyDict::new(py);
-        for (k, v) in [
-            ("steps", s.steps),
-            ("fills", s.fills),
-            ("failures", s.failures),
-            ("ids_total", s.ids_total),
-            ("ready_to_filled_ns_last", s.ready_to_filled_ns_last),
-            ("ready_to_filled_ns_max", s.ready_to_filled_ns_max),
-            ("ready_to_filled_ns_total", s.ready_to_filled_ns_total),
-            ("armed_to_ready_ns_last", s.armed_to_ready_ns_last),
-            ("publishes_captured", s.publishes_captured),
-            ("publishes_eager", s.publishes_eager),
-        ] {
-            d.set_item(k, v)?;
-        }
-        Ok(d)
+        counters(
+            py,
+            &[
+                ("steps", s.steps),
+                ("fills", s.fills),
+                ("failures", s.failures),
+                ("ids_total", s.ids_total),
+                ("ready_to_filled_ns_last", s.ready_to_filled_ns_last),
+                ("ready_to_filled_ns_max", s.ready_to_filled_ns_max),
+                ("ready_to_filled_ns_total", s.ready_to_filled_ns_total),
+                ("armed_to_ready_ns_last", s.armed_to_ready_ns_last),
+                ("publishes_captured", s.publishes_captured),
+                ("publishes_eager", s.publishes_eager),
+            ],
+        )
     }
 }
 
