@@ -211,3 +211,69 @@ def test_closing_the_worker_releases_a_pending_step(torch, table: pm.MmapTable) 
     del w  # the last reference: the native worker's drop must release the step
     gc.collect()
     assert done(g.end), "dropping the worker did not release the GPU"
+
+
+def test_device_count_limits_the_rows(torch, table: pm.MmapTable, publish: str) -> None:  # type: ignore[no-untyped-def]
+    rows = pm.DeferredRows(32, WIDTH, device=0, watchdog=10.0)
+    with pm.GatherWorker(rows, table, publish=publish) as w:
+        ids = torch.arange(100, 132, dtype=torch.int64, device="cuda")
+        count = torch.zeros(1, dtype=torch.int32, device="cuda")
+        out = torch.zeros_like(rows.staging)
+        graph = torch.cuda.CUDAGraph()
+        # eager warm-up, then capture
+        count.fill_(32)
+        w.begin(32)
+        w.publish(ids, count)
+        rows.enqueue(rows=32)
+        out.copy_(rows.staging)
+        w.complete(timeout=10.0)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            w.publish(ids, count)
+            rows.enqueue(rows=32)
+            out.copy_(rows.staging)
+        end = torch.cuda.Event()
+        for k in (5, 32, 1, 17):
+            count.fill_(k)  # a device-side count, as a model's real token count would be
+            w.begin(32)
+            graph.replay()
+            end.record()
+            w.complete(timeout=10.0)
+            assert done(end)
+            got = out.cpu().numpy()
+            np.testing.assert_array_equal(got[:k], table.gather(np.arange(100, 100 + k)))
+            assert not got[k:].any()
+
+
+def test_fill_from_after_launch(torch, table: pm.MmapTable) -> None:  # type: ignore[no-untyped-def]
+    rows = pm.DeferredRows(16, WIDTH, device=0)
+    out = torch.zeros_like(rows.staging)
+    rows.begin(16)
+    rows.prepare_dummy()
+    rows.enqueue()
+    rows.complete()
+    torch.cuda.synchronize()
+    assert rows.wait_consumed(5.0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rows.enqueue(rows=16)
+        out.copy_(rows.staging)
+    end = torch.cuda.Event()
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        ids = rng.integers(0, TABLE_ROWS, int(rng.integers(1, 17)))
+        rows.begin(16)
+        graph.replay()
+        end.record()
+        rows.fill_from(table, ids, busy_wait=5.0)
+        rows.complete()
+        assert done(end)
+        got = out.cpu().numpy()
+        np.testing.assert_array_equal(got[: len(ids)], table.gather(ids))
+        assert not got[len(ids) :].any()
+
+
+def test_sync_fallback_refuses_a_worker(torch, table: pm.MmapTable) -> None:  # type: ignore[no-untyped-def]
+    rows = pm.DeferredRows(16, WIDTH, device=0, force_sync=True)
+    with pytest.raises(pm.UnsupportedError, match="deferred protocol"):
+        pm.GatherWorker(rows, table)
