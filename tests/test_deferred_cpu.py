@@ -3,6 +3,7 @@ misuse, poisoning, the watchdog, bad input and the error mapping."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -335,3 +336,13 @@ def test_main_job_runs_on_the_host() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "20 steps" in out.stdout and "ok" in out.stdout
+
+
+def test_disable_env_var_forces_the_no_driver_answer() -> None:
+    code = "import ple_memops as pm; c = pm.probe(0); print(c.supported, c.reason)"
+    env = {**os.environ, "PLE_MEMOPS_DISABLE_CUDA": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False disabled by PLE_MEMOPS_DISABLE_CUDA"
