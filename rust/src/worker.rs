@@ -547,7 +547,16 @@ fn run(sh: &Shared) {
             continue;
         }
         let t_ready = Instant::now();
-        let result = sh.fill_step(&mut ids, &mut rows);
+        // A panic here (a bug) must still release the GPU: it becomes the step's error.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            sh.fill_step(&mut ids, &mut rows)
+        }))
+        .unwrap_or_else(|_| {
+            Err(Error::state(
+                Op::Fill,
+                "the gather worker panicked while filling this step",
+            ))
+        });
         let ns = t_ready.elapsed().as_nanos() as u64;
         let mut ctl = sh.ctl();
         match result {
