@@ -177,6 +177,9 @@ impl From<Error> for Failure {
     }
 }
 
+/// The probe's private resources. Failing to allocate them is a fault (for instance,
+/// another thread capturing in global mode), never an "unsupported" verdict: that would be
+/// cached for the life of the process.
 struct Rig {
     stream: OwnedStream,
     flag: HostFlag,
@@ -272,7 +275,7 @@ impl Drop for Rig {
 }
 
 fn live_wait(device: i32) -> std::result::Result<String, Failure> {
-    let mut rig = Rig::new(device)?;
+    let mut rig = Rig::new(device).map_err(Failure::Fault)?;
     rig.enqueue(false)?;
     std::thread::sleep(Duration::from_millis(2));
     if rig.stream.query()? {
@@ -292,7 +295,7 @@ fn live_wait(device: i32) -> std::result::Result<String, Failure> {
 
 fn capture_replay(device: i32, kernel: bool) -> std::result::Result<String, Failure> {
     const REPLAYS: u8 = 3;
-    let mut rig = Rig::new(device)?;
+    let mut rig = Rig::new(device).map_err(Failure::Fault)?;
     rig.stream.begin_capture()?;
     let captured = rig.enqueue(kernel);
     let graph = rig.stream.end_capture();
