@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         print("nothing to do")
     elif not revert and not args.check:
         print(
-            "enable it with --engram-config '{\"table_backend\": \"mmap\"}' or "
+            'enable it with --engram-config \'{"table_backend": "mmap"}\' or '
             "PLE_MEMOPS_TABLE_BACKEND=mmap"
         )
     return 1 if args.check and changes else 0

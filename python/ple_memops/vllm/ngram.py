@@ -155,9 +155,7 @@ class NGramHasher:
 
         self.layout = layout
         self.device = torch.device(device)
-        self._mults = torch.tensor(_signed64(layout.multipliers), dtype=torch.int64).to(
-            self.device
-        )
+        self._mults = torch.tensor(_signed64(layout.multipliers), dtype=torch.int64).to(self.device)
         self._sizes = torch.tensor(layout.sizes, dtype=torch.int64).to(self.device)
         self._offsets = torch.tensor(layout.offsets, dtype=torch.int64).to(self.device)
 

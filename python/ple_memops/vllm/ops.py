@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["bind", "join_rows", "register", "registered_with", "stage_rows", "unbind_all"]
 
-_LIB = torch.library.Library("ple_memops", "FRAGMENT")
+_LIB = torch.library.Library("ple_memops", "FRAGMENT")  # type: ignore[no-untyped-call]
 _LOCK = threading.Lock()
 _REGISTERED: str | None = None
 _BOUND: "weakref.WeakValueDictionary[str, PleRunnerHooks]" = weakref.WeakValueDictionary()
@@ -109,10 +109,10 @@ def register() -> str:
             )
             _REGISTERED = "vllm"
         else:
-            _LIB.define("stage_rows(Tensor ids, Tensor(a!) output, str layer_name) -> ()")
-            _LIB.define("join_rows(Tensor(a!) output, str layer_name) -> ()")
-            _LIB.impl("stage_rows", _stage_rows, "CompositeExplicitAutograd")
-            _LIB.impl("join_rows", _join_rows, "CompositeExplicitAutograd")
+            _LIB.define("stage_rows(Tensor ids, Tensor(a!) output, str layer_name) -> ()")  # type: ignore[no-untyped-call]
+            _LIB.define("join_rows(Tensor(a!) output, str layer_name) -> ()")  # type: ignore[no-untyped-call]
+            _LIB.impl("stage_rows", _stage_rows, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+            _LIB.impl("join_rows", _join_rows, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
             torch.library.register_fake("ple_memops::stage_rows", _stage_rows_fake, lib=_LIB)
             torch.library.register_fake("ple_memops::join_rows", _join_rows_fake, lib=_LIB)
             _REGISTERED = "torch"

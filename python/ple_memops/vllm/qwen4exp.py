@@ -57,7 +57,7 @@ class Qwen4ExpPLEMmapEmbedding(Qwen4ExpPLEEmbedding):
             raise UnsupportedError(
                 f"ple-memops mmap PLE tables: {prefix} is NVFP4 (packed rows plus per-block "
                 "scales in a second table); only FP8 and BF16/F16/F32 tables are served. Use "
-                "--engram-config '{\"table_backend\": \"default\"}' for this checkpoint"
+                '--engram-config \'{"table_backend": "default"}\' for this checkpoint'
             )
         super().__init__(
             num_embeddings,
@@ -116,7 +116,7 @@ class Qwen4ExpPLEMmapEmbedding(Qwen4ExpPLEEmbedding):
         table's dtype (dequantised by the embedding method as usual)."""
         out = self._hooks().output(self.ple_memops_name, total_tokens)
         ops.join_rows(out, self.ple_memops_name)
-        rows = out.view(self.weight.dtype)
+        rows: torch.Tensor = out.view(self.weight.dtype)
         return rows.view(total_tokens, self.ple_memops_heads * int(self.embedding_dim))
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,9 @@ def mmap_requested(table_backend: str) -> bool:
     """Whether the mmap backend is on: the config field, or the environment variable
     when the field is left at ``"default"``."""
     if table_backend not in ("default", "mmap"):
-        raise InvalidArgumentError(f"table_backend must be 'default' or 'mmap', got {table_backend!r}")
+        raise InvalidArgumentError(
+            f"table_backend must be 'default' or 'mmap', got {table_backend!r}"
+        )
     env = os.environ.get(BACKEND_ENV, "").strip().lower()
     if env not in ("", "default", "mmap"):
         raise InvalidArgumentError(f"{BACKEND_ENV} must be 'mmap' or 'default', got {env!r}")
@@ -59,7 +61,9 @@ def timeout_seconds() -> float:
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise InvalidArgumentError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
+        raise InvalidArgumentError(
+            f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}"
+        )
     return value
 
 
@@ -70,10 +74,9 @@ def resolve_engram_config(engram: Any, parallel_config: Any) -> None:
         return
     engram.table_backend = "mmap"
     refused = []
-    if parallel_config.pipeline_parallel_size > 1:
-        refused.append(
-            f"pipeline parallelism (pipeline_parallel_size={parallel_config.pipeline_parallel_size})"
-        )
+    pp = parallel_config.pipeline_parallel_size
+    if pp > 1:
+        refused.append(f"pipeline parallelism (pipeline_parallel_size={pp})")
     if engram.embedding_across_dp:
         refused.append("embedding_across_dp=True (each rank reads full rows itself)")
     if engram.dp_shared_memory:
@@ -116,6 +119,7 @@ def build_hooks(
         id_dtype="int64",
         deferred=deferred,
         watchdog=timeout,
+        timeout=timeout,
         depth=DEPTH,
     )
     try:

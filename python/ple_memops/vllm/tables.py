@@ -27,7 +27,9 @@ __all__ = [
     "open_layer_table",
 ]
 
-_TABLE_WEIGHT = re.compile(r"(?:^|\.)layers\.\d+\.ple\.ple_embedding\.ngram_embedding\.(?:shard_\d+\.)?weight$")
+_TABLE_WEIGHT = re.compile(
+    r"(?:^|\.)layers\.\d+\.ple\.ple_embedding\.ngram_embedding\.(?:shard_\d+\.)?weight$"
+)
 _INDEX = "model.safetensors.index.json"
 
 # vLLM / torch dtype names -> the safetensors dtype MmapTable reports.
@@ -102,7 +104,9 @@ def find_layer_table(names: Iterable[str], layer_index: int) -> TableSpec:
     tail = f"layers.{layer_index}.ple.ple_embedding.ngram_embedding"
     if len(shard_prefixes) + len(whole_names) > 1:
         found = sorted(f"{p}{tail}.shard_*" for p in shard_prefixes) + sorted(whole_names)
-        raise TableError(f"PLE table of layer {layer_index} is ambiguous in the checkpoint: {found}")
+        raise TableError(
+            f"PLE table of layer {layer_index} is ambiguous in the checkpoint: {found}"
+        )
     if shard_prefixes:
         (prefix,) = shard_prefixes
         return TableSpec(layer_index, pattern=f"{prefix}{tail}.shard_{{}}.weight")
