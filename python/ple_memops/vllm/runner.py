@@ -147,6 +147,13 @@ def checkpoint_dir(vllm_config: Any, model_loader: Any) -> str:
     return str(folder)
 
 
+def _plan_device(device: Any) -> Any:
+    """A runner's ``torch.device`` as the plan wants it: a CUDA ordinal, or ``"cpu"``."""
+    if device.type == "cuda":
+        return 0 if device.index is None else int(device.index)
+    return "cpu"
+
+
 def attach_runner(runner: Any, model_loader: Any) -> PleRunnerHooks | None:
     """Called by the patched ``GPUModelRunner.load_model`` right after the model loaded
     (outside any capture, before the profile run): opens every mmap PLE table, builds
@@ -192,7 +199,7 @@ def attach_runner(runner: Any, model_loader: Any) -> PleRunnerHooks | None:
             tables,
             rows_per_token=rows_per_token,
             max_rows=max_tokens * rows_per_token,
-            device=runner.device.index if runner.device.index is not None else 0,
+            device=_plan_device(runner.device),
             timeout=timeout,
         )
     except BaseException:
