@@ -69,7 +69,7 @@ def write_checkpoint(root: Path, *, fp8: bool, separate_tables: bool = True) -> 
     tensors: dict[str, Any] = {}
     for f in sorted(hf.glob("*.safetensors")):
         with safe_open(str(f), "pt") as s:
-            for k in s.keys():  # noqa: SIM118
+            for k in s.keys():
                 tensors[k] = s.get_tensor(k)
     files: dict[str, dict[str, Any]] = {"model-rest.safetensors": {}}
     for name, t in tensors.items():

@@ -27,8 +27,13 @@ def main() -> None:
         sys.argv[5],
     )
     import torch
-    from vllm.config import LoadConfig, ModelConfig, ParallelConfig, VllmConfig
-    from vllm.config import set_current_vllm_config
+    from vllm.config import (
+        LoadConfig,
+        ModelConfig,
+        ParallelConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
     from vllm.config.engram import EngramConfig
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.distributed.parallel_state import GroupCoordinator
