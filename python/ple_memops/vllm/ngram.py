@@ -201,7 +201,13 @@ class NGramHasher:
             crossed = crossed | (prev == lay.eos_token_id)
             mixed = mixed ^ (prev * self._mults[shift])
             per_ngram.append(mixed)  # the hash of the (shift + 1)-gram
-        hashes = torch.stack(per_ngram, dim=1).repeat_interleave(lay.heads_per_ngram, dim=1)
+        # [T, n-grams] -> [T, heads]: each n-gram's hash for its heads (a view, no sync).
+        hashes = (
+            torch.stack(per_ngram, dim=1)
+            .unsqueeze(-1)
+            .expand(n, ctx_len, lay.heads_per_ngram)
+            .reshape(n, lay.heads)
+        )
         ids = torch.remainder(hashes, self._sizes) + self._offsets
         if out is None:
             return ids
