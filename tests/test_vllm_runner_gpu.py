@@ -484,7 +484,7 @@ def test_mrv2_sequence_every_step_checked(ckpt: tuple[Path, dict[str, np.ndarray
         assert r.hooks.armed_steps >= 130
         stats = r.hooks.plan.stats()
         for _name, (_rows, worker) in stats.items():
-            assert worker is not None and worker.failures == 0
+            assert worker is not None and worker.failures == 0 and worker.unarmed_replays == 0
     finally:
         r.shutdown()
 

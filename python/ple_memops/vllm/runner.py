@@ -221,12 +221,14 @@ def attach_runner(runner: Any, model_loader: Any) -> PleRunnerHooks | None:
         mode = compilation.cudagraph_mode
         if mode is not None and mode != CUDAGraphMode.NONE:
             compilation.cudagraph_mode = CUDAGraphMode.NONE
+            graphs = f"CUDA graphs are turned off (cudagraph_mode {mode.name} -> NONE)"
+        else:
+            graphs = "CUDA graphs stay off"
         logger.warning(
             "ple-memops: deferred PLE rows are unavailable (%s); the %d mmap PLE tables "
-            "are gathered on the host before each step's consumer and CUDA graphs are "
-            "turned off (cudagraph_mode %s -> NONE)",
+            "are gathered on the host before each step's consumer and %s",
             hooks.plan.reason,
             len(tables),
-            getattr(mode, "name", mode),
+            graphs,
         )
     return hooks
