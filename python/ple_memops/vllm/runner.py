@@ -121,6 +121,7 @@ def build_hooks(
         watchdog=timeout,
         timeout=timeout,
         depth=DEPTH,
+        log_fallback=False,  # attach_runner logs the reason once, with what it changes
     )
     try:
         hooks = PleRunnerHooks(plan, rows_per_token=rows_per_token, timeout=timeout, depth=DEPTH)
