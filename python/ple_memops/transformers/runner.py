@@ -271,6 +271,7 @@ class GemmaBench:
         self.table = served.tables[GEMMA3N_TABLE]
         self.eager_check: dict[int, bool] = {}
         self._uva: Any = None
+        self._cpu_graph_path = False
         # GPU memory of the served model alone (no table), the base of every variant's figure.
         self.model_base = torch.cuda.memory_allocated(self.device) if self.cuda else 0
 
@@ -460,8 +461,8 @@ class GemmaBench:
             if not self.cuda:
                 # No graphs here: run the captured step's code path eagerly, rows filled
                 # before each step (the host plan), to check it against the reference.
-                server.graph_path = variant not in ("gpu-table", "pinned-uva")
-                stack.callback(setattr, server, "graph_path", False)
+                self._cpu_graph_path = variant not in ("gpu-table", "pinned-uva")
+                stack.callback(setattr, self, "_cpu_graph_path", False)
             gpu_bytes = self.model_base + self._allocated() - before if self.cuda else None
             self.progress(f"batch {dec.batch}: {variant} ({placement}) capture")
             graph, logits = self._capture(dec)
@@ -696,7 +697,12 @@ class GemmaBench:
             t0 = time.perf_counter()
             ops.arm(k)
             ops.before(k, ids)
-            logits = dec.step()
+            server = self.served.server
+            server.graph_path = self._cpu_graph_path
+            try:
+                logits = dec.step()
+            finally:
+                server.graph_path = False
             ops.after(k, ids)
             ops.after_launch(k)
             tokens[k] = dec.tok.view(-1).numpy()

@@ -1,0 +1,168 @@
+"""Qwen4Exp through transformers' own code: the stock model against the same model with its
+n-gram PLE tables served from the checkpoint, decoding greedily, logits compared bit for
+bit at every step.
+
+The n-gram ids are hashed on the model's device from the token history by HF's
+``Qwen4ExpTextNGramEmbedding``; only its ``nn.Embedding`` lookup is replaced. Decode runs
+eagerly: HF's Qwen4Exp decode step does host-side work (cache-state branches, MoE
+routing by data-dependent shapes, the sparse-attention indexer's ``nonzero``), so a whole
+step does not capture into one graph; :func:`qwen_check` tries and reports what happened.
+On a GPU that can defer, a third run takes the captured-step path eagerly: the ids the
+model hashed on the GPU are published to the native worker (no host copy of the ids).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["QwenReport", "qwen_check"]
+
+
+@dataclass
+class QwenReport:
+    batch: int
+    steps: int
+    tables: dict[str, tuple[int, int]]
+    """Table -> (rows, row bytes)."""
+    runs: dict[str, bool] = field(default_factory=dict)
+    """Variant -> logits bit-identical to the stock model at every step (and tokens)."""
+    capture: str = ""
+    """What happened when a whole decode step was captured."""
+    notes: list[str] = field(default_factory=list)
+
+
+def _decode(model: Any, prompt: Any, steps: int, on_step: Any = None) -> list[Any]:
+    import torch
+
+    from .runner import _cache_kwarg
+
+    kw = _cache_kwarg(model)
+    out: list[Any] = []
+    with torch.no_grad():
+        res = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+        cache = res.past_key_values
+        logits = res.logits[:, -1, :]
+        out.append(logits.clone())
+        for k in range(steps):
+            tok = logits.argmax(-1, keepdim=True)
+            if on_step is not None:
+                on_step(k, "begin")
+            res = model(input_ids=tok, use_cache=True, logits_to_keep=1, **{kw: cache})
+            if on_step is not None:
+                on_step(k, "end")
+            cache = res.past_key_values
+            logits = res.logits[:, -1, :]
+            out.append(logits.clone())
+    return out
+
+
+def _same(a: list[Any], b: list[Any]) -> bool:
+    import torch
+
+    return len(a) == len(b) and all(
+        torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b, strict=True)
+    )
+
+
+def qwen_check(
+    checkpoint: str | os.PathLike[str],
+    *,
+    batch: int = 2,
+    steps: int = 16,
+    prompt_len: int = 8,
+    device: Any = None,
+    try_capture: bool = True,
+) -> QwenReport:
+    """Decode ``steps`` tokens with the stock Qwen4Exp model and with its PLE tables served
+    from ``checkpoint``; report whether the logits are bit-identical at every step."""
+    import torch
+    import transformers
+
+    from ._models import serve
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    ref = transformers.Qwen4ExpForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    model = transformers.Qwen4ExpForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    served = serve(model, checkpoint)
+    ref.to(dev).eval()
+    model.to(dev).eval()
+    gen = torch.Generator().manual_seed(0)
+    vocab = int(model.config.vocab_size)
+    prompt = torch.randint(3, vocab, (batch, prompt_len), generator=gen).to(dev)
+    rep = QwenReport(
+        batch=batch,
+        steps=steps,
+        tables={n: (t.rows, t.row_bytes) for n, t in served.tables.items()},
+    )
+    want = _decode(ref, prompt, steps)
+    got = _decode(model, prompt, steps)
+    rep.runs["mmap-eager"] = _same(want, got)
+    if dev.type == "cuda":
+        rep.runs.update(_deferred_eager(served, model, prompt, steps, want, batch))
+        if try_capture:
+            rep.capture = _try_capture(model, prompt, dev)
+        rep.notes.append("decode steps ran eagerly (see capture)")
+    else:
+        rep.capture = "not tried: no CUDA device"
+    served.close()
+    return rep
+
+
+def _deferred_eager(
+    served: Any, model: Any, prompt: Any, steps: int, want: list[Any], batch: int
+) -> dict[str, bool]:
+    """Decode steps through the captured-step path, run eagerly: each PLE table's ids
+    (hashed by HF on the GPU) are published to the worker, the rows consumed after the
+    join. The prefill gathers synchronously."""
+    server = served.server
+    per_token = max(s.ids_per_token for s in server.specs.values())
+    plan = served.prepare(batch, deferred=True, source="device")
+    if plan.mode != "deferred":
+        served.server.close_plan()
+        return {}
+
+    def on_step(k: int, when: str) -> None:
+        if when == "begin":
+            server.graph_path = True
+            plan.begin(batch * per_token)
+        else:
+            server.graph_path = False
+            plan.complete(timeout=30.0)
+
+    try:
+        got = _decode(model, prompt, steps, on_step)
+    finally:
+        server.graph_path = False
+        server.close_plan()
+    return {"deferred-device (eager steps)": _same(want, got)}
+
+
+def _try_capture(model: Any, prompt: Any, dev: Any) -> str:
+    """Capture one whole decode step with ``torch.cuda.graph``; say what happened."""
+    import torch
+
+    from .runner import _cache_kwarg
+
+    kw = _cache_kwarg(model)
+    try:
+        with torch.no_grad():
+            res = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+            cache = res.past_key_values
+            tok = res.logits[:, -1, :].argmax(-1, keepdim=True)
+            side = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                model(input_ids=tok, use_cache=True, logits_to_keep=1, **{kw: cache})
+            torch.cuda.current_stream(dev).wait_stream(side)
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                model(input_ids=tok, use_cache=True, logits_to_keep=1, **{kw: cache})
+        del graph
+        return "a whole decode step captured (not replayed: HF's cache advances host state)"
+    except Exception as e:  # report, do not fail: this documents what HF allows
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        torch.cuda.synchronize(dev)
+        return f"a whole decode step does not capture: {type(e).__name__}: {first[:200]}"
