@@ -74,12 +74,9 @@ class _Ticket:
     def consume(self) -> torch.Tensor:
         """Make the current stream wait for the rows, then return the staging rows
         (``uint8 [n, row_bytes]`` on the model's device)."""
-        s = self.server
         if self.staged is not None:
             self.staged.join()
-        elif s.source == "host" and s.plan is not None and s.plan.mode == "deferred":
-            s.plan.layers[self.name].rows.enqueue(rows=self.n)
-        return s.staging(self.name, self.n)
+        return self.server.staging(self.name, self.n)
 
 
 class PleServer:
@@ -134,10 +131,13 @@ class PleServer:
         source: str = "device",
         watchdog: float | None = 30.0,
         depth: int = 2,
+        track_arrival: bool = False,
     ) -> Any:
         """Build the rows plan for captured steps of up to ``max_tokens`` tokens (call
         outside any capture: it allocates pinned memory and runs the probe). ``deferred=False``
-        forces the synchronous fallback. Returns the plan (``plan.mode`` tells which)."""
+        forces the synchronous fallback; ``source`` says how captured steps get their rows
+        (module docs); ``track_arrival`` counts fills the GPU waited for. Returns the plan
+        (``plan.mode`` tells which)."""
         from ..plan import RowsPlan
 
         if source not in SOURCES:
@@ -154,6 +154,7 @@ class PleServer:
             deferred=deferred,
             watchdog=watchdog,
             depth=depth,
+            track_arrival=track_arrival,
         )
         self.source = source
         return self.plan
@@ -211,7 +212,11 @@ class PleServer:
             if self.plan is None:
                 raise StateError("no rows plan: call prepare() before capturing a step")
             if self.plan.mode == "deferred" and self.source == "device":
+                # Publish the ids the graph computed; the worker gathers after the launch.
                 staged = self.plan.stage(name, flat, rows=n)
+            elif self.plan.mode == "deferred" and self.source == "host":
+                # The runner fills with ids it knows, after the launch.
+                staged = self.plan.layers[name].rows.stage(rows=n)
         ticket = _Ticket(self, name, n, staged)
         hook = self._deferred_consume.get(name)
         if hook is not None:

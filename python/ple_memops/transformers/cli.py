@@ -39,7 +39,7 @@ def _csv_of(choices: tuple[str, ...]) -> Any:
     return parse
 
 
-def _common(ap: argparse.ArgumentParser, *, steps: int, batches: str) -> None:
+def _common(ap: argparse.ArgumentParser, *, steps: int, batches: str, track: bool) -> None:
     ap.add_argument("--steps", type=int, default=steps, help="decode steps per run")
     ap.add_argument("--batch", type=_csv_ints, default=_csv_ints(batches), help="batch sizes")
     ap.add_argument(
@@ -59,6 +59,12 @@ def _common(ap: argparse.ArgumentParser, *, steps: int, batches: str) -> None:
     ap.add_argument("--json", default=None, help="write every run (per-step times too) as JSON")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument(
+        "--track-arrival",
+        action=argparse.BooleanOptionalAction,
+        default=track,
+        help="count the steps whose fill found the GPU waiting (one stream write a step)",
+    )
+    ap.add_argument(
         "--eager-check-steps",
         type=int,
         default=4,
@@ -73,7 +79,7 @@ def add_demo_args(ap: argparse.ArgumentParser) -> None:
         help="a Gemma 3n checkpoint directory (default: a tiny random one, built if missing)",
     )
     ap.add_argument("--cache-dir", default=None, help="where the default checkpoint is built")
-    _common(ap, steps=64, batches="1,4")
+    _common(ap, steps=64, batches="1,4", track=True)
 
 
 def add_bench_args(ap: argparse.ArgumentParser) -> None:
@@ -92,7 +98,7 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--markdown", default=None, help="append the BENCHMARKS.md table here")
     ap.add_argument("--qwen", action="store_true", help="also run the Qwen4Exp eager check")
-    _common(ap, steps=256, batches="1,8,64")
+    _common(ap, steps=256, batches="1,8,64", track=False)
 
 
 class _Progress(AbstractContextManager["_Progress"]):
@@ -157,7 +163,7 @@ def _runs_total(args: Any, variants: list[str]) -> int:
     for v in variants:
         if v == "gpu-table":
             continue
-        n_pl = len(args.placements) if v in DEFERRED_VARIANTS else 1
+        n_pl = len(args.placements) if v in (*DEFERRED_VARIANTS, "fallback") else 1
         per_batch += n_pl * len(args.styles)
     return per_batch * len(args.batch)
 
@@ -177,7 +183,13 @@ def _run(
         f"{served.tables['embed_tokens_per_layer'].rows} rows x "
         f"{served.tables['embed_tokens_per_layer'].row_bytes} B served from the checkpoint"
     )
-    bench = GemmaBench(served, stock, device=device, eager_check_steps=args.eager_check_steps)
+    bench = GemmaBench(
+        served,
+        stock,
+        device=device,
+        eager_check_steps=args.eager_check_steps,
+        track_arrival=args.track_arrival,
+    )
     avail, skipped = bench.available()
     variants = [v for v in args.variants if v in avail]
     if "gpu-table" not in variants:

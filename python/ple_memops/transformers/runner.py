@@ -256,6 +256,7 @@ class GemmaBench:
         progress: Callable[[str], None] | None = None,
         watchdog: float = 30.0,
         eager_check_steps: int = 4,
+        track_arrival: bool = False,
     ) -> None:
         import torch
 
@@ -268,6 +269,7 @@ class GemmaBench:
         self.progress = progress or (lambda s: None)
         self.watchdog = watchdog
         self.eager_check_steps = eager_check_steps
+        self.track_arrival = track_arrival
         self.table = served.tables[GEMMA3N_TABLE]
         self.eager_check: dict[int, bool] = {}
         self._uva: Any = None
@@ -447,7 +449,12 @@ class GemmaBench:
                 deferred = variant != "fallback"
                 source = "host" if variant == "deferred-host" else "device"
                 plan = served.prepare(
-                    n, device=self.device, deferred=deferred, source=source, watchdog=self.watchdog
+                    n,
+                    device=self.device,
+                    deferred=deferred,
+                    source=source,
+                    watchdog=self.watchdog,
+                    track_arrival=self.track_arrival and self.cuda,
                 )
                 stack.callback(server.close_plan)
                 mode = plan.mode
