@@ -289,7 +289,7 @@ class _Gemma3nLateConsumer:
 
     def remove(self) -> None:
         self.handle.remove()
-        if self.tm.__dict__.get("project_per_layer_inputs") is self._project:
+        if self.tm.__dict__.get("project_per_layer_inputs") == self._project:
             del self.tm.project_per_layer_inputs
         self.served.server.consume_later(GEMMA3N_TABLE, None)
         self.pending.clear()
