@@ -216,7 +216,7 @@ def test_table_missing_is_refused(gemma_ckpt: Path, tmp_path: Path) -> None:
 
 
 def test_dtype_width_and_rows_mismatch_are_refused(gemma_ckpt: Path, tmp_path: Path) -> None:
-    with pytest.raises(TableMismatchError, match="BF16.*float32"):
+    with pytest.raises(TableMismatchError, match=r"BF16.*float32"):
         serve(_gemma(gemma_ckpt, torch.float32), gemma_ckpt)
 
     def narrow(t: dict[str, Any]) -> dict[str, Any]:

@@ -58,10 +58,10 @@ def make_capturable(model_type: str = "gemma3n") -> None:
         if model_type in _PATCHED:
             return
         mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-        if isinstance(mod.torch, _MemoTorch):
+        if isinstance(vars(mod)["torch"], _MemoTorch):
             _PATCHED[model_type] = mod
             return
-        mod.torch = _MemoTorch(torch)
+        vars(mod)["torch"] = _MemoTorch(torch)
         _PATCHED[model_type] = mod
 
 

@@ -107,12 +107,12 @@ def _text_model(model: Any) -> tuple[str, Any]:
 
 
 def _open_first(
-    ckpt: str, names: list[tuple[str | None, str | None]], what: str, **kw: Any
+    ckpt: str, names: list[tuple[str | None, str | None]], what: str
 ) -> tuple[MmapTable, str | None, str | None]:
     tried: list[str] = []
     for tensor, pattern in names:
         try:
-            return MmapTable.open(ckpt, tensor, pattern=pattern, **kw), tensor, pattern
+            return MmapTable.open(ckpt, tensor, pattern=pattern), tensor, pattern
         except TableError as e:
             msg = str(e)
             # Only "not there" moves on; a malformed or inconsistent file is the answer.
@@ -136,7 +136,9 @@ def serve(
     before ``model.to("cuda")``: the tables' parameters are dropped here, so they never
     reach the GPU). ``checkpoint``: the directory (or ``.safetensors`` file / index) it was
     loaded from. Each table is memory-mapped read-only (never copied to the GPU, never
-    pinned) and checked against the model: dtype, row width and row count.
+    pinned) and checked against the model: dtype, row width and row count. ``prewarm``
+    faults every table page in now (a warm page cache from the first step);
+    ``placement``: see :meth:`ServedModel.set_placement`.
 
     Eager forwards then gather synchronously; a decode step captured with
     ``torch.cuda.graph`` publishes the ids the model computes on the GPU and consumes the
@@ -150,7 +152,6 @@ def serve(
     """
     kind, tm = _text_model(model)
     ckpt = str(Path(checkpoint))
-    kw = {"prewarm_bytes": None} if not prewarm else {}
     specs: list[TableSpec] = []
     tables: dict[str, MmapTable] = {}
     owners: dict[str, tuple[Any, str]] = {}
@@ -210,6 +211,9 @@ def serve(
                 raise UnsupportedModelError("this Qwen4Exp model has no PLE layer")
         for spec in specs:
             PleServer.check_table(spec, tables[spec.name])
+        if prewarm:
+            for t in tables.values():
+                t.prewarm()
     except BaseException:
         for t in tables.values():
             t.close()

@@ -53,7 +53,7 @@ def _ref(results: list[RunResult], r: RunResult) -> RunResult | None:
 
 
 def rows(results: list[RunResult]) -> list[tuple[str, ...]]:
-    out = []
+    out: list[tuple[str, ...]] = []
     for r in results:
         ref = _ref(results, r)
         delta = None
@@ -133,7 +133,11 @@ def summary(results: list[RunResult], table_bytes: int | None = None) -> list[st
     lines.append(
         f"{len(checked) - len(bad)}/{len(checked)} runs: tokens identical and logits "
         "bit-identical to the GPU-table reference"
-        + ("" if not bad else "; DIFFER: " + ", ".join(f"{r.variant}/{r.batch}/{r.style}" for r in bad))
+        + (
+            ""
+            if not bad
+            else "; DIFFER: " + ", ".join(f"{r.variant}/{r.batch}/{r.style}" for r in bad)
+        )
     )
     ref_mem = [r.gpu_bytes for r in results if r.variant == "gpu-table" and r.gpu_bytes]
     dd_mem = [
@@ -141,7 +145,10 @@ def summary(results: list[RunResult], table_bytes: int | None = None) -> list[st
     ]
     if ref_mem and dd_mem:
         saved = max(ref_mem) - min(dd_mem)
-        line = f"GPU memory: gpu-table {_mib(max(ref_mem))} MiB, deferred-device {_mib(min(dd_mem))} MiB: saved {_mib(saved)} MiB"
+        line = (
+            f"GPU memory: gpu-table {_mib(max(ref_mem))} MiB, deferred-device "
+            f"{_mib(min(dd_mem))} MiB: saved {_mib(saved)} MiB"
+        )
         if table_bytes:
             line += f" (the table is {_mib(table_bytes)} MiB)"
         lines.append(line)
@@ -161,10 +168,10 @@ def to_json(results: Iterable[RunResult], path: str | Path, extra: dict[str, Any
 def plot(results: list[RunResult], path: str | Path, title: str) -> str:
     """Per-step latency by variant, one panel per (batch, style). Returns what it did."""
     try:
-        import matplotlib
+        import matplotlib  # type: ignore[import-not-found,unused-ignore]
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         return "PNG skipped: matplotlib is not installed"
     keys = sorted({(r.batch, r.style) for r in results})
@@ -180,7 +187,8 @@ def plot(results: list[RunResult], path: str | Path, title: str) -> str:
             ax = axes[i][j]
             for r in results:
                 if r.batch == b and r.style == s and r.step_us:
-                    label = r.variant + ("" if r.placement in ("-", "early") else f" ({r.placement})")
+                    late = r.placement not in ("-", "early")
+                    label = r.variant + (f" ({r.placement})" if late else "")
                     ax.plot(range(1, len(r.step_us)), r.step_us[1:], lw=0.8, label=label)
             ax.set_title(f"batch {b}, {s} scheduling", fontsize=9)
             ax.set_xlabel("step")

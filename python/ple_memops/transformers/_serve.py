@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -301,8 +301,7 @@ def _make_served_table() -> type:
 
         @property
         def weight(self) -> torch.Tensor:
-            anchor: torch.Tensor = self._anchor
-            return anchor
+            return cast("torch.Tensor", self._anchor)
 
         def map_ids(self, ids: torch.Tensor) -> torch.Tensor:
             if not self.map_out_of_table:
@@ -315,7 +314,8 @@ def _make_served_table() -> type:
         def decode(self, rows: torch.Tensor, shape: torch.Size) -> torch.Tensor:
             out = rows.view(self.row_dtype).view(*shape, self.cols)
             if self.scalar_embed_scale is not None:
-                out = out * self.embed_scale.to(self.row_dtype)
+                scale = cast("torch.Tensor", self.embed_scale)
+                out = out * scale.to(self.row_dtype)
             return out
 
         def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -323,9 +323,7 @@ def _make_served_table() -> type:
             got = self.server.rows_for(self.table_name, ids)
             if isinstance(got, _Ticket):
                 # A later consumer decodes the rows; this value is never read.
-                return torch.empty(
-                    (*ids.shape, self.cols), dtype=self.row_dtype, device=ids.device
-                )
+                return torch.empty((*ids.shape, self.cols), dtype=self.row_dtype, device=ids.device)
             return self.decode(got, ids.shape)
 
         def extra_repr(self) -> str:
@@ -337,7 +335,7 @@ def _make_served_table() -> type:
 _SERVED_CLS: type | None = None
 
 
-def ServedTable(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - a class made lazily
+def ServedTable(*args: Any, **kwargs: Any) -> Any:
     """Build the replacement module (a ``torch.nn.Module``; torch is imported lazily)."""
     global _SERVED_CLS
     if _SERVED_CLS is None:

@@ -144,17 +144,20 @@ def build_checkpoint(
     *,
     seed: int = 0,
     device: str = "cpu",
+    dtype: Any = None,
     force: bool = False,
 ) -> Path:
     """Write a random-weight bf16 checkpoint of ``config`` to ``path`` with
     ``save_pretrained`` unless one built from the same config and seed is already there.
 
     ``device="cuda"`` initialises the weights on the GPU (much faster for E2B shapes);
-    the files are the same kind either way. Returns the directory."""
+    the files are the same kind either way. ``dtype``: default ``torch.bfloat16`` (what
+    the released checkpoints use). Returns the directory."""
     import torch
 
+    dtype = torch.bfloat16 if dtype is None else dtype
     out = Path(path)
-    want = {"config": config.to_dict(), "seed": seed}
+    want = {"config": config.to_dict(), "seed": seed, "dtype": str(dtype)}
     marker = out / _MARKER
     if not force and marker.is_file():
         try:
@@ -165,10 +168,12 @@ def build_checkpoint(
     cls = _model_class(config)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = cls._from_config(config, dtype=torch.bfloat16)
+        model = cls._from_config(config, dtype=dtype)
     model.eval()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     del model
+    if device != "cpu":
+        torch.cuda.empty_cache()
     marker.write_text(json.dumps(want))
     return out

@@ -10,7 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidArgumentError
-from .checkpoints import build_checkpoint, default_cache_dir, e2b_gemma3n_config, tiny_gemma3n_config
+from .checkpoints import (
+    build_checkpoint,
+    default_cache_dir,
+    e2b_gemma3n_config,
+    tiny_gemma3n_config,
+)
 from .runner import ALL_VARIANTS, DEFERRED_VARIANTS, STYLES, GemmaBench, RunResult
 
 __all__ = ["add_bench_args", "add_demo_args", "bench_main", "demo_main"]
@@ -106,7 +111,7 @@ class _Progress(AbstractContextManager["_Progress"]):
         self.bar: Any = None
         if enabled:
             try:
-                from tqdm import tqdm
+                from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
 
                 self.bar = tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)
             except ImportError:
@@ -139,7 +144,9 @@ def _device(arg: str | None) -> Any:
     return dev
 
 
-def load_gemma(checkpoint: str | Path, device: Any, placement: str = "early") -> tuple[Any, Any]:
+def load_gemma(
+    checkpoint: str | Path, device: Any, placement: str = "early", dtype: Any = None
+) -> tuple[Any, Any]:
     """Load a Gemma 3n checkpoint on the CPU, keep its stock PLE module (with the table, on
     the CPU) for the reference variants, serve the table from the checkpoint, move the
     model to ``device``. Returns ``(served, stock_module)``."""
@@ -148,8 +155,9 @@ def load_gemma(checkpoint: str | Path, device: Any, placement: str = "early") ->
 
     from ._models import serve
 
-    model = transformers.Gemma3nForCausalLM.from_pretrained(
-        str(checkpoint), dtype=torch.bfloat16, attn_implementation="sdpa"
+    cls: Any = transformers.Gemma3nForCausalLM
+    model = cls.from_pretrained(
+        str(checkpoint), dtype=dtype or torch.bfloat16, attn_implementation="sdpa"
     )
     model.eval()
     stock = model.model.embed_tokens_per_layer
@@ -354,4 +362,3 @@ def qwen_main(root: Path, *, device: str | None = None, steps: int = 16) -> int:
     for n in rep.notes:
         print(f"  note: {n}")
     return 0 if all(rep.runs.values()) else 1
-

@@ -61,8 +61,10 @@ def _decode(model: Any, prompt: Any, steps: int, on_step: Any = None) -> list[An
 def _same(a: list[Any], b: list[Any]) -> bool:
     import torch
 
+    from .runner import _bits
+
     return len(a) == len(b) and all(
-        torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b, strict=True)
+        torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b, strict=True)
     )
 
 
@@ -83,8 +85,9 @@ def qwen_check(
     from ._models import serve
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    ref = transformers.Qwen4ExpForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
-    model = transformers.Qwen4ExpForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    cls: Any = transformers.Qwen4ExpForCausalLM
+    ref = cls.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    model = cls.from_pretrained(checkpoint, dtype=torch.bfloat16)
     served = serve(model, checkpoint)
     ref.to(dev).eval()
     model.to(dev).eval()

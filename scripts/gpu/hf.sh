@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Issue 8 on one H200: Gemma 3n and Qwen4Exp through transformers with their PLE tables
+# served from the checkpoint, in captured graphs. Run from the repo root with the wheel
+# installed (PYTHONPATH=/tmp/site:$PWD/tests). Writes under $OUT (8 files at most):
+#   pytest.log  demo.log (+ Qwen4Exp)  demo.png  bench.log  bench.md  bench.png  bench.json
+#   summary.txt
+# Wall time: about 7 minutes; SMOKE=1: about 2 (fewer steps, batch 1 and 64, no cold run).
+# BENCH_MODEL=tiny runs the bench on the tiny model (a dry run of this script off the H200).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:?set OUT to the folder that comes back}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+SMOKE=${SMOKE:-0}
+# The E2B-shaped checkpoint (8.8 GB, random weights) is built here on local disk, once.
+export PLE_MEMOPS_CACHE=${PLE_MEMOPS_CACHE:-/tmp/ple_memops_cache}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+T0=$SECONDS
+RC=0
+run() {  # run NAME TIMEOUT LOG CMD...: bounded, logged, failures counted, never fatal
+    local name=$1 limit=$2 log=$3
+    shift 3
+    echo "== $name (t=$((SECONDS - T0)) s, limit ${limit} s)" | tee -a "$log"
+    timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
+    local r=$?
+    if [ $r -ne 0 ]; then
+        echo "!! $name: rc=$r$([ $r -ge 124 ] && echo ' (timed out)')" | tee -a "$log"
+        RC=1
+    fi
+}
+if [ "$SMOKE" = 1 ]; then
+    DEMO=(--steps 16 --batch 1,4)
+    BENCH=(--batch 1,64 --steps 32)
+else
+    DEMO=(--steps 64 --batch 1,4)
+    BENCH=(--batch 1,8,64 --steps 256)
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$OUT/summary.txt" 2>&1
+$PY -c "import torch, transformers, ple_memops; print('torch', torch.__version__, 'transformers', transformers.__version__, 'ple_memops', ple_memops.__file__)" >>"$OUT/summary.txt" 2>&1
+
+run "pytest (transformers, GPU and CPU)" 150 "$OUT/pytest.log" \
+    $PY -m pytest tests/test_transformers_gpu.py tests/test_transformers_cpu.py -q -rs -p no:cacheprovider
+
+run "demo (tiny Gemma 3n, every variant)" 100 "$OUT/demo.log" \
+    $PY -m ple_memops demo "${DEMO[@]}" --png "$OUT/demo.png" --no-progress
+
+run "Qwen4Exp (eager through HF's code, deferred ids, capture attempt)" 60 "$OUT/demo.log" \
+    $PY -c "import sys; from ple_memops.transformers.checkpoints import default_cache_dir; from ple_memops.transformers.cli import qwen_main; sys.exit(qwen_main(default_cache_dir(), steps=32))"
+
+run "bench (E2B shapes, warm page cache)" 300 "$OUT/bench.log" \
+    $PY -m ple_memops bench --model "${BENCH_MODEL:-e2b}" "${BENCH[@]}" --styles sync,async --placements early,late \
+    --markdown "$OUT/bench.md" --png "$OUT/bench.png" --json "$OUT/bench.json" --no-progress
+
+if [ "$SMOKE" != 1 ]; then
+    run "bench (E2B shapes, cold page cache)" 90 "$OUT/bench.log" \
+        $PY -m ple_memops bench --model e2b --batch 1,64 --steps 64 --styles sync,async \
+        --page-cache cold --variants gpu-table,sync-gather,deferred-device --placements late \
+        --markdown "$OUT/bench.md" --no-progress
+fi
+
+{
+    echo "== pytest"; tail -n 3 "$OUT/pytest.log"
+    echo "== demo"; grep -E "runs: tokens|batch [0-9]+ (sync|async): best|DIFFER|skipped|Qwen4Exp|bit-identical to the stock|capture:|!!" "$OUT/demo.log"
+    echo "== bench"; grep -E "runs: tokens|best deferred|GPU memory|reference vs|DIFFER|!!|ready in|loaded" "$OUT/bench.log"
+    echo "== wall time $((SECONDS - T0)) s, rc=$RC"
+} >>"$OUT/summary.txt" 2>&1
+cat "$OUT/summary.txt"
+exit $RC
