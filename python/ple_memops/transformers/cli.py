@@ -167,7 +167,7 @@ def load_gemma(
 
 
 def _runs_total(args: Any, variants: list[str]) -> int:
-    per_batch = 1 + len(args.styles)  # reference: record + styles
+    per_batch = 1 + 2 * len(args.styles)  # reference: record, styles, styles again
     for v in variants:
         if v == "gpu-table":
             continue

@@ -161,7 +161,7 @@ def _try_capture(model: Any, prompt: Any, dev: Any) -> str:
             torch.cuda.current_stream(dev).wait_stream(side)
             torch.cuda.synchronize(dev)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 model(input_ids=tok, use_cache=True, logits_to_keep=1, **{kw: cache})
         del graph
         return "a whole decode step captured (not replayed: HF's cache advances host state)"
