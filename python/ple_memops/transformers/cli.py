@@ -134,9 +134,7 @@ class _Progress(AbstractContextManager["_Progress"]):
 def _device(arg: str | None) -> Any:
     import torch
 
-    if arg is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(arg)
+    dev = torch.device(arg or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InvalidArgumentError(f"--device {arg}: no CUDA device here")
     if dev.type == "cuda" and dev.index is None:
@@ -171,7 +169,7 @@ def _runs_total(args: Any, variants: list[str]) -> int:
     for v in variants:
         if v == "gpu-table":
             continue
-        n_pl = len(args.placements) if v in (*DEFERRED_VARIANTS, "fallback") else 1
+        n_pl = len(args.placements) if v in DEFERRED_VARIANTS else 1
         per_batch += n_pl * len(args.styles)
     return per_batch * len(args.batch)
 

@@ -167,5 +167,9 @@ def _try_capture(model: Any, prompt: Any, dev: Any) -> str:
         return "a whole decode step captured (not replayed: HF's cache advances host state)"
     except Exception as e:  # report, do not fail: this documents what HF allows
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        torch.cuda.synchronize(dev)
-        return f"a whole decode step does not capture: {type(e).__name__}: {first[:200]}"
+        msg = f"a whole decode step does not capture: {type(e).__name__}: {first[:200]}"
+        try:
+            torch.cuda.synchronize(dev)
+        except Exception as after:  # a failed capture may leave the context unusable
+            msg += f" (and the device then failed: {type(after).__name__})"
+        return msg

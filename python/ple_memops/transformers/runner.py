@@ -368,8 +368,14 @@ class GemmaBench:
             for variant in variants:
                 if variant == "gpu-table":
                     continue
-                both = (*DEFERRED_VARIANTS, "fallback")
-                vplacements = placements if variant in both else ["early"]
+                # The fallback fills before the launch, so where its consumer sits does not
+                # change its time; the CPU path runs it in every placement (that is where
+                # the late placement's code is checked without a GPU).
+                both = (*DEFERRED_VARIANTS, "fallback") if not self.cuda else DEFERRED_VARIANTS
+                if variant == "pinned-uva":
+                    vplacements = ["early"]  # the stock module: the stock placement
+                else:
+                    vplacements = placements if variant in both else placements[:1]
                 for placement in vplacements:
                     results.extend(self._variant(dec, variant, placement, styles, ref, cold))
             # The reference once more, after the others: drift (clocks, heat, page cache)
