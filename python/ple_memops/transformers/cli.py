@@ -273,11 +273,10 @@ def demo_main(args: Any) -> int:
 
 def bench_main(args: Any) -> int:
     """The side-by-side benchmark; appends its table to ``--markdown`` in BENCHMARKS.md form."""
-    import torch
     import transformers
 
     root = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-    build_dev = "cuda" if torch.cuda.is_available() else "cpu"
+    build_dev = _device(args.device).type  # random init on the GPU is much faster
     if args.model == "tiny":
         cfg = tiny_gemma3n_config()
         if args.layers:
