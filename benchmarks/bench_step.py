@@ -6,7 +6,10 @@ step's token (as Qwen4Exp's n-gram ids are), so they exist only on the GPU when 
 launched; the host runs one step ahead (launch step k, then wait for step k-1's output, as
 vLLM's batch queue does). Side by side, in one process, interleaved in random order:
 
-  none            the same graph without PLE rows (the floor)
+  none            the same graph without PLE rows at all
+  static          the same graph with the PLE work (ids, the consumer's matmul) reading rows
+                  that are already on the GPU and never change: the floor that delivering
+                  rows is measured against (`static #2` is an identical copy: the A/A noise)
   gpu             table on the GPU, rows looked up inside the graph (the stock path)
   sync            ids copied to the host (blocking), gathered, copied in before launch
                   (vLLM PR #54129): the GPU idles while the host works
@@ -17,9 +20,10 @@ vLLM's batch queue does). Side by side, in one process, interleaved in random or
                   k before arming k+1 (shows what the second armed step buys)
 
 Reported per batch size: the GPU's step period in steady state (CUDA events over the run),
-its overhead over `none`, the host time of the complete/begin pair at the start of a step,
-and how often the GPU had to wait for the worker. Every variant's token stream must equal
-`gpu`'s (same bytes in, same tokens out).
+its overhead over `static` (and the worker's as a fraction of `sync`'s), the host time of
+the work before each launch (for the workers: the complete/begin pair at the start of a
+step), and with --track how often the GPU had to wait for the worker. Every variant's
+token stream must equal `gpu`'s (same bytes in, same tokens out).
 
     python benchmarks/bench_step.py [--batches 1,16,64] [--steps 150] [--rounds 4] [--json f]
 """
@@ -106,6 +110,9 @@ class Variant:
         self.rows_sync: pm.DeferredRows | None = None
         self.gpu_table: torch.Tensor | None = None
         self.graph_ids: torch.cuda.CUDAGraph | None = None
+        if name.startswith("static"):
+            self.static_rows = torch.zeros((n, ROW_BYTES), dtype=torch.uint8, device="cuda")
+            self.static_rows.copy_(torch.from_numpy(np.asarray(table.gather(np.arange(n)))))
         if name == "gpu":
             raw = np.asarray(table.gather(np.arange(table.rows)))
             self.gpu_table = torch.from_numpy(raw).cuda()
@@ -157,6 +164,8 @@ class Variant:
         v = self.name
         if v == "none":
             self.forward(None, lambda: None)
+        elif v.startswith("static"):
+            self.forward(lambda: self.rows_view(self.static_rows), self.compute_ids)
         elif v == "gpu":
             assert self.gpu_table is not None
             table = self.gpu_table
@@ -282,7 +291,16 @@ class Variant:
             self.plan.close()
 
 
-VARIANTS = ["none", "gpu", "sync", "worker-inline", "worker-staged", "staged-depth1"]
+VARIANTS = [
+    "none",
+    "static",
+    "static #2",
+    "gpu",
+    "sync",
+    "worker-inline",
+    "worker-staged",
+    "staged-depth1",
+]
 
 
 def main() -> None:
@@ -327,7 +345,7 @@ def main() -> None:
                 vs[v].run(min(a.steps, 200))
                 toks[v] = vs[v].tokens(min(a.steps, 200) - 1)
             for v in variants:
-                if v not in ("none", "gpu") and "gpu" in toks:
+                if v not in ("none", "static", "static #2", "gpu") and "gpu" in toks:
                     same = np.array_equal(toks[v], toks["gpu"])
                     per[v][0]["tokens_equal_gpu"] = same
                     if not same:
@@ -345,12 +363,12 @@ def main() -> None:
 def report(results: dict[str, Any], variants: list[str]) -> None:
     print()
     print(
-        "| batch | variant | step period us (median of rounds) | overhead vs none us "
+        "| batch | variant | step period us (median of rounds) | overhead vs static us "
         "| host pre-launch us median / p99 | GPU waited for worker | tokens == gpu |"
     )
     print("|---|---|---|---|---|---|---|")
     for b, per in results.items():
-        base = statistics.median(x["period_us"] for x in per["none"]) if "none" in per else None
+        base = statistics.median(x["period_us"] for x in per["static"]) if "static" in per else None
         sync_over = None
         if base is not None and "sync" in per:
             sync_over = statistics.median(x["period_us"] for x in per["sync"]) - base
