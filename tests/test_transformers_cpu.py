@@ -375,3 +375,44 @@ def test_capture_patch_memoises_scalars_only() -> None:
     lst = memo.tensor([1.0, 2.0])
     assert memo.tensor([1.0, 2.0]) is not lst  # not memoised
     assert memo.zeros is torch.zeros
+
+
+def test_tensor_parallel_two_ranks_on_the_cpu(tmp_path: Path) -> None:
+    # Two gloo ranks, each serving the table from the one checkpoint: TP 2 (deferred path
+    # on the host plan) against TP 2 with the stock table, and against TP 1.
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "ple_memops.transformers.tp",
+            "--model",
+            "small",
+            "--layers",
+            "5",
+            "--dtype",
+            "float32",
+            "--batch",
+            "2",
+            "--steps",
+            "3",
+            "--device",
+            "cpu",
+            "--cache-dir",
+            str(tmp_path),
+            "--require-identical-tokens",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = [x for x in out.stdout.splitlines() if x.startswith("[rank 0] batch")]
+    assert len(lines) == 2, out.stdout
+    for line in lines:
+        assert "logits bit-identical" in line and "tokens vs TP1: identical" in line
+    assert "tokens identical on all 2 ranks: True" in out.stdout
+    assert "'mlp_whole': 1" in out.stdout  # the activation-sparse layer's MLP stays whole

@@ -24,7 +24,7 @@ tp() {  # tp LIMIT ARGS...: one torchrun, bounded
     [ $r -ne 0 ] && { echo "!! tp $*: rc=$r" | tee -a "$OUT/tp2.log"; RC=1; }
 }
 # fp32: TP 2 rounds like TP 1 to ~1e-7, so greedy tokens must match TP 1 exactly.
-tp 50 --model small --dtype float32 --batch 1,8 --steps 128
+tp 50 --model small --dtype float32 --batch 1,8 --steps 128 --require-identical-tokens
 # bf16 at E2B shapes: the rows change nothing (bit-identical to the GPU-table TP 2 run);
 # TP 2 vs TP 1 tokens are reported as measured (bf16 row-parallel sums round differently).
 tp 125 --model e2b --dtype bfloat16 --batch 8 --steps 96
