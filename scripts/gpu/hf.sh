@@ -48,7 +48,7 @@ run "Qwen4Exp (eager through HF's code, deferred ids, capture attempt)" 60 "$OUT
     $PY -c "import sys; from ple_memops.transformers.checkpoints import default_cache_dir; from ple_memops.transformers.cli import qwen_main; sys.exit(qwen_main(default_cache_dir(), steps=32))"
 
 run "bench (E2B shapes, warm page cache)" 300 "$OUT/bench.log" \
-    $PY -m ple_memops bench --model "${BENCH_MODEL:-e2b}" "${BENCH[@]}" --styles sync,async --placements early,late \
+    $PY -m ple_memops bench --model "${BENCH_MODEL:-e2b}" "${BENCH[@]}" --styles sync,async --placements early,late --deadline 210 \
     --markdown "$OUT/bench.md" --png "$OUT/bench.png" --json "$OUT/bench.json" --no-progress
 
 if [ "$SMOKE" != 1 ]; then

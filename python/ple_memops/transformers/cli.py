@@ -102,6 +102,13 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
         help="warm: the table's pages stay cached; cold: dropped before every run",
     )
     ap.add_argument("--markdown", default=None, help="append the BENCHMARKS.md table here")
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds from loading the model past which no further variant is started "
+        "(what was measured is still reported)",
+    )
     ap.add_argument("--qwen", action="store_true", help="also run the Qwen4Exp eager check")
     _common(ap, steps=256, batches="1,8,64", track=False)
 
@@ -210,10 +217,18 @@ def _run(
             "each step, checked bit for bit against the stock model"
         )
     results: list[RunResult] = []
+    from . import _report
+
+    deadline = getattr(args, "deadline", None)
     with _Progress(_runs_total(args, variants), not args.no_progress) as prog:
         bench.progress = prog
+        if deadline is not None:
+            bench.deadline = t0 + deadline
         for b in args.batch:
-            results += bench.run_batch(
+            if deadline is not None and time.perf_counter() - t0 > deadline:
+                print(f"skipped batch {b}: past the --deadline of {deadline:.0f} s")
+                continue
+            got = bench.run_batch(
                 b,
                 args.steps,
                 variants=variants,
@@ -221,6 +236,11 @@ def _run(
                 placements=args.placements,
                 cold=getattr(args, "page_cache", "warm") == "cold",
             )
+            results += got
+            if args.no_progress:  # a log: each batch's table as soon as it is done
+                print(f"-- batch {b} done at {time.perf_counter() - t0:.0f} s")
+            if args.json:  # keep what is measured if a later batch is cut short
+                _report.to_json(results, args.json, {"title": title, "partial": True})
     for b, ok in bench.eager_check.items() if bench.cuda else ():
         print(
             f"batch {b}: captured reference vs the stock model run eagerly "

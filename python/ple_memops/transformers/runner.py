@@ -53,12 +53,13 @@ __all__ = [
     "RunResult",
 ]
 
+# In the order they run (the ones the targets compare first, in case a deadline cuts a run).
 ALL_VARIANTS = (
     "gpu-table",
-    "pinned-uva",
     "sync-gather",
-    "deferred-host",
     "deferred-device",
+    "deferred-host",
+    "pinned-uva",
     "fallback",
 )
 DEFERRED_VARIANTS = ("deferred-host", "deferred-device")
@@ -276,6 +277,8 @@ class GemmaBench:
         self.eager_check: dict[int, bool] = {}
         self._uva: Any = None
         self._cpu_graph_path = False
+        self.deadline: float | None = None
+        """``time.perf_counter()`` past which no further variant starts (``None``: none)."""
         # GPU memory of the served model alone (no table), the base of every variant's figure.
         self.model_base = torch.cuda.memory_allocated(self.device) if self.cuda else 0
 
@@ -377,6 +380,9 @@ class GemmaBench:
                 else:
                     vplacements = placements if variant in both else placements[:1]
                 for placement in vplacements:
+                    if self.deadline is not None and time.perf_counter() > self.deadline:
+                        print(f"batch {batch}: {variant} ({placement}) skipped: past the deadline")
+                        continue
                     results.extend(self._variant(dec, variant, placement, styles, ref, cold))
             # The reference once more, after the others: drift (clocks, heat, page cache)
             # shows as a difference between its two runs.
