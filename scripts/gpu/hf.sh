@@ -25,6 +25,7 @@ run() {  # run NAME TIMEOUT LOG CMD...: bounded, logged, failures counted, never
     local r=$?
     if [ $r -ne 0 ]; then
         echo "!! $name: rc=$r$([ $r -ge 124 ] && echo ' (timed out)')" | tee -a "$log"
+        { echo "!! $name: rc=$r; the end of $(basename "$log"):"; tail -n 30 "$log"; } >>"$OUT/summary.txt"
         RC=1
     fi
 }

@@ -21,7 +21,11 @@ tp() {  # tp LIMIT ARGS...: one torchrun, bounded
     timeout --kill-after=15 "$limit" $PY -m torch.distributed.run --standalone --nproc_per_node=2 \
         -m ple_memops.transformers.tp "$@" >>"$OUT/tp2.log" 2>&1
     local r=$?
-    [ $r -ne 0 ] && { echo "!! tp $*: rc=$r" | tee -a "$OUT/tp2.log"; RC=1; }
+    if [ $r -ne 0 ]; then
+        echo "!! tp $*: rc=$r$([ $r -ge 124 ] && echo ' (timed out)')" | tee -a "$OUT/tp2.log"
+        tail -n 40 "$OUT/tp2.log"
+        RC=1
+    fi
 }
 # fp32: TP 2 rounds like TP 1 to ~1e-7, so greedy tokens must match TP 1 exactly.
 tp 50 --model small --dtype float32 --batch 1,8 --steps 128 --require-identical-tokens
