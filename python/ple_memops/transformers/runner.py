@@ -201,9 +201,12 @@ class Decoder:
             self.pos.add_(1)
         return logits
 
-    def capture(self) -> tuple[Any, Any]:
+    def capture(self, warm: Callable[[Callable[[], Any]], Any] | None = None) -> tuple[Any, Any]:
         """Warm up on a side stream, capture one step, then reset and prefill again.
-        Returns ``(graph, logits)``: the graph and its static logits output."""
+        ``warm(step)`` runs one warm-up step (default: ``step()``); a variant passes its
+        own, which takes the captured step's path eagerly, rows and all, so every kernel
+        is loaded and the path checked before the capture. Returns ``(graph, logits)``:
+        the graph and its static logits output."""
         import torch
 
         self.prefill()
@@ -211,7 +214,10 @@ class Decoder:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(WARMUPS):
-                self.step()
+                if warm is None:
+                    self.step()
+                else:
+                    warm(self.step)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
@@ -448,10 +454,37 @@ class GemmaBench:
             ok &= bool(torch.equal(_bits(logits), _bits(record.logits[i])))
         return ok
 
-    def _capture(self, dec: Decoder) -> tuple[Any, Any]:
+    def _capture(self, dec: Decoder, ops: _Ops | None = None) -> tuple[Any, Any]:
         if not self.cuda:
             return None, None
-        return dec.capture()
+        if ops is None:
+            return dec.capture()
+        server = self.served.server
+        k = 0
+
+        def warm(step: Callable[[], Any]) -> Any:
+            # One step of the variant's protocol, eagerly: in eager execution the rows
+            # are filled before the step's consumer is enqueued (deferred-host fills
+            # first; the worker fills from its own thread).
+            nonlocal k
+            ids = _in_table(dec.tok.view(-1).cpu().numpy(), dec.vocab_rows)
+            ops.arm(k)
+            ops.before(k, ids)
+            if ops.needs_ids_after:
+                ops.after(k, ids)
+            server.graph_path = True
+            try:
+                out = step()
+            finally:
+                server.graph_path = False
+            ops.after_launch(k)
+            k += 1
+            return out
+
+        try:
+            return dec.capture(warm)
+        finally:
+            ops.finish()
 
     def _allocated(self) -> int:
         import torch
@@ -514,7 +547,7 @@ class GemmaBench:
                 stack.callback(setattr, self, "_cpu_graph_path", False)
             gpu_bytes = self.model_base + self._allocated() - before if self.cuda else None
             self.progress(f"batch {dec.batch}: {variant} ({placement}) capture")
-            graph, logits = self._capture(dec)
+            graph, logits = self._capture(dec, ops_for("sync"))
             for style in styles:
                 if cold:
                     self.table.drop_pages()
@@ -588,10 +621,12 @@ class GemmaBench:
             def after(k: int, ids: Any) -> None:
                 try:
                     rows.fill_from(table, ids, busy_wait=self.watchdog)
-                    rows.complete()
                 except BaseException as e:
                     rows.abort(f"deferred-host step {k}: {e!r}")
                     raise
+
+            def after_launch(k: int) -> None:
+                rows.complete()
 
             def stats() -> tuple[float | None, int | None]:
                 s = rows.stats()
@@ -599,7 +634,7 @@ class GemmaBench:
                 us = (s.fill_ns_total - base.fill_ns_total) / 1e3 / fills if fills else None
                 return us, (s.gpu_waited - base.gpu_waited) or None
 
-            ops.arm, ops.after, ops.stats = arm, after, stats
+            ops.arm, ops.after, ops.after_launch, ops.stats = arm, after, after_launch, stats
             return ops
 
         return ops_for
