@@ -322,11 +322,19 @@ def bench_main(args: Any) -> int:
 
 
 def _relayer(cfg: Any, layers: int, *, tiny: bool) -> Any:
+    """``cfg`` with ``layers`` layers: transformers' default attention pattern, a third of
+    the layers KV-shared where the pattern allows it (every shared layer needs a
+    non-shared layer of its type), activation sparsity as the default gives it."""
     d = cfg.to_dict()
     for k in ("layer_types", "activation_sparsity_pattern", "intermediate_size"):
         d.pop(k, None)
+    types = ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(layers)]
+    shared = layers // 3
+    while shared and not set(types[layers - shared :]) <= set(types[: layers - shared]):
+        shared -= 1
     d["num_hidden_layers"] = layers
-    d["num_kv_shared_layers"] = max(0, layers // 3)
+    d["layer_types"] = types
+    d["num_kv_shared_layers"] = shared
     d["intermediate_size"] = cfg.intermediate_size[0]
     if tiny:
         d["activation_sparsity_pattern"] = [0.95] + [0.0] * (layers - 1)
