@@ -23,7 +23,7 @@ _HEAD = (
     "p99 us",
     "vs gpu-table",
     "host gather us",
-    "GPU waited",
+    "GPU waited (steps)",
     "GPU MiB",
     "pinned MiB",
     "tokens",
