@@ -43,8 +43,8 @@ $PY -c "import torch, transformers, ple_memops; print('torch', torch.__version__
 
 # The gate: tiny Gemma 3n, every variant captured, checked against stock. If this fails the
 # rest would too; skip the expensive part and keep the device time for a rerun.
-run "pytest (GPU: every variant captured)" 150 "$OUT/pytest.log" \
-    $PY -m pytest tests/test_transformers_gpu.py -q -rs -p no:cacheprovider
+run "pytest (GPU: Gemma 3n, every variant captured)" 150 "$OUT/pytest.log" \
+    $PY -m pytest tests/test_transformers_gpu.py -k "not qwen" -q -rs -p no:cacheprovider
 GATE=$RC
 
 if [ "$GATE" = 0 ] || [ "${FORCE:-0}" = 1 ]; then
@@ -71,12 +71,16 @@ else
 fi
 
 if [ "$SMOKE" != 1 ]; then
-    run "pytest (CPU path, this machine's torch and transformers)" 90 "$OUT/pytest.log" \
-        $PY -m pytest tests/test_transformers_cpu.py -q -rs -p no:cacheprovider
+    run "pytest (GPU: Qwen4Exp; CPU path with this machine's torch and transformers)" 120 \
+        "$OUT/pytest.log" $PY -m pytest tests/test_transformers_gpu.py -k qwen \
+        tests/test_transformers_cpu.py -q -rs -p no:cacheprovider
+else
+    run "pytest (GPU: Qwen4Exp)" 60 "$OUT/pytest.log" \
+        $PY -m pytest tests/test_transformers_gpu.py -k qwen -q -rs -p no:cacheprovider
 fi
 
 {
-    echo "== pytest"; tail -n 3 "$OUT/pytest.log"
+    echo "== pytest"; grep -E "passed|failed|error" "$OUT/pytest.log"
     echo "== demo"; grep -E "runs: tokens|batch [0-9]+ (sync|async): best|DIFFER|skipped|Qwen4Exp|bit-identical to the stock|capture:|!!" "$OUT/demo.log"
     echo "== bench"; grep -E "runs: tokens|best deferred|GPU memory|reference vs|DIFFER|!!|ready in|loaded" "$OUT/bench.log"
     echo "== wall time $((SECONDS - T0)) s, rc=$RC"
