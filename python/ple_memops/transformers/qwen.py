@@ -109,7 +109,11 @@ def qwen_check(
         except Exception as e:  # report: this is what HF's code allows, measured
             rep.notes.append(f"n-gram PLE piece capture failed: {type(e).__name__}: {e}"[:300])
         if try_capture:
-            rep.capture = _try_capture(model, prompt, dev)
+            served.prepare(batch, deferred=True, source="device")
+            try:
+                rep.capture = _try_capture(model, prompt, dev)
+            finally:
+                served.server.close_plan()
         rep.notes.append(
             "decode steps ran eagerly, except (where it ran) each PLE layer's n-gram "
             "hashing + deferred row lookup, replayed from a CUDA graph"
@@ -223,7 +227,8 @@ def _piece_captured(
 
 
 def _try_capture(model: Any, prompt: Any, dev: Any) -> str:
-    """Capture one whole decode step with ``torch.cuda.graph``; say what happened."""
+    """Capture one whole decode step with ``torch.cuda.graph`` (the served tables' plan
+    prepared, so what stops it is HF's code); say what happened."""
     import torch
 
     from .runner import _cache_kwarg
