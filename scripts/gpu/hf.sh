@@ -81,7 +81,7 @@ fi
 
 {
     echo "== pytest"; grep -E "passed|failed|error" "$OUT/pytest.log"
-    echo "== demo"; grep -E "runs: tokens|batch [0-9]+ (sync|async): best|DIFFER|skipped|Qwen4Exp|bit-identical to the stock|capture:|!!" "$OUT/demo.log"
+    echo "== demo"; grep -E "runs: tokens|batch [0-9]+ (sync|async): best|DIFFER|skipped|Qwen4Exp|bit-identical to the stock|capture:|GPU memory|note:|!!" "$OUT/demo.log"
     echo "== bench"; grep -E "runs: tokens|best deferred|GPU memory|reference vs|DIFFER|!!|ready in|loaded" "$OUT/bench.log"
     echo "== wall time $((SECONDS - T0)) s, rc=$RC"
 } >>"$OUT/summary.txt" 2>&1

@@ -384,6 +384,14 @@ def qwen_main(root: Path, *, device: str | None = None, steps: int = 16) -> int:
             f"({rep.steps} steps, batch {rep.batch})"
         )
     print(f"  capture: {rep.capture}")
+    stock_b, served_b = rep.gpu_bytes
+    if stock_b is not None and served_b is not None:
+        tables = sum(r * b for r, b in rep.tables.values())
+        mib = 2**20
+        print(
+            f"  GPU memory: stock model {stock_b / mib:,.2f} MiB, served {served_b / mib:,.2f} "
+            f"MiB: saved {(stock_b - served_b) / mib:,.2f} MiB (tables {tables / mib:,.2f} MiB)"
+        )
     for n in rep.notes:
         print(f"  note: {n}")
     return 0 if all(rep.runs.values()) else 1

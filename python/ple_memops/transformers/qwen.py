@@ -30,6 +30,8 @@ class QwenReport:
     """Variant -> logits bit-identical to the stock model at every step (and tokens)."""
     capture: str = ""
     """What happened when a whole decode step was captured."""
+    gpu_bytes: tuple[int | None, int | None] = (None, None)
+    """GPU memory the stock model and the served model hold (their weights)."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -89,6 +91,16 @@ def qwen_check(
     ref = cls.from_pretrained(checkpoint, dtype=torch.bfloat16)
     model = cls.from_pretrained(checkpoint, dtype=torch.bfloat16)
     served = serve(model, checkpoint)
+
+    def held(m: Any) -> int | None:
+        if dev.type != "cuda":
+            return None
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_allocated(dev)
+        m.to(dev)
+        return int(torch.cuda.memory_allocated(dev) - before)
+
+    ref_bytes, served_bytes = held(ref), held(model)
     ref.to(dev).eval()
     model.to(dev).eval()
     gen = torch.Generator().manual_seed(0)
@@ -98,6 +110,7 @@ def qwen_check(
         batch=batch,
         steps=steps,
         tables={n: (t.rows, t.row_bytes) for n, t in served.tables.items()},
+        gpu_bytes=(ref_bytes, served_bytes),
     )
     want = _decode(ref, prompt, steps)
     got = _decode(model, prompt, steps)
