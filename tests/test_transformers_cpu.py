@@ -364,17 +364,21 @@ def test_cli_check_and_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert "{demo,bench,check}" in out
 
 
-def test_capture_patch_memoises_scalars_only() -> None:
+def test_capture_patch_memoises_scalars_only_in_scope() -> None:
     from ple_memops.transformers._capture import _MemoTorch
 
     memo = _MemoTorch(torch)
+    # outside a scope: torch itself (module construction never shares a tensor)
+    assert memo.tensor(1e-5) is not memo.tensor(1e-5)
+    memo._scope.device = torch.device("cpu")
     a = memo.tensor(1e-5)
-    assert memo.tensor(1e-5) is a and a.dtype == torch.float32
+    assert memo.tensor(1e-5) is a and a.dtype == torch.float32 and a.device.type == "cpu"
     b = memo.tensor(0.95, dtype=torch.float32, device="cpu")
     assert memo.tensor(0.95, dtype=torch.float32, device="cpu") is b and b is not a
     lst = memo.tensor([1.0, 2.0])
     assert memo.tensor([1.0, 2.0]) is not lst  # not memoised
     assert memo.zeros is torch.zeros
+    memo._scope.device = None
 
 
 def test_tensor_parallel_two_ranks_on_the_cpu(tmp_path: Path) -> None:
@@ -415,4 +419,5 @@ def test_tensor_parallel_two_ranks_on_the_cpu(tmp_path: Path) -> None:
     for line in lines:
         assert "logits bit-identical" in line and "tokens vs TP1: identical" in line
     assert "tokens identical on all 2 ranks: True" in out.stdout
+    assert "every rank's checks passed: True" in out.stdout
     assert "'mlp_whole': 1" in out.stdout  # the activation-sparse layer's MLP stays whole

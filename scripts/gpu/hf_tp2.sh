@@ -33,7 +33,7 @@ tp 50 --model small --dtype float32 --batch 1,8 --steps 128 --require-identical-
 # TP 2 vs TP 1 tokens are reported as measured (bf16 row-parallel sums round differently).
 tp 125 --model e2b --dtype bfloat16 --batch 8 --steps 96
 {
-    grep -E "^\[rank 0\]|!!" "$OUT/tp2.log"
+    grep -E "^\[rank [0-9]+\]|!!" "$OUT/tp2.log"
     echo "== wall time $((SECONDS - T0)) s, rc=$RC"
 } >"$OUT/tp2_summary.txt"
 cat "$OUT/tp2_summary.txt"

@@ -5,51 +5,76 @@ Values are unchanged: these only move where a constant lives or which counter is
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["device_query_offset", "make_capturable"]
+__all__ = ["capture_scope", "device_query_offset", "make_capturable"]
 
 _LOCK = threading.Lock()
 _PATCHED: dict[str, Any] = {}
 
 
 class _MemoTorch(types.ModuleType):
-    """Stands in for ``torch`` inside one transformers modeling module: ``torch.tensor`` of
-    a Python scalar returns one tensor per (value, dtype, device), made on the first
-    (eager) call. A host scalar without a device is kept in pinned memory, so the
-    ``.to(device)`` that follows it is a copy a graph may capture. Everything else is
-    torch itself."""
+    """Stands in for ``torch`` inside one transformers modeling module. Within
+    :func:`capture_scope` (the runner's forwards), ``torch.tensor`` of a Python scalar
+    returns one tensor per (value, dtype, device), made on the first (eager) call; a
+    scalar made without a device is made on the scope's device, so the ``.to(device)``
+    that follows it in the modeling code copies nothing (a graph cannot capture a copy
+    from pageable host memory). Outside the scope (module construction, weight init)
+    and for anything else it is torch itself, so no module ever shares a buffer."""
 
     def __init__(self, torch: Any) -> None:
         super().__init__("torch")
         self._torch = torch
         self._memo: dict[tuple[Any, ...], Any] = {}
+        self._scope = threading.local()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._torch, name)
 
     def tensor(self, data: Any, *args: Any, **kwargs: Any) -> Any:
         torch = self._torch
-        if args or not isinstance(data, (float, int)) or isinstance(data, bool):
+        default = getattr(self._scope, "device", None)
+        if (
+            default is None
+            or args
+            or not isinstance(data, (float, int))
+            or isinstance(data, bool)
+            or set(kwargs) - {"dtype", "device"}
+        ):
             return torch.tensor(data, *args, **kwargs)
-        if set(kwargs) - {"dtype", "device"}:
-            return torch.tensor(data, *args, **kwargs)
-        dev = kwargs.get("device")
-        key = (type(data), data, kwargs.get("dtype"), None if dev is None else str(dev))
+        dev = torch.device(kwargs.get("device") or default)
+        key = (type(data), data, kwargs.get("dtype"), str(dev))
         got = self._memo.get(key)
         if got is None:
-            got = torch.tensor(data, **kwargs)
-            if dev is None and torch.cuda.is_available():
-                got = got.pin_memory()
+            got = torch.tensor(data, dtype=kwargs.get("dtype"), device=dev)
             self._memo[key] = got
         return got
 
 
+@contextlib.contextmanager
+def capture_scope(device: Any) -> Iterator[None]:
+    """Within the block, the patched modules' scalar constants are memoised on
+    ``device`` (see :func:`make_capturable`)."""
+    proxies = [vars(m)["torch"] for m in _PATCHED.values()]
+    olds = []
+    for p in proxies:
+        olds.append(getattr(p._scope, "device", None))
+        p._scope.device = device
+    try:
+        yield
+    finally:
+        for p, old in zip(proxies, olds, strict=True):
+            p._scope.device = old
+
+
 def make_capturable(model_type: str = "gemma3n") -> None:
     """Patch transformers' ``modeling_<model_type>`` module (process-wide, idempotent) so
-    its scalar constants are made once, outside capture."""
+    that, within :func:`capture_scope`, its scalar constants are made once, on the model's
+    device, during the eager warm-up."""
     import importlib
 
     import torch

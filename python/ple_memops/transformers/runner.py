@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgumentError, PleMemopsError
-from ._capture import device_query_offset, make_capturable
+from ._capture import capture_scope, device_query_offset, make_capturable
 from ._models import GEMMA3N_TABLE, ServedModel
 
 __all__ = [
@@ -166,7 +166,7 @@ class Decoder:
     def _forward(self, ids: Any, pos: Any) -> Any:
         import torch
 
-        with torch.no_grad():
+        with torch.no_grad(), capture_scope(self.device):
             out = self.model(
                 input_ids=ids,
                 position_ids=pos,

@@ -207,17 +207,21 @@ def main(argv: list[str] | None = None) -> int:
         if not same_tokens:
             diff = np.argwhere(r1.tokens != r2.tokens)
             line += f" (first at step {int(diff[0][0])}, {len(diff)} of {r1.tokens.size})"
-        say(line)
-        if r2.logits_identical is False or r2.tokens_identical is False:
-            ok = False
-        if a.require_identical_tokens and not same_tokens:
-            ok = False
+        bad = r2.logits_identical is False or r2.tokens_identical is False
+        bad |= a.require_identical_tokens and not same_tokens
+        if rank == 0 or bad:  # rank 0 reports; another rank only what fails there
+            say(line)
+        ok &= not bad
     # Every rank must have decoded the same tokens (the all-reduced state is replicated).
     mine = torch.from_numpy(np.concatenate([r.tokens.reshape(-1) for r in tp2])).to(dev)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine)
     same_ranks = all(torch.equal(gathered[0], g) for g in gathered)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=dev)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    ok = bool(flag.item())
     if rank == 0:
+        say(f"every rank's checks passed: {ok}")
         say(f"tokens identical on all {world} ranks: {same_ranks}")
         mem = [r.gpu_bytes for r in tp2 if r.variant == "deferred-device"]
         ref = [r.gpu_bytes for r in tp2 if r.variant == "gpu-table"]
