@@ -167,13 +167,22 @@ def build_checkpoint(
             pass
     cls = _model_class(config)
     torch.manual_seed(seed)
-    with torch.device(device):
+    try:
+        with torch.device(device):
+            model = cls._from_config(config, dtype=dtype)
+    except Exception:
+        if device == "cpu":
+            raise
+        # Initialising on the device is only faster; the CPU gives the same kind of files.
+        torch.manual_seed(seed)
         model = cls._from_config(config, dtype=dtype)
     model.eval()
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    del model
+    model.to("cpu")
     if device != "cpu":
         torch.cuda.empty_cache()
+    out.mkdir(parents=True, exist_ok=True)
+    marker.unlink(missing_ok=True)
+    model.save_pretrained(out)
+    del model
     marker.write_text(json.dumps(want))
     return out
