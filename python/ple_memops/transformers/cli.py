@@ -110,7 +110,7 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
         "(what was measured is still reported)",
     )
     ap.add_argument("--qwen", action="store_true", help="also run the Qwen4Exp eager check")
-    _common(ap, steps=256, batches="1,8,64", track=False)
+    _common(ap, steps=256, batches="1,8,64", track=True)
 
 
 class _Progress(AbstractContextManager["_Progress"]):
