@@ -181,22 +181,22 @@ class _CapturedPiece:
         self.out: Any = None
         self.captured = 0
 
-    def __call__(self, input_ids: Any, cache: Any) -> Any:
+    def __call__(self, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
         import torch
 
         if input_ids.shape[1] != 1:  # prefill: stock, eager, synchronous gather
-            return self.orig(input_ids, cache)
+            return self.orig(input_ids, *args, **kwargs)
         if self.graph is None:
             self.server.graph_path = True
             try:
-                first = self.orig(input_ids, cache)
+                first = self.orig(input_ids, *args, **kwargs)
             finally:
                 self.server.graph_path = False
             self.ids = input_ids.clone()
             torch.cuda.synchronize()
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                self.out = self.orig(self.ids, cache)
+                self.out = self.orig(self.ids, *args, **kwargs)
             self.captured += 1
             return first
         self.ids.copy_(input_ids)
