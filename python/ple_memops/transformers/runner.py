@@ -241,7 +241,8 @@ class _Ops:
     after: Callable[[int, Any], None] = lambda k, ids: None
     """After the launch, with the step's ids on the host (deferred-host fills here)."""
     after_launch: Callable[[int], None] = lambda k: None
-    """After the launch (deferred-device: complete the oldest step at depth)."""
+    """After the launch (deferred-host: end the step; deferred-device: complete the
+    oldest step beyond the scheduling depth)."""
     finish: Callable[[], None] = lambda: None
     needs_ids_before: bool = False
     needs_ids_after: bool = False
