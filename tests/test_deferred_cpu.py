@@ -330,7 +330,7 @@ def test_concurrent_steps_and_stats_are_consistent() -> None:
 
 def test_main_job_runs_on_the_host() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "ple_memops", "--cpu", "--steps", "20"],
+        [sys.executable, "-m", "ple_memops", "check", "--cpu", "--steps", "20"],
         capture_output=True,
         text=True,
         timeout=120,

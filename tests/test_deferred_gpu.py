@@ -334,7 +334,7 @@ def test_sync_fallback_is_byte_identical(torch, copy: str) -> None:  # type: ign
 
 def test_main_job_on_the_gpu(torch) -> None:  # type: ignore[no-untyped-def]
     r = subprocess.run(
-        [sys.executable, "-m", "ple_memops", "--steps", "50"],
+        [sys.executable, "-m", "ple_memops", "check", "--steps", "50"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -1,5 +1,11 @@
-"""``python -m ple_memops``: probe the device and push deferred rows through a captured
-CUDA graph (or the synchronous fallback on a machine without one), printing what it did.
+"""``python -m ple_memops``: the demo, the benchmark and the device check.
+
+- ``demo``: decode with a (tiny, random, built if missing) Gemma 3n through transformers,
+  its PLE table served from the checkpoint, every variant this machine can run, checked
+  against the stock model; a table and a PNG of per-step latency.
+- ``bench``: the side-by-side benchmark (E2B shapes by default), BENCHMARKS.md tables.
+- ``check``: probe the device and push deferred rows through a captured CUDA graph (or
+  the synchronous fallback on a machine without one), printing what it did.
 """
 
 from __future__ import annotations
@@ -100,17 +106,40 @@ def _demo_host(steps: int, rows: int, row_bytes: int) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ple_memops", description=__doc__)
-    ap.add_argument("--device", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--rows", type=int, default=16)
-    ap.add_argument("--row-bytes", type=int, default=160)
-    ap.add_argument("--cpu", action="store_true", help="use the host fallback even with a GPU")
-    a = ap.parse_args(argv)
+def _check(a: argparse.Namespace) -> int:
     if not a.cpu and _cuda_available():
         return _demo_gpu(a.device, a.steps, a.rows, a.row_bytes)
     return _demo_host(a.steps, a.rows, a.row_bytes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .transformers import cli
+
+    ap = argparse.ArgumentParser(
+        prog="python -m ple_memops",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = ap.add_subparsers(dest="command", metavar="{demo,bench,check}")
+    demo = sub.add_parser("demo", help="the main job: Gemma 3n decode, every variant, checked")
+    cli.add_demo_args(demo)
+    bench = sub.add_parser("bench", help="the side-by-side benchmark (BENCHMARKS.md form)")
+    cli.add_bench_args(bench)
+    check = sub.add_parser("check", help="probe the device and replay deferred rows in a graph")
+    check.add_argument("--device", type=int, default=0)
+    check.add_argument("--steps", type=int, default=100)
+    check.add_argument("--rows", type=int, default=16)
+    check.add_argument("--row-bytes", type=int, default=160)
+    check.add_argument("--cpu", action="store_true", help="use the host fallback even with a GPU")
+    a = ap.parse_args(argv)
+    if a.command == "demo":
+        return cli.demo_main(a)
+    if a.command == "bench":
+        return cli.bench_main(a)
+    if a.command == "check":
+        return _check(a)
+    ap.print_help()
+    return 0
 
 
 if __name__ == "__main__":

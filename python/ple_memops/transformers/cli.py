@@ -1,0 +1,397 @@
+"""``python -m ple_memops demo`` and ``python -m ple_memops bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidArgumentError
+from .checkpoints import (
+    build_checkpoint,
+    default_cache_dir,
+    e2b_gemma3n_config,
+    tiny_gemma3n_config,
+)
+from .runner import ALL_VARIANTS, DEFERRED_VARIANTS, STYLES, GemmaBench, RunResult
+
+__all__ = ["add_bench_args", "add_demo_args", "bench_main", "demo_main"]
+
+
+def _csv_ints(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not out or any(v <= 0 for v in out):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+    return out
+
+
+def _csv_of(choices: tuple[str, ...]) -> Any:
+    def parse(s: str) -> list[str]:
+        out = [x.strip() for x in s.split(",") if x.strip()]
+        if out == ["all"]:
+            return list(choices)
+        bad = [x for x in out if x not in choices]
+        if bad or not out:
+            raise argparse.ArgumentTypeError(f"choose from {','.join(choices)} (or all), got {s!r}")
+        return out
+
+    return parse
+
+
+def _common(ap: argparse.ArgumentParser, *, steps: int, batches: str, track: bool) -> None:
+    ap.add_argument("--steps", type=int, default=steps, help="decode steps per run")
+    ap.add_argument("--batch", type=_csv_ints, default=_csv_ints(batches), help="batch sizes")
+    ap.add_argument(
+        "--styles", type=_csv_of(STYLES), default=list(STYLES), help="sync,async (scheduling)"
+    )
+    ap.add_argument(
+        "--placements",
+        type=_csv_of(("early", "late")),
+        default=["early", "late"],
+        help="consumer placements of the deferred variants: early (stock), late (layer 0 end)",
+    )
+    ap.add_argument(
+        "--variants", type=_csv_of(ALL_VARIANTS), default=list(ALL_VARIANTS), help="which variants"
+    )
+    ap.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if any)")
+    ap.add_argument("--png", default=None, help="where to draw per-step latency (PNG)")
+    ap.add_argument("--json", default=None, help="write every run (per-step times too) as JSON")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument(
+        "--track-arrival",
+        action=argparse.BooleanOptionalAction,
+        default=track,
+        help="count the steps whose fill found the GPU waiting (one stream write a step)",
+    )
+    ap.add_argument(
+        "--eager-check-steps",
+        type=int,
+        default=4,
+        help="steps of the captured reference also checked against the stock model run eagerly",
+    )
+
+
+def add_demo_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--checkpoint",
+        default=None,
+        help="a Gemma 3n checkpoint directory (default: a tiny random one, built if missing)",
+    )
+    ap.add_argument("--cache-dir", default=None, help="where the default checkpoint is built")
+    _common(ap, steps=64, batches="1,4", track=True)
+
+
+def add_bench_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--model",
+        default="e2b",
+        help="tiny, e2b (E2B shapes, random weights, built once) or a checkpoint directory",
+    )
+    ap.add_argument("--layers", type=int, default=None, help="layers of the built model")
+    ap.add_argument("--cache-dir", default=None, help="where built checkpoints live")
+    ap.add_argument(
+        "--page-cache",
+        choices=("warm", "cold"),
+        default="warm",
+        help="warm: the table's pages stay cached; cold: dropped before every run",
+    )
+    ap.add_argument("--markdown", default=None, help="append the BENCHMARKS.md table here")
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds from loading the model past which no further variant is started "
+        "(what was measured is still reported)",
+    )
+    ap.add_argument("--qwen", action="store_true", help="also run the Qwen4Exp eager check")
+    _common(ap, steps=256, batches="1,8,64", track=True)
+
+
+class _Progress(AbstractContextManager["_Progress"]):
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar: Any = None
+        if enabled:
+            try:
+                from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
+
+                self.bar = tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)
+            except ImportError:
+                self.bar = None
+        self.last = ""
+
+    def __call__(self, what: str) -> None:
+        if self.bar is not None:
+            if self.last and not self.last.endswith("capture"):
+                self.bar.update(1)
+            self.bar.set_description(what)
+        self.last = what
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.close()
+
+
+def _device(arg: str | None) -> Any:
+    import torch
+
+    dev = torch.device(arg or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError(f"--device {arg}: no CUDA device here")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def load_gemma(
+    checkpoint: str | Path, device: Any, placement: str = "early", dtype: Any = None
+) -> tuple[Any, Any]:
+    """Load a Gemma 3n checkpoint on the CPU, keep its stock PLE module (with the table, on
+    the CPU) for the reference variants, serve the table from the checkpoint, move the
+    model to ``device``. Returns ``(served, stock_module)``."""
+    import torch
+    import transformers
+
+    from ._models import serve
+
+    cls: Any = transformers.Gemma3nForCausalLM
+    model = cls.from_pretrained(
+        str(checkpoint), dtype=dtype or torch.bfloat16, attn_implementation="sdpa"
+    )
+    model.eval()
+    stock = model.model.embed_tokens_per_layer
+    served = serve(model, checkpoint, placement=placement)
+    model.to(device)
+    return served, stock
+
+
+def _runs_total(args: Any, variants: list[str]) -> int:
+    per_batch = 1 + 2 * len(args.styles)  # reference: record, styles, styles again
+    for v in variants:
+        if v == "gpu-table":
+            continue
+        n_pl = len(args.placements) if v in DEFERRED_VARIANTS else 1
+        per_batch += n_pl * len(args.styles)
+    return per_batch * len(args.batch)
+
+
+def _run(
+    args: Any, checkpoint: Path, title: str, *, quiet_skips: bool = False
+) -> tuple[list[RunResult], GemmaBench, dict[str, str]]:
+    import torch
+
+    device = _device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    t0 = time.perf_counter()
+    served, stock = load_gemma(checkpoint, device)
+    print(
+        f"loaded {checkpoint} in {time.perf_counter() - t0:.1f} s: PLE table "
+        f"{served.tables['embed_tokens_per_layer'].rows} rows x "
+        f"{served.tables['embed_tokens_per_layer'].row_bytes} B served from the checkpoint"
+    )
+    bench = GemmaBench(
+        served,
+        stock,
+        device=device,
+        eager_check_steps=args.eager_check_steps,
+        track_arrival=args.track_arrival,
+    )
+    avail, skipped = bench.available()
+    variants = [v for v in args.variants if v in avail]
+    if "gpu-table" not in variants:
+        variants.insert(0, "gpu-table")
+    for v, why in skipped.items():
+        if v in args.variants:
+            print(f"skipped {v}: {why}")
+    if device.type != "cuda":
+        print(
+            "no CUDA device: decode runs eagerly on the CPU (no captured graphs, no deferral); "
+            "the served variants take the captured step's code path with rows filled before "
+            "each step, checked bit for bit against the stock model"
+        )
+    results: list[RunResult] = []
+    from . import _report
+
+    deadline = getattr(args, "deadline", None)
+    with _Progress(_runs_total(args, variants), not args.no_progress) as prog:
+        bench.progress = prog
+        if deadline is not None:
+            bench.deadline = t0 + deadline
+        for b in args.batch:
+            if deadline is not None and time.perf_counter() - t0 > deadline:
+                print(f"skipped batch {b}: past the --deadline of {deadline:.0f} s")
+                continue
+            got = bench.run_batch(
+                b,
+                args.steps,
+                variants=variants,
+                styles=args.styles if device.type == "cuda" else ["sync"],
+                placements=args.placements,
+                cold=getattr(args, "page_cache", "warm") == "cold",
+            )
+            results += got
+            if args.no_progress:  # a log: each batch's table as soon as it is done
+                print(f"-- batch {b} done at {time.perf_counter() - t0:.0f} s")
+            if args.json:  # keep what is measured if a later batch is cut short
+                _report.to_json(results, args.json, {"title": title, "partial": True})
+    for b, ok in bench.eager_check.items() if bench.cuda else ():
+        print(
+            f"batch {b}: captured reference vs the stock model run eagerly "
+            f"({min(args.eager_check_steps, args.steps)} steps): "
+            + ("bit-identical" if ok else "DIFFER")
+        )
+    return results, bench, skipped
+
+
+def _finish(args: Any, results: list[RunResult], bench: GemmaBench, title: str) -> int:
+    from . import _report
+
+    print(_report.text_table(results))
+    table_bytes = bench.served.server.table_bytes
+    for line in _report.summary(results, table_bytes):
+        print(line)
+    if args.png:
+        print(_report.plot(results, args.png, title))
+    if args.json:
+        _report.to_json(
+            results,
+            args.json,
+            {"title": title, "table_bytes": table_bytes, "eager_check": bench.eager_check},
+        )
+    bad = [r for r in results if r.logits_identical is False or r.tokens_identical is False]
+    bad_eager = [b for b, ok in bench.eager_check.items() if not ok]
+    bench.served.close()
+    return 1 if bad or bad_eager else 0
+
+
+def demo_main(args: Any) -> int:
+    """Build (if missing) a tiny random Gemma 3n checkpoint with transformers'
+    ``save_pretrained``, decode with every variant this machine can run, check tokens and
+    logits against the stock model, print the table and draw the PNG."""
+    import transformers
+
+    if args.checkpoint:
+        ckpt = Path(args.checkpoint)
+    else:
+        root = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+        ckpt = root / f"gemma3n-tiny-tf{transformers.__version__}"
+        had = (ckpt / "model.safetensors").is_file()
+        build_checkpoint(ckpt, tiny_gemma3n_config())
+        print(("using" if had else "built") + f" the default checkpoint {ckpt}")
+    if args.png is None:
+        args.png = "ple_memops_demo.png"
+    results, bench, _ = _run(args, ckpt, f"Gemma 3n ({ckpt.name}): per-step latency")
+    return _finish(args, results, bench, f"Gemma 3n ({ckpt.name}): per-step latency")
+
+
+def bench_main(args: Any) -> int:
+    """The side-by-side benchmark; appends its table to ``--markdown`` in BENCHMARKS.md form."""
+    import transformers
+
+    root = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    build_dev = _device(args.device).type  # random init on the GPU is much faster
+    if args.model == "tiny":
+        cfg = tiny_gemma3n_config()
+        if args.layers:
+            cfg = _relayer(cfg, args.layers, tiny=True)
+        ckpt = root / f"gemma3n-tiny{args.layers or ''}-tf{transformers.__version__}"
+    elif args.model == "e2b":
+        cfg = e2b_gemma3n_config()
+        if args.layers:
+            cfg = _relayer(cfg, args.layers, tiny=False)
+        ckpt = root / f"gemma3n-e2b-shaped{args.layers or ''}-tf{transformers.__version__}"
+    else:
+        ckpt, cfg = Path(args.model), None
+    if cfg is not None:
+        t0 = time.perf_counter()
+        build_checkpoint(ckpt, cfg, device=build_dev)
+        print(f"checkpoint {ckpt} ready in {time.perf_counter() - t0:.1f} s")
+    title = f"{ckpt.name}, {args.page_cache} page cache"
+    results, bench, _ = _run(args, ckpt, title)
+    rc = _finish_bench(args, results, bench, title)
+    if args.qwen:
+        rc |= qwen_main(root, device=args.device)
+    return rc
+
+
+def _relayer(cfg: Any, layers: int, *, tiny: bool) -> Any:
+    """``cfg`` with ``layers`` layers: transformers' default attention pattern, a third of
+    the layers KV-shared where the pattern allows it (every shared layer needs a
+    non-shared layer of its type), activation sparsity as the default gives it."""
+    d = cfg.to_dict()
+    for k in ("layer_types", "activation_sparsity_pattern", "intermediate_size"):
+        d.pop(k, None)
+    types = ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(layers)]
+    shared = layers // 3
+    while shared and not set(types[layers - shared :]) <= set(types[: layers - shared]):
+        shared -= 1
+    d["num_hidden_layers"] = layers
+    d["layer_types"] = types
+    d["num_kv_shared_layers"] = shared
+    d["intermediate_size"] = cfg.intermediate_size[0]
+    if tiny:
+        d["activation_sparsity_pattern"] = [0.95] + [0.0] * (layers - 1)
+    return type(cfg)(**{k: v for k, v in d.items() if k not in ("transformers_version",)})
+
+
+def _finish_bench(args: Any, results: list[RunResult], bench: GemmaBench, title: str) -> int:
+    from . import _report
+
+    if args.markdown:
+        import torch
+
+        dev = _device(args.device)
+        gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+        import transformers
+
+        with open(args.markdown, "a") as f:
+            f.write(
+                f"\n### {title}\n\n{gpu}, torch {torch.__version__}, transformers "
+                f"{transformers.__version__}; {args.steps} steps a run; "
+                f"`python -m ple_memops bench --model {args.model} --batch "
+                f"{','.join(map(str, args.batch))} --styles {','.join(args.styles)} "
+                f"--page-cache {args.page_cache}`\n\n"
+            )
+            f.write(_report.markdown(results) + "\n\n")
+            for line in _report.summary(results, bench.served.server.table_bytes):
+                f.write(f"- {line}\n")
+    return _finish(args, results, bench, title)
+
+
+def qwen_main(root: Path, *, device: str | None = None, steps: int = 16) -> int:
+    import transformers
+
+    from .checkpoints import tiny_qwen4exp_config
+    from .qwen import qwen_check
+
+    ckpt = root / f"qwen4exp-tiny-tf{transformers.__version__}"
+    build_checkpoint(ckpt, tiny_qwen4exp_config())
+    rep = qwen_check(ckpt, steps=steps, device=device)
+    print(
+        f"Qwen4Exp ({ckpt.name}): tables "
+        + ", ".join(f"{n}: {r} rows x {b} B" for n, (r, b) in rep.tables.items())
+    )
+    for name, ok in rep.runs.items():
+        print(
+            f"  {name}: {'bit-identical' if ok else 'DIFFER'} to the stock model "
+            f"({rep.steps} steps, batch {rep.batch})"
+        )
+    print(f"  capture: {rep.capture}")
+    stock_b, served_b = rep.gpu_bytes
+    if stock_b is not None and served_b is not None:
+        tables = sum(r * b for r, b in rep.tables.values())
+        mib = 2**20
+        print(
+            f"  GPU memory: stock model {stock_b / mib:,.2f} MiB, served {served_b / mib:,.2f} "
+            f"MiB: saved {(stock_b - served_b) / mib:,.2f} MiB (tables {tables / mib:,.2f} MiB)"
+        )
+    for n in rep.notes:
+        print(f"  note: {n}")
+    return 0 if all(rep.runs.values()) else 1
