@@ -3,9 +3,10 @@
 A graph computes ids with a kernel, publishes them, runs >= 100 us of other GPU work, then
 consumes the rows the native worker gathered. Measured, side by side in one run:
 
-(a) the GPU-side stall at the WAIT: GPU time of that graph minus the same graph whose rows
-    object the host filled before launch (ids still computed and published, to a worker
-    that is never armed); target 0 us median (the host wins the race);
+(a) the GPU-side stall at the WAIT: GPU time of that graph minus the same graph without
+    the publish whose rows the host filled before launch (so the difference includes the
+    small publish kernel); target 0 us median (the host wins the race). A second worker
+    with spin=0 (sleeps as soon as it waits) shows what a cold worker's wake-up costs;
 (b) the worker's latency from seeing READY to its FILLED store, for 16 and 1024 rows of
     160 B; targets <= 10 us and <= 60 us median;
 (c) for reference, the approach this replaces: a blocking device-to-host copy of the ids,
@@ -57,8 +58,12 @@ def sleep_cycles_for(us: float) -> int:
 
 
 class StepGraph:
-    def __init__(self, worker: pm.GatherWorker, n: int, cycles: int) -> None:
-        rows = worker.rows
+    """Bump a counter, compute ``n`` ids from it, publish them (unless ``worker`` is None:
+    the prefilled baseline), run ``cycles`` of GPU work, consume the rows."""
+
+    def __init__(
+        self, rows: pm.DeferredRows, worker: pm.GatherWorker | None, n: int, cycles: int
+    ) -> None:
         self.counter = torch.zeros(1, dtype=torch.int64, device="cuda")
         self.lanes = torch.arange(n, dtype=torch.int64, device="cuda")
         self.ids = torch.zeros(n, dtype=torch.int64, device="cuda")
@@ -67,14 +72,21 @@ class StepGraph:
         def body() -> None:
             self.counter.add_(1)
             self.ids.copy_((self.counter * 7919 + self.lanes * 104729) % TABLE_ROWS)
-            worker.publish(self.ids)
+            if worker is not None:
+                worker.publish(self.ids)
             torch.cuda._sleep(cycles)  # the layers before the first consumer
             rows.enqueue(rows=n)
             self.out.copy_(rows.staging)
 
-        worker.begin(n)
-        body()
-        worker.complete(timeout=10.0)
+        if worker is not None:
+            worker.begin(n)
+            body()
+            worker.complete(timeout=10.0)
+        else:
+            rows.begin(n)
+            rows.prepare_dummy()
+            body()
+            rows.complete()
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
@@ -82,54 +94,55 @@ class StepGraph:
 
 
 def bench(table: pm.MmapTable, n: int, iters: int, cycles: int) -> dict[str, list[float]]:
-    live = pm.DeferredRows(n, WIDTH, device=0, watchdog=10.0, track_arrival=True)
-    w_live = pm.GatherWorker(live, table)
-    g_live = StepGraph(w_live, n, cycles)
-    # Baseline: the same graph, but its rows are filled by the host before the launch and
-    # its worker is never armed after capture (the publish lands in a mailbox nobody reads).
-    # Two independent copies: their difference is the noise of this measurement.
-    bases = [pm.DeferredRows(n, WIDTH, device=0, watchdog=10.0, track_arrival=True) for _ in "ab"]
-    w_bases = [pm.GatherWorker(b, table) for b in bases]
-    g_bases = [StepGraph(w, n, cycles) for w in w_bases]
+    # Two live workers: the default (hot for 2 ms after each step) and one that sleeps at
+    # once (spin=0), which shows what a cold worker's late wake-up costs.
+    lives = {
+        name: pm.DeferredRows(n, WIDTH, device=0, watchdog=10.0, track_arrival=True)
+        for name in ("worker", "worker spin=0")
+    }
+    workers = {
+        "worker": pm.GatherWorker(lives["worker"], table),
+        "worker spin=0": pm.GatherWorker(lives["worker spin=0"], table, spin=0.0),
+    }
+    graphs = {k: StepGraph(lives[k], w, n, cycles) for k, w in workers.items()}
+    # Baseline: the same graph without the publish, its rows filled by the host before
+    # the launch. Two independent copies: their difference is the noise of this measurement.
+    bases = {
+        k: pm.DeferredRows(n, WIDTH, device=0, watchdog=10.0) for k in ("prefilled", "prefilled #2")
+    }
+    for k, b in bases.items():
+        graphs[k] = StepGraph(b, None, n, cycles)
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     host_rows = table.gather(np.arange(n))
-    out: dict[str, list[float]] = {
-        "worker": [],
-        "prefilled": [],
-        "prefilled #2": [],
-        "ready_to_filled": [],
-    }
+    names = list(graphs)
+    out: dict[str, list[float]] = {k: [] for k in names}
+    for k in workers:
+        out[f"{k} ready_to_filled"] = []
     rng = np.random.default_rng(0)
     for i in range(iters + 20):
-        for which in rng.permutation(3):
-            if which == 0:
-                w_live.begin(n)
-                e0.record()
-                g_live.graph.replay()
-                e1.record()
-                w_live.complete(timeout=10.0)
-                e1.synchronize()
-                if i >= 20:
-                    out["worker"].append(e0.elapsed_time(e1) * 1e3)
-                    out["ready_to_filled"].append(w_live.stats().ready_to_filled_ns_last / 1e3)
+        for which in rng.permutation(len(names)):
+            k = names[which]
+            if k in workers:
+                workers[k].begin(n)
             else:
-                base, g_base = bases[which - 1], g_bases[which - 1]
-                base.begin(n)
-                base.fill(host_rows)
-                e0.record()
-                g_base.graph.replay()
-                e1.record()
-                base.complete()
-                e1.synchronize()
-                if i >= 20:
-                    out["prefilled" if which == 1 else "prefilled #2"].append(
-                        e0.elapsed_time(e1) * 1e3
-                    )
-    out["gpu_waited_fraction"] = [live.stats().gpu_waited / max(1, live.stats().fills)]
-    out["gpu_waited_fraction_prefilled"] = [
-        bases[0].stats().gpu_waited / max(1, bases[0].stats().fills)
-    ]
-    for w in (w_live, *w_bases):
+                bases[k].begin(n)
+                bases[k].fill(host_rows)
+            e0.record()
+            graphs[k].graph.replay()
+            e1.record()
+            if k in workers:
+                workers[k].complete(timeout=10.0)
+            else:
+                bases[k].complete()
+            e1.synchronize()
+            if i >= 20:
+                out[k].append(e0.elapsed_time(e1) * 1e3)
+                if k in workers:
+                    rf = workers[k].stats().ready_to_filled_ns_last / 1e3
+                    out[f"{k} ready_to_filled"].append(rf)
+    for k, r in lives.items():
+        out[f"{k} gpu_waited_fraction"] = [r.stats().gpu_waited / max(1, r.stats().fills)]
+    for w in workers.values():
         w.close()
     return out
 
@@ -172,19 +185,22 @@ def main() -> None:
         table.close()
     print(f"\n{a.iters} steps each; GPU work between publish and consumer ~{a.work_us:.0f} us")
     print(
-        f"{'rows x 160 B':<14}{'graph us':>10}{'prefilled us':>14}{'#2 us':>8}{'stall med':>11}"
-        f"{'A/A med':>9}{'ready->filled med':>19}{'p99':>8}{'GPU waited':>12}"
+        "| rows x 160 B | worker | graph us | prefilled us | #2 us | **stall** (graph - prefilled)"
+        " | A/A | READY seen -> FILLED med | p99 | GPU waited |"
     )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in ("16", "1024"):
         r = results[n]
-        med_w, med_b = statistics.median(r["worker"]), statistics.median(r["prefilled"])
+        med_b = statistics.median(r["prefilled"])
         med_b2 = statistics.median(r["prefilled #2"])
-        rf = r["ready_to_filled"]
-        print(
-            f"{n:<14}{med_w:>10.2f}{med_b:>14.2f}{med_b2:>8.2f}{med_w - med_b:>11.2f}"
-            f"{med_b2 - med_b:>9.2f}{statistics.median(rf):>19.2f}{np.percentile(rf, 99):>8.2f}"
-            f"{r['gpu_waited_fraction'][0]:>11.1%}"
-        )
+        for k in ("worker", "worker spin=0"):
+            med_w = statistics.median(r[k])
+            rf = r[f"{k} ready_to_filled"]
+            print(
+                f"| {n} | {k} | {med_w:.2f} | {med_b:.2f} | {med_b2:.2f} | **{med_w - med_b:.2f}** "
+                f"| {med_b2 - med_b:.2f} | {statistics.median(rf):.2f} | "
+                f"{np.percentile(rf, 99):.2f} | {r[f'{k} gpu_waited_fraction'][0]:.1%} |"
+            )
     print("\nreplaced approach (blocking D2H of ids + host gather + H2D), host time per step:")
     for n in ("16", "1024"):
         v = results[f"{n}_blocking"]

@@ -10,7 +10,7 @@ rustup component add rustfmt clippy >/dev/null 2>&1 || true
 # torch from PyPI is a large CUDA build; it is used on the CPU here (tests of tensors as
 # staging buffers and rows) and on the GPU where there is one.
 $PY -m pip install -q --disable-pip-version-check "maturin>=1.8,<2" "pytest>=8" "ruff>=0.6" \
-    "mypy>=1.10" "numpy>=1.24" "safetensors>=0.4" "torch>=2.4"
+    "mypy>=1.10" "numpy>=1.24" "safetensors>=0.4" "torch>=2.4" "ziglang>=0.13"
 
 echo "== rust: fmt, clippy, tests"
 cargo fmt --all -- --check
@@ -18,9 +18,15 @@ cargo clippy --all-targets --locked -- -D warnings
 cargo clippy --all-targets --locked --features python -- -D warnings
 cargo test --locked -q
 
-echo "== build and install the wheel"
+echo "== build and install the wheel (manylinux_2_28, where vLLM 0.33.0's own wheel installs)"
+# zig links against glibc 2.28 whatever this machine's glibc is; maturin audits the symbols.
 rm -rf dist
-$PY -m maturin build --release --locked -o dist -q
+$PY -m maturin build --release --locked --zig --compatibility manylinux_2_28 -o dist -q
+wheel=$(ls dist/*.whl)
+case "$wheel" in
+    *-cp311-abi3-manylinux_2_28_x86_64.whl) echo "wheel: $wheel" ;;
+    *) echo "wheel is not tagged cp311-abi3-manylinux_2_28_x86_64: $wheel"; exit 1 ;;
+esac
 $PY -m pip install -q --force-reinstall --no-deps dist/*.whl
 
 echo "== python: ruff, mypy, stubtest"

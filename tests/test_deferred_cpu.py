@@ -263,6 +263,7 @@ def test_error_mapping_is_pinned() -> None:
         "Table": "TableError",
         "RowId": "RowIdError",
         "Io": "TableIoError",
+        "UnarmedReplay": "UnarmedReplayError",
     }
     for kind, cls_name in kinds.items():
         cls = getattr(errors, cls_name)

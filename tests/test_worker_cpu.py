@@ -3,6 +3,7 @@ from the host (as the GPU would publish them), with every failure typed."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -152,3 +153,91 @@ def test_fill_from_gathers_straight_into_the_slot(table: pm.MmapTable) -> None:
     narrow.begin(1)
     with pytest.raises(pm.RowShapeError, match="bytes"):
         narrow.fill_from(table, [1])
+
+
+def test_two_steps_in_flight_host_one_step_ahead(table: pm.MmapTable) -> None:
+    """Asynchronous scheduling: the host arms step N+1 before step N's ids arrive; each
+    complete() ends the oldest step, after its own rows were gathered."""
+    rows = pm.DeferredRows(8, WIDTH, device="cpu")
+    rng = np.random.default_rng(3)
+    with pm.GatherWorker(rows, table, depth=2) as w:
+        assert w.depth == 2
+        published: list[np.ndarray] = []
+        w.begin(8)
+        for _ in range(50):
+            w.begin(8)  # one step ahead
+            assert w.in_flight == 2
+            with pytest.raises(pm.StateError, match="already armed"):
+                w.begin(8)
+            ids = rng.integers(0, ROWS, int(rng.integers(1, 9)))
+            published.append(ids)
+            w.publish_from_host(ids)  # the GPU reaches the oldest step's publish
+            w.complete()
+            np.testing.assert_array_equal(rows.staging[: len(ids)], table.gather(ids))
+            assert not rows.staging[len(ids) :].any()
+        w.publish_from_host([1])
+        w.complete()
+        assert w.in_flight == 0
+        assert w.stats().fills == 51
+
+
+def test_host_filled_step_is_refused_while_the_worker_has_steps(table: pm.MmapTable) -> None:
+    rows = pm.DeferredRows(8, WIDTH, device="cpu")
+    with pm.GatherWorker(rows, table) as w:
+        w.begin(4)
+        with pytest.raises(pm.StateError, match="in flight"):
+            rows.begin(4)
+        w.publish_from_host([1, 2])
+        w.complete()
+        rows.begin(4)  # idle again: an eager, host-filled step is fine
+        rows.fill_from(table, [7])
+        rows.complete()
+        np.testing.assert_array_equal(rows.staging[:1], table.gather([7]))
+
+
+def test_a_publish_nobody_armed_never_feeds_the_next_step(table: pm.MmapTable) -> None:
+    """A replay without begin(): the ids it published must not be gathered for the next
+    armed step; the consumer reads zeros; the next call raises the typed error."""
+    rows = pm.DeferredRows(8, WIDTH, device="cpu")
+    w = pm.GatherWorker(rows, table)
+    w.begin(8)
+    w.publish_from_host([10, 11])
+    w.complete()
+    w.publish_from_host([12, 13])  # nobody armed the worker for this one
+    deadline = time.monotonic() + 5.0
+    while rows.phase != "poisoned" and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert rows.phase == "poisoned"
+    assert not rows.staging.any(), "the unarmed consumer must read zeros, not stale rows"
+    with pytest.raises(pm.UnarmedReplayError, match=r"without begin\(\)"):
+        w.begin(8)
+    with pytest.raises(pm.PoisonedError, match="no step armed"):
+        w.begin(8)
+    assert w.stats().unarmed_replays == 1
+    assert issubclass(pm.UnarmedReplayError, pm.StateError)
+    w.close()
+
+
+def test_depth_and_spin_are_validated(table: pm.MmapTable) -> None:
+    rows = pm.DeferredRows(8, WIDTH, device="cpu")
+    for bad in ({"depth": 0}, {"depth": 9}, {"spin": -1.0}, {"spin": float("nan")}):
+        with pytest.raises(pm.InvalidArgumentError):
+            pm.GatherWorker(rows, table, **bad)  # type: ignore[arg-type]
+    with pm.GatherWorker(rows, table, depth=1, spin=0.0) as w:
+        w.begin(2)
+        with pytest.raises(pm.StateError, match="depth 1"):
+            w.begin(2)
+        w.publish_from_host([3])
+        w.complete()
+        np.testing.assert_array_equal(rows.staging[:1], table.gather([3]))
+
+
+def test_closing_a_worker_that_published_releases_its_rows(table: pm.MmapTable) -> None:
+    rows = pm.DeferredRows(8, WIDTH, device="cpu")
+    w = pm.GatherWorker(rows, table)
+    w.begin(2)
+    w.publish_from_host([3])
+    w.complete()
+    w.close()
+    assert rows.phase == "poisoned"
+    assert "can no longer be filled" in (rows.poison_cause or "")

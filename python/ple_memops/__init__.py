@@ -11,6 +11,7 @@ from ._deferred import (
     Capability,
     Check,
     DeferredRows,
+    StagedRows,
     Stats,
     create_group,
     probe,
@@ -29,6 +30,7 @@ from .errors import (
     StateError,
     TableError,
     TableIoError,
+    UnarmedReplayError,
     UnsupportedError,
 )
 from .table import MmapTable
@@ -47,10 +49,12 @@ __all__ = [
     "RowIdError",
     "RowShapeError",
     "SlotBusyError",
+    "StagedRows",
     "StateError",
     "Stats",
     "TableError",
     "TableIoError",
+    "UnarmedReplayError",
     "UnsupportedError",
     "WorkerStats",
     "create_group",

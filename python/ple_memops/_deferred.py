@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from .table import MmapTable
 
-__all__ = ["Capability", "DeferredRows", "Stats", "create_group", "probe"]
+__all__ = ["Capability", "DeferredRows", "StagedRows", "Stats", "create_group", "probe"]
 
 _LIVE: weakref.WeakSet[DeferredRows] = weakref.WeakSet()
 
@@ -100,6 +100,29 @@ class Stats:
     fill_ns_last: int
     fill_ns_max: int
     fill_ns_total: int
+
+
+class StagedRows:
+    """The consumer side of one step, forked onto a side stream by
+    :meth:`GatherWorker.stage` (or :meth:`DeferredRows.stage`). Call :meth:`join` right
+    before the first kernel that reads the rows."""
+
+    def __init__(self, rows: DeferredRows, side: Any, n: int) -> None:
+        self._rows, self._side, self._n = rows, side, n
+
+    @property
+    def rows(self) -> int:
+        """The step's extent (rows the consumer copies)."""
+        return self._n
+
+    def join(self, stream: Any = None) -> Any:
+        """Make ``stream`` (default: torch's current stream) wait for the staged copy;
+        returns ``staging[:rows]``. Under capture this is the graph edge from the copy to
+        the consumer; every staged step must be joined before its capture ends."""
+        torch = _torch()
+        cur = torch.cuda.current_stream(self._rows.device) if stream is None else stream
+        cur.wait_stream(self._side)
+        return self._rows.staging[: self._n]
 
 
 def _parse_device(device: object) -> int | None:
@@ -189,6 +212,7 @@ class DeferredRows:
         ptr = _check_staging(staging, max_rows, row_bytes, ordinal)
         self._staging = staging
         self._device = ordinal
+        self._side: Any = None
         self._core: _native.DeferredRowsCore | None = _native.DeferredRowsCore(
             max_rows, row_bytes, ordinal, ptr, staging, watchdog, force_sync, track_arrival, copy
         )
@@ -264,6 +288,35 @@ class DeferredRows:
         (``"nothing"``)."""
         core = self._live()
         return core.enqueue(self._stream_handle(stream), rows)
+
+    def stage(self, rows: int | None = None, *, stream: Any = None) -> StagedRows:
+        """:meth:`enqueue` on a side stream forked from ``stream`` (default: the current
+        stream), eagerly or under capture: the consumer's wait and copy run beside the
+        work queued on ``stream`` until :meth:`StagedRows.join`, which the first kernel
+        reading the rows must follow. Deferred mode only (the fallbacks copy in
+        :meth:`fill`, before the launch)."""
+        if self._device is None:
+            raise InvalidArgumentError("stage() needs a CUDA device; on the host use enqueue()")
+        n = self.max_rows if rows is None else int(rows)
+        side = self._fork(stream)
+        self._live().enqueue(self._stream_handle(side), n)
+        return StagedRows(self, side, n)
+
+    def _fork(self, stream: Any) -> Any:
+        """This object's side stream, made to wait for ``stream`` (default: current)."""
+        torch = _torch()
+        if torch is None:
+            raise InvalidArgumentError("stage() needs torch")
+        cur = torch.cuda.current_stream(self._device) if stream is None else stream
+        if self._side is None:
+            self._side = torch.cuda.Stream(self._device)
+        self._side.wait_stream(cur)
+        return self._side
+
+    @property
+    def in_flight(self) -> int:
+        """Steps begun and not yet completed (at most one unless a worker fills this)."""
+        return 0 if self._core is None else self._core.in_flight
 
     def fill(self, rows: Any, *, stream: Any = None, busy_wait: float = 0.0) -> None:
         """Publish the pending step's rows: ``uint8 [k, row_bytes]`` (numpy or a torch CPU

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _native
-from ._deferred import DeferredRows, _torch
+from ._deferred import DeferredRows, StagedRows, _torch
 from .errors import InvalidArgumentError, RowShapeError
 
 if TYPE_CHECKING:
@@ -45,6 +45,9 @@ class WorkerStats:
     """From ``begin()`` to READY: how far ahead of the GPU the host was."""
     publishes_captured: int
     publishes_eager: int
+    unarmed_replays: int
+    """Replays that published ids with no step armed (each released with zero rows and
+    reported as :class:`~ple_memops.UnarmedReplayError`)."""
 
 
 class GatherWorker:
@@ -78,6 +81,12 @@ class GatherWorker:
             maps to row ``offsets[h] + id``. ``None``: the id is the row.
         publish: ``"kernel"`` (one small kernel; default) or ``"memop"`` (copy-engine D2H
             copies and a stream write).
+        depth: steps that may be armed at once (default 2: a host running one step ahead,
+            as under asynchronous scheduling, arms step N+1 before step N's fill).
+        spin: seconds the worker stays hot (spinning, then yielding) while it waits for
+            ids or for the next step, before short sleeps (default 0.002). A sleeping
+            worker sees READY late: on a VM, waking an idle vCPU can take longer than the
+            gather itself.
     """
 
     def __init__(
@@ -89,6 +98,8 @@ class GatherWorker:
         id_dtype: str = "int64",
         heads: tuple[Sequence[int], Sequence[int]] | None = None,
         publish: str = "kernel",
+        depth: int = 2,
+        spin: float | None = None,
     ) -> None:
         if id_dtype not in ("int64", "int32"):
             raise InvalidArgumentError(f"id_dtype must be 'int64' or 'int32', got {id_dtype!r}")
@@ -108,6 +119,8 @@ class GatherWorker:
             offsets,
             sizes,
             publish,
+            int(depth),
+            None if spin is None else float(spin),
         )
         _LIVE.add(self)
 
@@ -122,6 +135,16 @@ class GatherWorker:
     @property
     def max_ids(self) -> int:
         return self._live().max_ids
+
+    @property
+    def depth(self) -> int:
+        """Steps that may be armed at once."""
+        return self._live().depth
+
+    @property
+    def in_flight(self) -> int:
+        """Steps armed and not yet completed."""
+        return 0 if self._core is None else self._core.in_flight
 
     def publish(self, ids: Any, count: Any = None, *, stream: Any = None) -> None:
         """Enqueue the publish of ``ids`` (a contiguous 1-D CUDA tensor of ``id_dtype``
@@ -154,6 +177,29 @@ class GatherWorker:
         handle = self._rows._stream_handle(stream)
         core.publish(handle, int(ids.data_ptr()), int(ids.numel()), count_ptr)
 
+    def stage(
+        self, ids: Any, rows: int | None = None, count: Any = None, *, stream: Any = None
+    ) -> StagedRows:
+        """Fork the step's device side onto this worker's side stream: publish ``ids``,
+        then the consumer's wait/copy/reset for ``rows`` rows (default ``ids.numel()``),
+        eagerly or under capture. The layers queued on ``stream`` (default: the current
+        stream) between this call and :meth:`StagedRows.join` run while the host gathers;
+        neither the publish nor the wait sits on their path."""
+        torch = _torch()
+        if torch is None or not isinstance(ids, torch.Tensor) or ids.device.type != "cuda":
+            raise RowShapeError("ids must be a CUDA tensor (use publish_from_host on the host)")
+        n = int(ids.numel()) if rows is None else int(rows)
+        side = self._rows._fork(stream)
+        with torch.cuda.stream(side):
+            self.publish(ids, count, stream=side)
+            self._rows.enqueue(stream=side, rows=n)
+        if not torch.cuda.is_current_stream_capturing():
+            # Eager: keep the allocator from reusing the ids before the side stream read them.
+            ids.record_stream(side)
+            if count is not None:
+                count.record_stream(side)
+        return StagedRows(self._rows, side, n)
+
     def publish_from_host(self, ids: Any) -> None:
         """Publish ids from the host, as the GPU would (host mode; tests)."""
         arr = np.ascontiguousarray(np.asarray(ids), dtype=np.int64)
@@ -162,13 +208,17 @@ class GatherWorker:
         self._live().publish_from_host(arr)
 
     def begin(self, rows: int | None = None) -> int:
-        """Start a step of ``rows`` rows (default ``max_rows``) and arm the worker."""
+        """Start a step of ``rows`` rows (default ``max_rows``) and arm the worker. Up to
+        :attr:`depth` steps may be armed at once; the worker fills them in order."""
         core = self._live()
         return core.begin(self._rows.max_rows if rows is None else int(rows))
 
     def complete(self, timeout: float = 5.0) -> None:
-        """Wait up to ``timeout`` seconds (GIL released) for the worker's fill, then end the
-        step. Raises the worker's error if the gather failed."""
+        """Wait up to ``timeout`` seconds (GIL released) for the worker's fill of the
+        oldest armed step, then end it. Raises the worker's error if a gather failed, or
+        :class:`~ple_memops.UnarmedReplayError` if a replay published ids nobody armed
+        the worker for. Give ``timeout`` more than the GPU work queued ahead of the step
+        (a long prefill): it bounds how long the host waits, not the GPU."""
         self._live().complete(float(timeout))
 
     def stats(self) -> WorkerStats:

@@ -19,6 +19,7 @@ __all__ = [
     "StateError",
     "TableError",
     "TableIoError",
+    "UnarmedReplayError",
     "UnsupportedError",
 ]
 
@@ -46,6 +47,13 @@ class ClosedError(PleMemopsError, RuntimeError):
 
 class StateError(PleMemopsError, RuntimeError):
     """A lifecycle call out of order (fill twice, complete without fill, ...)."""
+
+
+class UnarmedReplayError(StateError):
+    """A graph replay published ids to a :class:`~ple_memops.GatherWorker` with no step
+    armed (replayed without ``begin()``). Its consumer was released with zero rows, never
+    another step's; the rows object is poisoned, so later calls raise
+    :class:`PoisonedError`."""
 
 
 class SlotBusyError(StateError):

@@ -318,7 +318,7 @@ impl DeferredRows {
             fallback_reason,
             flag,
             inner: Mutex::new(Inner {
-                phase: Phase::Idle,
+                phase: Phase::default(),
                 slot,
                 dirty_rows: 0,
                 last_copy: None,
@@ -374,13 +374,26 @@ impl DeferredRows {
         }
     }
 
-    /// Start a step whose consumer copies `rows` rows (the captured extent).
+    /// Start a step whose consumer copies `rows` rows (the captured extent). One step at
+    /// a time; on an object a worker fills, only while the worker has none in flight
+    /// (the eager, host-filled path).
     pub fn begin(&self, rows: usize) -> Result<u64> {
+        if self.shared.worker_fed.load(Ordering::Acquire) && self.in_flight() > 0 {
+            return Err(Error::state(
+                Op::Begin,
+                "its gather worker has steps in flight; complete them before a host-filled step",
+            ));
+        }
+        self.begin_depth(rows, 1)
+    }
+
+    /// [`Self::begin`] allowing up to `depth` steps in flight (the gather worker's steps).
+    pub(crate) fn begin_depth(&self, rows: usize, depth: usize) -> Result<u64> {
         let s = &self.shared;
         let step = {
             let mut inner = s.lock();
             let step = inner.step_seq + 1;
-            inner.phase = inner.phase.begin(rows, s.cfg.max_rows, step)?;
+            inner.phase.begin(rows, s.cfg.max_rows, step, depth)?;
             inner.step_seq = step;
             step
         };
@@ -470,10 +483,9 @@ impl DeferredRows {
         inner.phase.check_live()?;
         let Some(ctx) = &s.ctx else {
             // Host mode: nothing runs on a GPU; keep the eager ordering rule anyway.
-            let (_, next) = inner
+            inner
                 .phase
                 .eager_enqueue(s.worker_fed.load(Ordering::Acquire))?;
-            inner.phase = next;
             inner.stats.eager_enqueues += 1;
             return Ok(Enqueued::Nothing);
         };
@@ -508,9 +520,9 @@ impl DeferredRows {
                 Ok(Enqueued::Captured(id))
             }
             (Mode::Deferred, None) => {
-                let (n, next) = inner
-                    .phase
-                    .eager_enqueue(s.worker_fed.load(Ordering::Acquire))?;
+                // Applied to a copy: a failed issue below leaves the phase unchanged.
+                let mut next = inner.phase.clone();
+                let n = next.eager_enqueue(s.worker_fed.load(Ordering::Acquire))?;
                 if let Some(r) = rows {
                     if r != n {
                         return Err(Error::rows(format!(
@@ -532,10 +544,9 @@ impl DeferredRows {
                 Ok(Enqueued::Nothing)
             }
             (_, None) => {
-                let (_, next) = inner
+                inner
                     .phase
                     .eager_enqueue(s.worker_fed.load(Ordering::Acquire))?;
-                inner.phase = next;
                 inner.stats.eager_enqueues += 1;
                 Ok(Enqueued::Nothing)
             }
@@ -545,7 +556,7 @@ impl DeferredRows {
     /// End the step. Raises the poison cause if the watchdog or an abort fired meanwhile.
     pub fn complete(&self) -> Result<()> {
         let mut inner = self.shared.lock();
-        inner.phase = inner.phase.complete()?;
+        inner.phase.complete()?;
         inner.stats.steps += 1;
         Ok(())
     }
@@ -589,16 +600,44 @@ impl DeferredRows {
         }
     }
 
+    /// A worker fills this object, or no longer does.
     pub(crate) fn set_worker_fed(&self, on: bool) {
         self.shared.worker_fed.store(on, Ordering::Release);
     }
 
-    /// The step's extent while one is pending or filled.
+    /// The extent of the oldest step still waiting for its fill.
     pub fn step_rows(&self) -> Option<usize> {
-        match self.shared.lock().phase {
-            Phase::Pending { rows, .. } | Phase::Filled { rows, .. } => Some(rows),
-            _ => None,
+        self.shared.lock().phase.oldest_unfilled().map(|s| s.rows)
+    }
+
+    /// Steps begun and not yet completed.
+    pub fn in_flight(&self) -> usize {
+        self.shared.lock().phase.in_flight()
+    }
+
+    /// A graph replay reached this object's consumer with no step begun for it (a worker
+    /// saw ids that nobody armed it for). Release the GPU with zero rows and poison with
+    /// `cause`: if the gate is still EMPTY the consumer has not passed its wait, so the
+    /// slot is zeroed first and the replay reads zeros, never another step's rows.
+    pub(crate) fn release_unaccounted(&self, cause: &str) {
+        let s = &self.shared;
+        let mut inner = s.lock();
+        if let Some(flag) = &s.flag {
+            if flag.filled() == HostFlag::EMPTY && !flag.is_poisoned() {
+                inner.slot.bytes().fill(0);
+                inner.dirty_rows = 0;
+            }
+        } else if matches!(inner.phase, Phase::Live(_)) {
+            // Host mode: the "consumer" reads the host staging buffer directly.
+            inner.slot.bytes().fill(0);
+            inner.dirty_rows = 0;
+            if let Target::Host { staging } = s.staging {
+                // SAFETY: new()'s contract: `staging` holds max_rows * row_bytes bytes and
+                // nobody else touches it while we hold the lock.
+                unsafe { std::ptr::write_bytes(staging, 0, s.cfg.max_rows * s.cfg.row_bytes) };
+            }
         }
+        s.abort_locked(&mut inner, cause.to_string());
     }
 
     /// The slot's current bytes (tests and diagnostics).
@@ -746,7 +785,7 @@ impl Shared {
             inner.dirty_rows = if dirty > extent { dirty } else { k };
         }
         self.publish(&mut inner, extent, stream)?;
-        inner.phase = inner.phase.filled();
+        inner.phase.mark_filled();
         let ns = t0.elapsed().as_nanos() as u64;
         let st = &mut inner.stats;
         if op == Op::Fill {
@@ -805,7 +844,7 @@ impl Shared {
         if let Some(flag) = &self.flag {
             // Pending and not yet released: the GPU is not reading the slot, so clear it
             // first; whatever the released consumer copies is then zeros, not stale rows.
-            if matches!(inner.phase, Phase::Pending { .. }) && flag.filled() == HostFlag::EMPTY {
+            if inner.phase.oldest_unfilled().is_some() && flag.filled() == HostFlag::EMPTY {
                 inner.slot.bytes().fill(0);
             }
             flag.store_poison();
@@ -818,15 +857,13 @@ impl Shared {
 impl Watched for Shared {
     fn expire(&self, step: u64) {
         let mut inner = self.lock();
-        if let Phase::Pending { step: s, .. } = inner.phase {
-            if s == step {
-                let secs = self.cfg.watchdog.map_or(0.0, |d| d.as_secs_f64());
-                let cause = format!(
-                    "watchdog: step {step} was not filled within {secs:.3} s; the GPU was released"
-                );
-                self.abort_locked(&mut inner, cause);
-                inner.stats.watchdog_releases += 1;
-            }
+        if inner.phase.is_unfilled(step) {
+            let secs = self.cfg.watchdog.map_or(0.0, |d| d.as_secs_f64());
+            let cause = format!(
+                "watchdog: step {step} was not filled within {secs:.3} s; the GPU was released"
+            );
+            self.abort_locked(&mut inner, cause);
+            inner.stats.watchdog_releases += 1;
         }
     }
 }

@@ -31,11 +31,13 @@ pub enum ErrorKind {
     RowId,
     /// An I/O error on a file.
     Io,
+    /// A graph replay published ids with no step armed (replayed without `begin()`).
+    UnarmedReplay,
 }
 
 impl ErrorKind {
     /// Every kind, for tests that pin the Python mapping.
-    pub const ALL: [ErrorKind; 11] = [
+    pub const ALL: [ErrorKind; 12] = [
         ErrorKind::Unsupported,
         ErrorKind::Driver,
         ErrorKind::Poisoned,
@@ -47,6 +49,7 @@ impl ErrorKind {
         ErrorKind::Table,
         ErrorKind::RowId,
         ErrorKind::Io,
+        ErrorKind::UnarmedReplay,
     ];
 
     /// The name of the Python exception class this kind maps to.
@@ -63,6 +66,7 @@ impl ErrorKind {
             ErrorKind::Table => "TableError",
             ErrorKind::RowId => "RowIdError",
             ErrorKind::Io => "TableIoError",
+            ErrorKind::UnarmedReplay => "UnarmedReplayError",
         }
     }
 }
@@ -134,6 +138,9 @@ pub enum Error {
 
     #[error("{path}: {detail}")]
     Io { path: String, detail: String },
+
+    #[error("unarmed replay: {detail}")]
+    UnarmedReplay { detail: String },
 }
 
 impl Error {
@@ -151,6 +158,7 @@ impl Error {
             Error::Table { .. } => ErrorKind::Table,
             Error::RowId { .. } => ErrorKind::RowId,
             Error::Io { .. } => ErrorKind::Io,
+            Error::UnarmedReplay { .. } => ErrorKind::UnarmedReplay,
         }
     }
 

@@ -18,6 +18,7 @@
 pub mod cuda;
 pub mod deferred;
 pub mod error;
+mod os;
 pub mod probe;
 pub mod state;
 pub mod table;
@@ -33,3 +34,4 @@ pub use deferred::{
 pub use error::{Error, ErrorKind, Result};
 pub use probe::{probe, Capability, Check};
 pub use table::{MmapTable, RowIds, Selector, TableOptions};
+pub use worker::{GatherWorker, PublishPath, RowMap, RowSource, WorkerOptions, WorkerStats};

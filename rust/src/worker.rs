@@ -9,6 +9,7 @@
 //! aborts the `DeferredRows` (the GPU is released, the consumer copies zeros) and is
 //! returned, typed, by the next `complete()`; later calls raise `Poisoned`.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -140,18 +141,63 @@ pub struct WorkerStats {
     pub ready_to_filled_ns_last: u64,
     pub ready_to_filled_ns_max: u64,
     pub ready_to_filled_ns_total: u64,
-    /// From `begin()` (the worker armed) to READY seen: how early the host was.
+    /// From the worker starting to wait for a step's ids to READY seen: how early it was.
     pub armed_to_ready_ns_last: u64,
     pub publishes_captured: u64,
     pub publishes_eager: u64,
+    /// Replays that published ids with no step armed (each released with zero rows).
+    pub unarmed_replays: u64,
 }
 
+/// How a worker is set up (beyond its rows, table and row map).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerOptions {
+    /// Ids a step may publish (at most the rows object's `max_rows`).
+    pub max_ids: usize,
+    /// 4 (int32) or 8 (int64).
+    pub id_bytes: usize,
+    pub path: PublishPath,
+    /// Steps that may be armed at once: 2 lets a host running one step ahead (asynchronous
+    /// scheduling) arm step N+1 before the GPU published step N's ids.
+    pub depth: usize,
+    /// How long the worker stays hot (spinning, then yielding) while waiting for ids or for
+    /// the next step before it falls back to short sleeps (waiting for ids) or blocking
+    /// (idle). A worker that sleeps sees READY late: on a VM, waking an idle vCPU can take
+    /// longer than the whole gather.
+    pub spin: Duration,
+}
+
+impl Default for WorkerOptions {
+    fn default() -> Self {
+        Self {
+            max_ids: 1,
+            id_bytes: 8,
+            path: PublishPath::Kernel,
+            depth: 2,
+            spin: DEFAULT_SPIN,
+        }
+    }
+}
+
+/// Default for [`WorkerOptions::spin`].
+pub const DEFAULT_SPIN: Duration = Duration::from_millis(2);
+
 struct Ctl {
-    armed: Option<u64>,
-    done: Option<u64>,
+    /// Steps armed and not yet completed, oldest first.
+    armed: VecDeque<u64>,
+    /// The newest step the worker is done with (filled, failed or given up).
+    handled: u64,
     failure: Option<Error>,
     stats: WorkerStats,
     published: bool,
+    /// Captures that recorded a publish (one per capture: a second would publish twice a step).
+    captures: Vec<u64>,
+}
+
+impl Ctl {
+    fn next_to_fill(&self) -> Option<u64> {
+        self.armed.iter().copied().find(|&s| s > self.handled)
+    }
 }
 
 struct Shared {
@@ -159,13 +205,13 @@ struct Shared {
     source: Arc<dyn RowSource>,
     map: RowMap,
     mailbox: Mutex<IdMailbox>,
-    path: PublishPath,
+    opts: WorkerOptions,
     kernels: Option<Kernels>,
     ctx: Option<PrimaryContext>,
     ctl: Mutex<Ctl>,
     cv: Condvar,
-    /// The armed step (0: none), readable without the lock by the polling worker.
-    armed_step: AtomicU64,
+    /// The newest armed step, readable without the lock by the polling worker.
+    armed_seq: AtomicU64,
     stop: AtomicBool,
 }
 
@@ -175,20 +221,24 @@ pub struct GatherWorker {
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
-const SPIN: Duration = Duration::from_micros(100);
+/// Pure spinning before yielding, while hot.
+const SPIN_PAUSE: Duration = Duration::from_micros(50);
+/// Sleep between READY checks once a step has waited longer than `spin` (with a fine timer
+/// slack: see `os::fine_timer_slack`).
+const NAP: Duration = Duration::from_micros(20);
+/// How often an idle (cold) worker looks for a READY nobody armed it for.
+const IDLE_POLL: Duration = Duration::from_millis(1);
 
 impl GatherWorker {
-    /// A worker that fills `rows` from `source` with ids of `id_bytes` (4 or 8) published
-    /// into a mailbox of `max_ids`. `rows` must run the deferred protocol (or host mode,
-    /// where ids are published from the host).
+    /// A worker that fills `rows` from `source`, mapping ids with `map`. `rows` must run
+    /// the deferred protocol (or host mode, where ids are published from the host).
     pub fn new(
         rows: DeferredRows,
         source: Arc<dyn RowSource>,
         map: RowMap,
-        max_ids: usize,
-        id_bytes: usize,
-        path: PublishPath,
+        opts: WorkerOptions,
     ) -> Result<Self> {
+        let (max_ids, id_bytes) = (opts.max_ids, opts.id_bytes);
         if id_bytes != 4 && id_bytes != 8 {
             return Err(Error::invalid(format!(
                 "ids are int32 or int64, got {id_bytes}-byte ids"
@@ -203,6 +253,12 @@ impl GatherWorker {
         if max_ids > u32::MAX as usize {
             return Err(Error::invalid("max_ids must fit in 32 bits"));
         }
+        if !(1..=8).contains(&opts.depth) {
+            return Err(Error::invalid(format!(
+                "depth must be 1..=8 steps in flight, got {}",
+                opts.depth
+            )));
+        }
         if source.row_bytes() != rows.row_bytes() {
             return Err(Error::invalid(format!(
                 "table rows are {} bytes, the rows object's are {}",
@@ -211,6 +267,12 @@ impl GatherWorker {
             )));
         }
         map.validate(source.rows())?;
+        if rows.in_flight() > 0 {
+            return Err(Error::state(
+                Op::Begin,
+                "the rows object has a step in flight; complete it before attaching a worker",
+            ));
+        }
         let (mailbox, kernels, ctx) = match (rows.mode(), rows.device()) {
             (Mode::Deferred, Some(dev)) => {
                 let ctx = PrimaryContext::retain(dev)?;
@@ -233,25 +295,29 @@ impl GatherWorker {
             source,
             map,
             mailbox: Mutex::new(mailbox),
-            path,
+            opts,
             kernels,
             ctx,
             ctl: Mutex::new(Ctl {
-                armed: None,
-                done: None,
+                armed: VecDeque::new(),
+                handled: 0,
                 failure: None,
                 stats: WorkerStats::default(),
                 published: false,
+                captures: Vec::new(),
             }),
             cv: Condvar::new(),
-            armed_step: AtomicU64::new(0),
+            armed_seq: AtomicU64::new(0),
             stop: AtomicBool::new(false),
         });
         let sh = shared.clone();
         let thread = std::thread::Builder::new()
             .name("ple-memops-gather".into())
             .spawn(move || run(&sh))
-            .map_err(|e| Error::invalid(format!("cannot start the gather worker thread: {e}")))?;
+            .map_err(|e| {
+                shared.rows.set_worker_fed(false);
+                Error::invalid(format!("cannot start the gather worker thread: {e}"))
+            })?;
         Ok(Self {
             shared,
             thread: Mutex::new(Some(thread)),
@@ -270,41 +336,66 @@ impl GatherWorker {
         self.shared.mailbox().id_bytes()
     }
 
+    pub fn depth(&self) -> usize {
+        self.shared.opts.depth
+    }
+
+    /// Steps armed and not yet completed.
+    pub fn in_flight(&self) -> usize {
+        self.shared.ctl().armed.len()
+    }
+
     pub fn stats(&self) -> WorkerStats {
         self.shared.ctl().stats.clone()
     }
 
-    /// Start a step of `rows` rows and arm the worker for its ids.
+    /// Start a step of `rows` rows and arm the worker for its ids. Up to `depth` steps
+    /// may be armed at once; the worker fills them in order.
     pub fn begin(&self, rows: usize) -> Result<u64> {
         let sh = &self.shared;
         let mut ctl = sh.ctl();
-        if ctl.armed.is_some() {
+        if let Some(e) = ctl.failure.take() {
+            ctl.armed.clear();
+            return Err(e);
+        }
+        if ctl.armed.len() >= sh.opts.depth {
             return Err(Error::state(
                 Op::Begin,
-                "the previous step is still armed; call complete() first",
+                format!(
+                    "{} steps already armed (depth {}); call complete() first",
+                    ctl.armed.len(),
+                    sh.opts.depth
+                ),
             ));
         }
-        let step = sh.rows.begin(rows)?;
-        ctl.armed = Some(step);
-        ctl.done = None;
-        sh.armed_step.store(step, Ordering::Release);
+        if sh.rows.in_flight() > ctl.armed.len() {
+            return Err(Error::state(
+                Op::Begin,
+                "the rows object has a step begun outside this worker; complete it first",
+            ));
+        }
+        let step = sh.rows.begin_depth(rows, sh.opts.depth)?;
+        ctl.armed.push_back(step);
+        sh.armed_seq.store(step, Ordering::Release);
         sh.cv.notify_all();
         Ok(step)
     }
 
-    /// Wait (at most `timeout`) for the worker to fill the armed step, then complete it.
-    /// Returns the worker's error, typed, if its gather failed (the GPU was released).
+    /// Wait (at most `timeout`) for the worker to fill the oldest armed step, then
+    /// complete it. Returns the worker's error, typed, if a gather failed (the GPU was
+    /// released) or a replay published ids nobody armed the worker for.
     pub fn complete(&self, timeout: Duration) -> Result<()> {
         let sh = &self.shared;
         let mut ctl = sh.ctl();
-        let Some(step) = ctl.armed else {
-            if let Some(e) = ctl.failure.take() {
-                return Err(e);
-            }
+        if let Some(e) = ctl.failure.take() {
+            ctl.armed.clear();
+            return Err(e);
+        }
+        let Some(&step) = ctl.armed.front() else {
             return sh.rows.complete();
         };
         let deadline = Instant::now() + timeout;
-        while ctl.done != Some(step) {
+        while ctl.handled < step && ctl.failure.is_none() {
             // The watchdog (or an abort) may release the step while the GPU never publishes.
             if sh.rows.is_released() {
                 break;
@@ -313,7 +404,7 @@ impl GatherWorker {
             if now >= deadline {
                 return Err(Error::state(
                     Op::Complete,
-                    format!("the worker has not filled step {step} within {timeout:?}: the GPU has not published its ids"),
+                    format!("the worker has not filled step {step} within {timeout:?}: the GPU has not published its ids (is complete()'s timeout shorter than the work queued ahead of this step?)"),
                 ));
             }
             ctl = sh
@@ -322,9 +413,9 @@ impl GatherWorker {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
-        ctl.armed = None;
-        sh.armed_step.store(0, Ordering::Release);
+        ctl.armed.pop_front();
         if let Some(e) = ctl.failure.take() {
+            ctl.armed.clear();
             return Err(e);
         }
         ctl.stats.steps += 1;
@@ -365,13 +456,29 @@ impl GatherWorker {
         let dev = ctx.ordinal();
         let _g = ctx.bind()?;
         // SAFETY: the caller's contract on `stream`.
-        let captured = unsafe { driver::capture_id(stream, dev)? }.is_some();
+        let capture = unsafe { driver::capture_id(stream, dev)? };
+        let mut ctl = sh.ctl();
+        match capture {
+            Some(id) if ctl.captures.contains(&id) => {
+                return Err(Error::state(
+                    Op::Enqueue,
+                    "already published in this capture: one publish per step",
+                ))
+            }
+            None if ctl.next_to_fill().is_none() => {
+                return Err(Error::state(
+                    Op::Enqueue,
+                    "eager publish with no step armed: call begin() first (an unarmed publish would be an unaccounted step)",
+                ))
+            }
+            _ => {}
+        }
         let (m_ids, m_count, m_ready) = mailbox.device_ptrs().expect("pinned mailbox");
         let elem = mailbox.id_bytes();
         // SAFETY: the mailbox is retained forever once anything was published (see drop),
         // the caller vouches for `ids`, `count_dev` and `stream`.
         unsafe {
-            match sh.path {
+            match sh.opts.path {
                 PublishPath::Kernel => kernels
                     .publish_ids(stream, ids, n_ids, count_dev, elem, m_ids, m_count, m_ready)?,
                 PublishPath::Memop => {
@@ -391,10 +498,9 @@ impl GatherWorker {
                 }
             }
         }
-        drop(mailbox);
-        let mut ctl = sh.ctl();
         ctl.published = true;
-        if captured {
+        if let Some(id) = capture {
+            ctl.captures.push(id);
             ctl.stats.publishes_captured += 1;
         } else {
             ctl.stats.publishes_eager += 1;
@@ -402,7 +508,8 @@ impl GatherWorker {
         Ok(())
     }
 
-    /// Publish ids from the host (host mode, and tests of the worker without a GPU).
+    /// Publish ids from the host, as the GPU would (host mode, and tests of the worker
+    /// without a GPU).
     pub fn publish_from_host(&self, ids: &[i64]) -> Result<()> {
         let mailbox = self.shared.mailbox();
         if ids.len() > mailbox.max_ids() {
@@ -413,6 +520,8 @@ impl GatherWorker {
             )));
         }
         mailbox.publish_from_host(ids);
+        drop(mailbox);
+        self.shared.ctl().published = true;
         Ok(())
     }
 
@@ -421,15 +530,21 @@ impl GatherWorker {
         self.shared.stop.load(Ordering::Acquire)
     }
 
-    /// Stop the worker thread (idempotent); a step still armed is aborted (the GPU is
-    /// released).
+    /// Stop the worker thread (idempotent). A step still armed is aborted (the GPU is
+    /// released), and so is the rows object if ids were ever published to this worker: a
+    /// graph that publishes to it could no longer be filled, so its consumer must never
+    /// wait again.
     pub fn close(&self) {
         let sh = &self.shared;
         sh.stop.store(true, Ordering::Release);
         {
             let ctl = sh.ctl();
-            if ctl.armed.is_some() && ctl.done != ctl.armed {
+            if ctl.next_to_fill().is_some() {
                 sh.rows.abort("gather worker closed with a step pending");
+            } else if ctl.published {
+                sh.rows.abort(
+                    "gather worker closed: graphs that publish ids to it can no longer be filled",
+                );
             }
             sh.cv.notify_all();
         }
@@ -452,6 +567,19 @@ impl Drop for GatherWorker {
     }
 }
 
+/// Wait politely: spin, then yield, for the first `spin`; then `nap`.
+fn pause(waited: Duration, spin: Duration, nap: Duration) {
+    if waited < SPIN_PAUSE.min(spin) {
+        for _ in 0..64 {
+            std::hint::spin_loop();
+        }
+    } else if waited < spin {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(nap);
+    }
+}
+
 impl Shared {
     fn ctl(&self) -> MutexGuard<'_, Ctl> {
         self.ctl.lock().unwrap_or_else(|e| e.into_inner())
@@ -461,33 +589,82 @@ impl Shared {
         self.mailbox.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Poll for READY while `step` stays armed: spin briefly, then yield, then sleep in
-    /// growing steps (up to 50 us), so an early host costs little CPU. Returns false if
-    /// the step was disarmed, the rows released, or the worker stopped.
-    fn wait_ready(&self, step: u64) -> bool {
+    /// The next armed step to fill; `None` once stopped. While nothing is armed, stay hot
+    /// for `spin` (a serving loop arms the next step within milliseconds), then block,
+    /// waking every `IDLE_POLL`. Any READY seen meanwhile came from a replay that nobody
+    /// armed this worker for: release it (see [`Self::unarmed_replay`]).
+    fn next_step(&self) -> Option<u64> {
         let t0 = Instant::now();
-        let mut nap = Duration::from_micros(2);
+        loop {
+            let mut ctl = self.ctl();
+            if self.stop.load(Ordering::Acquire) {
+                return None;
+            }
+            if let Some(s) = ctl.next_to_fill() {
+                return Some(s);
+            }
+            // Holding `ctl`, nothing armed: a begin() for the ids now in the mailbox would
+            // have had to happen before its replay was launched, i.e. before READY.
+            if self.mailbox().is_ready() {
+                self.unarmed_replay(&mut ctl);
+                continue;
+            }
+            let waited = t0.elapsed();
+            if waited >= self.opts.spin {
+                drop(
+                    self.cv
+                        .wait_timeout(ctl, IDLE_POLL)
+                        .unwrap_or_else(|e| e.into_inner()),
+                );
+                continue;
+            }
+            let handled = ctl.handled;
+            drop(ctl);
+            // Hot: poll the lock-free words until something changes (or the window ends).
+            while self.armed_seq.load(Ordering::Acquire) <= handled
+                && !self.mailbox().is_ready()
+                && !self.stop.load(Ordering::Acquire)
+                && t0.elapsed() < self.opts.spin
+            {
+                pause(t0.elapsed(), self.opts.spin, NAP);
+            }
+        }
+    }
+
+    /// READY with no step armed: take the ids, release the GPU with zero rows, poison the
+    /// rows and record the typed error for the next call.
+    fn unarmed_replay(&self, ctl: &mut Ctl) {
+        let mut scratch = Vec::new();
+        let count = self.mailbox().take(&mut scratch);
+        ctl.stats.unarmed_replays += 1;
+        if self.rows.is_released() {
+            // Already aborted or closed: the gate is open for good and the cause recorded.
+            return;
+        }
+        let detail = format!(
+            "a graph replay published {count} ids with no step armed (replayed without begin()); its consumer was released with zero rows, never another step's"
+        );
+        self.rows
+            .release_unaccounted(&format!("gather worker: {detail}"));
+        ctl.stats.failures += 1;
+        if ctl.failure.is_none() {
+            ctl.failure = Some(Error::UnarmedReplay { detail });
+        }
+        self.cv.notify_all();
+    }
+
+    /// Poll for READY while a step is armed: hot for `spin`, then short naps. Returns
+    /// false if the rows were released or the worker stopped.
+    fn wait_ready(&self) -> bool {
+        let t0 = Instant::now();
         loop {
             if self.mailbox().is_ready() {
                 return true;
             }
-            if self.stop.load(Ordering::Acquire)
-                || self.armed_step.load(Ordering::Acquire) != step
-                || self.rows.is_released()
-            {
+            if self.stop.load(Ordering::Acquire) || self.rows.is_released() {
                 return false;
             }
-            let e = t0.elapsed();
-            if e < SPIN {
-                for _ in 0..64 {
-                    std::hint::spin_loop();
-                }
-            } else if e < SPIN * 10 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(nap);
-                nap = (nap * 2).min(Duration::from_micros(50));
-            }
+            pause(t0.elapsed(), self.opts.spin, NAP);
         }
     }
 
@@ -512,38 +689,18 @@ impl Shared {
 }
 
 fn run(sh: &Shared) {
+    crate::os::fine_timer_slack();
     let max_ids = sh.mailbox().max_ids();
     let mut ids = Vec::with_capacity(max_ids);
     let mut rows = Vec::with_capacity(max_ids);
-    loop {
-        let step = {
-            let mut ctl = sh.ctl();
-            loop {
-                if sh.stop.load(Ordering::Acquire) {
-                    return;
-                }
-                match ctl.armed {
-                    Some(s) if ctl.done != Some(s) => break s,
-                    _ => ctl = sh.cv.wait(ctl).unwrap_or_else(|e| e.into_inner()),
-                }
-            }
-        };
+    while let Some(step) = sh.next_step() {
         let armed_at = Instant::now();
-        if !sh.wait_ready(step) {
-            // Disarmed, released or stopping: nothing to fill. Mark the step done so a
-            // waiting complete() returns (it then reports the rows' own state).
+        if !sh.wait_ready() {
+            // Released or stopping: nothing to fill. Mark the step handled so a waiting
+            // complete() returns (it then reports the rows' own state).
             let mut ctl = sh.ctl();
-            if ctl.armed == Some(step) {
-                ctl.done = Some(step);
-            }
+            ctl.handled = ctl.handled.max(step);
             sh.cv.notify_all();
-            if sh.stop.load(Ordering::Acquire) {
-                return;
-            }
-            // Wait until the host disarms this step before polling again.
-            while ctl.armed == Some(step) && !sh.stop.load(Ordering::Acquire) {
-                ctl = sh.cv.wait(ctl).unwrap_or_else(|e| e.into_inner());
-            }
             continue;
         }
         let t_ready = Instant::now();
@@ -572,10 +729,12 @@ fn run(sh: &Shared) {
             Err(e) => {
                 sh.rows.abort(&format!("gather worker: {e}"));
                 ctl.stats.failures += 1;
-                ctl.failure = Some(e);
+                if ctl.failure.is_none() {
+                    ctl.failure = Some(e);
+                }
             }
         }
-        ctl.done = Some(step);
+        ctl.handled = ctl.handled.max(step);
         sh.cv.notify_all();
     }
 }
@@ -606,6 +765,14 @@ mod tests {
                 row.fill((*id % 251) as u8 + 1);
             }
             Ok(())
+        }
+    }
+
+    fn opts(max_ids: usize, id_bytes: usize) -> WorkerOptions {
+        WorkerOptions {
+            max_ids,
+            id_bytes,
+            ..WorkerOptions::default()
         }
     }
 
@@ -664,15 +831,7 @@ mod tests {
             rows: 100,
             width: 4,
         });
-        let w = GatherWorker::new(
-            rows.clone(),
-            src,
-            RowMap::Identity,
-            8,
-            8,
-            PublishPath::Kernel,
-        )
-        .unwrap();
+        let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(8, 8)).unwrap();
         for step in 0..50i64 {
             w.begin(8).unwrap();
             let ids: Vec<i64> = (0..(step % 8 + 1)).map(|i| (i * 7 + step) % 100).collect();
@@ -701,15 +860,7 @@ mod tests {
         let mut staging = vec![0u8; 4 * 4];
         let rows = host_rows(4, 4, &mut staging);
         let src = Arc::new(Counting { rows: 10, width: 4 });
-        let w = GatherWorker::new(
-            rows.clone(),
-            src,
-            RowMap::Identity,
-            4,
-            4,
-            PublishPath::Kernel,
-        )
-        .unwrap();
+        let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 4)).unwrap();
         w.begin(4).unwrap();
         let e = w.complete(Duration::from_millis(30)).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::State);
@@ -724,30 +875,9 @@ mod tests {
         let src: Arc<dyn RowSource> = Arc::new(Counting { rows: 10, width: 4 });
         let wide: Arc<dyn RowSource> = Arc::new(Counting { rows: 10, width: 8 });
         for r in [
-            GatherWorker::new(
-                rows.clone(),
-                src.clone(),
-                RowMap::Identity,
-                5,
-                8,
-                PublishPath::Kernel,
-            ),
-            GatherWorker::new(
-                rows.clone(),
-                src.clone(),
-                RowMap::Identity,
-                4,
-                2,
-                PublishPath::Kernel,
-            ),
-            GatherWorker::new(
-                rows.clone(),
-                wide,
-                RowMap::Identity,
-                4,
-                8,
-                PublishPath::Kernel,
-            ),
+            GatherWorker::new(rows.clone(), src.clone(), RowMap::Identity, opts(5, 8)),
+            GatherWorker::new(rows.clone(), src.clone(), RowMap::Identity, opts(4, 2)),
+            GatherWorker::new(rows.clone(), wide, RowMap::Identity, opts(4, 8)),
             GatherWorker::new(
                 rows.clone(),
                 src.clone(),
@@ -755,12 +885,95 @@ mod tests {
                     offsets: vec![0],
                     sizes: vec![11],
                 },
-                4,
-                8,
-                PublishPath::Kernel,
+                opts(4, 8),
             ),
         ] {
             assert_eq!(r.err().unwrap().kind(), ErrorKind::InvalidArgument);
         }
+    }
+
+    #[test]
+    fn two_steps_armed_fill_in_order_and_complete_oldest_first() {
+        let mut staging = vec![0u8; 8 * 4];
+        let rows = host_rows(8, 4, &mut staging);
+        let src = Arc::new(Counting {
+            rows: 100,
+            width: 4,
+        });
+        let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(8, 8)).unwrap();
+        assert_eq!(w.depth(), 2);
+        // Host one step ahead: arm 1 and 2 before either is published.
+        w.begin(8).unwrap();
+        w.begin(8).unwrap();
+        assert_eq!(w.begin(8).unwrap_err().kind(), ErrorKind::State);
+        assert_eq!(w.in_flight(), 2);
+        for round in 0..20i64 {
+            w.publish_from_host(&[round, round + 1]).unwrap();
+            // The oldest step completes once its ids were gathered.
+            w.complete(Duration::from_secs(5)).unwrap();
+            assert_eq!(staging[0], (round % 251) as u8 + 1);
+            assert_eq!(staging[4], ((round + 1) % 251) as u8 + 1);
+            w.begin(8).unwrap();
+        }
+        w.publish_from_host(&[7]).unwrap();
+        w.complete(Duration::from_secs(5)).unwrap();
+        w.publish_from_host(&[9]).unwrap();
+        w.complete(Duration::from_secs(5)).unwrap();
+        assert_eq!(staging[0], 10);
+        assert_eq!(w.in_flight(), 0);
+        assert_eq!(w.stats().fills, 22);
+        // A host-fed step on the rows object while the worker has steps armed is refused.
+        w.begin(8).unwrap();
+        assert_eq!(rows.begin(8).unwrap_err().kind(), ErrorKind::State);
+        w.publish_from_host(&[1]).unwrap();
+        w.complete(Duration::from_secs(5)).unwrap();
+        w.close();
+    }
+
+    #[test]
+    fn a_publish_nobody_armed_is_released_with_zeros_and_typed() {
+        let mut staging = vec![0u8; 4 * 4];
+        let rows = host_rows(4, 4, &mut staging);
+        let src = Arc::new(Counting { rows: 10, width: 4 });
+        let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8)).unwrap();
+        w.begin(4).unwrap();
+        w.publish_from_host(&[3, 4]).unwrap();
+        w.complete(Duration::from_secs(5)).unwrap();
+        assert_eq!(staging[0], 4);
+        // A "replay" without begin(): the worker must not keep the ids for the next step.
+        w.publish_from_host(&[5, 6]).unwrap();
+        let t0 = Instant::now();
+        while !rows.is_released() && t0.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(rows.is_released(), "the unarmed publish was not released");
+        assert!(
+            staging.iter().all(|&b| b == 0),
+            "the consumer must read zeros"
+        );
+        let e = w.begin(4).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::UnarmedReplay, "{e}");
+        assert!(e.to_string().contains("without begin()"), "{e}");
+        assert_eq!(w.begin(4).unwrap_err().kind(), ErrorKind::Poisoned);
+        assert_eq!(w.stats().unarmed_replays, 1);
+        w.close();
+    }
+
+    #[test]
+    fn closing_a_worker_that_published_releases_its_rows() {
+        let mut staging = vec![0u8; 4 * 4];
+        let rows = host_rows(4, 4, &mut staging);
+        let src = Arc::new(Counting { rows: 10, width: 4 });
+        let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8)).unwrap();
+        w.begin(4).unwrap();
+        w.publish_from_host(&[1]).unwrap();
+        w.complete(Duration::from_secs(5)).unwrap();
+        assert!(!rows.is_released());
+        w.close();
+        assert!(rows.is_released());
+        assert!(rows
+            .poison_cause()
+            .unwrap()
+            .contains("can no longer be filled"));
     }
 }

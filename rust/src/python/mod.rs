@@ -198,6 +198,11 @@ impl PyDeferredRows {
         self.inner.was_captured()
     }
 
+    #[getter]
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight()
+    }
+
     fn begin(&self, py: Python<'_>, rows: usize) -> PyResult<u64> {
         self.inner.begin(rows).py(py)
     }
@@ -416,6 +421,9 @@ fn _raise_kind(py: Python<'_>, kind: &str) -> PyResult<()> {
         },
         "Io" => Error::Io {
             path: "p".into(),
+            detail: "test".into(),
+        },
+        "UnarmedReplay" => Error::UnarmedReplay {
             detail: "test".into(),
         },
         other => return Err(PyRuntimeError::new_err(format!("unknown kind {other}"))),

@@ -10,7 +10,7 @@ use pyo3::types::PyDict;
 use super::table::PyMmapTable;
 use super::{counters, secs, stream_of, to_pyerr, IntoPy, PyDeferredRows};
 use crate::error::Error;
-use crate::worker::{GatherWorker, PublishPath, RowMap, RowSource};
+use crate::worker::{GatherWorker, PublishPath, RowMap, RowSource, WorkerOptions, DEFAULT_SPIN};
 
 /// The native half of `ple_memops.GatherWorker` (use that class, not this one).
 #[pyclass(name = "GatherWorkerCore", module = "ple_memops._native", frozen)]
@@ -21,7 +21,7 @@ pub struct PyGatherWorker {
 #[pymethods]
 impl PyGatherWorker {
     #[new]
-    #[pyo3(signature = (rows, table, max_ids, id_bytes, offsets=None, sizes=None, publish="kernel"))]
+    #[pyo3(signature = (rows, table, max_ids, id_bytes, offsets=None, sizes=None, publish="kernel", depth=2, spin_s=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -32,6 +32,8 @@ impl PyGatherWorker {
         offsets: Option<Vec<i64>>,
         sizes: Option<Vec<i64>>,
         publish: &str,
+        depth: usize,
+        spin_s: Option<f64>,
     ) -> PyResult<Self> {
         let path = match publish {
             "kernel" => PublishPath::Kernel,
@@ -55,10 +57,21 @@ impl PyGatherWorker {
                 ))
             }
         };
+        let spin = match spin_s {
+            Some(s) => secs(s, "spin").py(py)?,
+            None => DEFAULT_SPIN,
+        };
+        let opts = WorkerOptions {
+            max_ids,
+            id_bytes,
+            path,
+            depth,
+            spin,
+        };
         let rows = rows.get().rows().clone();
         let source: Arc<dyn RowSource> = Arc::new(table.get().table().clone());
         let inner = py
-            .detach(|| GatherWorker::new(rows, source, map, max_ids, id_bytes, path))
+            .detach(|| GatherWorker::new(rows, source, map, opts))
             .py(py)?;
         Ok(Self { inner })
     }
@@ -66,6 +79,16 @@ impl PyGatherWorker {
     #[getter]
     fn max_ids(&self) -> usize {
         self.inner.max_ids()
+    }
+
+    #[getter]
+    fn depth(&self) -> usize {
+        self.inner.depth()
+    }
+
+    #[getter]
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight()
     }
 
     fn begin(&self, py: Python<'_>, rows: usize) -> PyResult<u64> {
@@ -121,6 +144,7 @@ impl PyGatherWorker {
                 ("armed_to_ready_ns_last", s.armed_to_ready_ns_last),
                 ("publishes_captured", s.publishes_captured),
                 ("publishes_eager", s.publishes_eager),
+                ("unarmed_replays", s.unarmed_replays),
             ],
         )
     }

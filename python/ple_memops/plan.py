@@ -1,0 +1,433 @@
+"""All-or-none deferred rows for several PLE tables on one device: :class:`RowsPlan`.
+
+An engine integration builds one plan at load time, outside any graph capture: one
+:class:`~ple_memops.DeferredRows` per table (a stable staging buffer that captured kernels
+read) and, where the device runs the deferred protocol, one
+:class:`~ple_memops.GatherWorker` each. Every table gets the same mode: a graph never mixes
+a deferred consumer with one that needs its rows before the launch. When the plan cannot
+defer (no capability, ``deferred=False``, a worker that cannot start), it says why once
+on the ``ple_memops`` logger and :attr:`RowsPlan.reason`.
+
+Per step::
+
+    # capture (deferred mode): ids computed by the graph itself
+    staged = plan.stage("layer2", ids, rows=n)   # publish + wait/copy on a side stream
+    ...                                          # layers before the consumer
+    staged.join()                                # the consumer's edge
+    rows = plan.staging("layer2", n)             # uint8 [n, row_bytes]
+
+    # replay
+    plan.begin(n)           # arm every layer (up to ``depth`` steps in flight)
+    graph.replay()
+    plan.complete()         # later: ends the oldest step; raises the first failure
+
+    # eager steps (prefill, warm-up, profiling) and the synchronous fallback
+    rows = plan.gather_now("layer2", ids)        # ids to the host, gather, copy: same bytes
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._deferred import DeferredRows, StagedRows, _parse_device, _torch, probe
+from ._worker import GatherWorker, WorkerStats
+from .errors import InvalidArgumentError, PleMemopsError, StateError
+from .table import MmapTable
+
+__all__ = ["DEFAULT_TIMEOUT", "DEFAULT_WATCHDOG", "PlanLayer", "RowsPlan"]
+
+log = logging.getLogger("ple_memops")
+
+DEFAULT_WATCHDOG = 30.0
+"""Seconds a begun step may wait for its ids before the plan releases the GPU (an engine
+queues a whole prefill ahead of a decode step: this bound must exceed it)."""
+
+DEFAULT_TIMEOUT = 30.0
+"""Seconds :meth:`RowsPlan.complete` waits for a step's fill by default."""
+
+Heads = tuple[Sequence[int], Sequence[int]]
+
+
+@dataclass(frozen=True)
+class PlanLayer:
+    """One table of a plan and the objects that serve it."""
+
+    name: str
+    table: MmapTable
+    rows: DeferredRows
+    worker: GatherWorker | None
+    """``None`` unless the plan runs in ``deferred`` mode."""
+
+
+class RowsPlan:
+    """See the module docs. Build with :meth:`build`; thread-compatible (one driving
+    thread), the objects inside are thread-safe."""
+
+    def __init__(
+        self,
+        layers: Sequence[PlanLayer],
+        mode: str,
+        reason: str | None,
+        device: int | None,
+        timeout: float,
+    ) -> None:
+        self._layers = {layer.name: layer for layer in layers}
+        self._mode = mode
+        self._reason = reason
+        self._device = device
+        self.timeout = timeout
+        self._closed = False
+
+    # -- construction -----------------------------------------------------------------
+
+    @classmethod
+    def build(
+        cls,
+        tables: Mapping[str, MmapTable] | Sequence[tuple[str, MmapTable]],
+        *,
+        max_rows: int,
+        device: object = None,
+        id_dtype: str = "int64",
+        heads: Heads | Mapping[str, Heads] | None = None,
+        deferred: bool = True,
+        watchdog: float | None = DEFAULT_WATCHDOG,
+        timeout: float = DEFAULT_TIMEOUT,
+        depth: int = 2,
+        copy: str = "auto",
+        publish: str = "kernel",
+        spin: float | None = None,
+        track_arrival: bool = False,
+    ) -> RowsPlan:
+        """One staging buffer of ``max_rows`` rows per table on ``device`` (``"cpu"``,
+        ``"cuda:N"``, an ordinal, or ``None`` for CUDA if available), and a worker per
+        table where the device defers. ``deferred=False`` forces the synchronous path.
+        ``heads``: the per-head map of :class:`~ple_memops.GatherWorker`, one for all
+        tables or one per table name. ``track_arrival`` counts fills the GPU had to wait
+        for (one more stream write a step; see :class:`~ple_memops.DeferredRows`). Raises
+        only for bad arguments; a device that cannot defer gives a ``sync`` plan with
+        :attr:`reason`."""
+        items = list(tables.items()) if isinstance(tables, Mapping) else list(tables)
+        if not items:
+            raise InvalidArgumentError("a plan needs at least one table")
+        names = [name for name, _ in items]
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError(f"table names must be unique, got {names}")
+        if not isinstance(max_rows, int) or max_rows <= 0:
+            raise InvalidArgumentError(f"max_rows must be a positive int, got {max_rows!r}")
+        if timeout <= 0:
+            raise InvalidArgumentError(f"timeout must be > 0 seconds, got {timeout}")
+        torch = _torch()
+        if torch is None:
+            raise InvalidArgumentError("a RowsPlan needs torch (its staging buffers are tensors)")
+        ordinal = _parse_device(device)
+        reason: str | None = None
+        force_sync = not deferred
+        if ordinal is not None and deferred:
+            cap = probe(ordinal)
+            if not cap.supported:
+                force_sync, reason = True, cap.reason
+        elif ordinal is not None:
+            reason = "deferral turned off (deferred=False)"
+        else:
+            reason = "no CUDA device: rows are gathered on the host"
+        layers = _make_layers(
+            torch, items, max_rows, ordinal, watchdog, force_sync, copy, track_arrival
+        )
+        mode = layers[0].rows.mode
+        if mode == "deferred":
+            try:
+                layers = [
+                    PlanLayer(
+                        layer.name,
+                        layer.table,
+                        layer.rows,
+                        GatherWorker(
+                            layer.rows,
+                            layer.table,
+                            id_dtype=id_dtype,
+                            heads=_heads_for(heads, layer.name),
+                            publish=publish,
+                            depth=depth,
+                            spin=spin,
+                        ),
+                    )
+                    for layer in layers
+                ]
+            except InvalidArgumentError:
+                _close_layers(layers)
+                raise
+            except PleMemopsError as exc:
+                # All or none: a worker that cannot start makes every layer synchronous.
+                _close_layers(layers)
+                reason = f"a gather worker could not start ({exc})"
+                layers = _make_layers(
+                    torch, items, max_rows, ordinal, watchdog, True, copy, track_arrival
+                )
+                mode = layers[0].rows.mode
+        if reason is not None:
+            log.warning(
+                "ple_memops: PLE rows of %d table(s) use the %s path: %s",
+                len(layers),
+                mode,
+                reason,
+            )
+        return cls(layers, mode, reason if mode != "deferred" else None, ordinal, timeout)
+
+    # -- properties -------------------------------------------------------------------
+
+    @property
+    def mode(self) -> str:
+        """``"deferred"``, ``"sync"`` or ``"host"``: the same for every table."""
+        return self._mode
+
+    @property
+    def deferred(self) -> bool:
+        return self._mode == "deferred"
+
+    @property
+    def reason(self) -> str | None:
+        """Why the plan does not defer (``None`` when it does)."""
+        return self._reason
+
+    @property
+    def device(self) -> int | None:
+        return self._device
+
+    @property
+    def layers(self) -> dict[str, PlanLayer]:
+        return dict(self._layers)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._layers)
+
+    @property
+    def in_flight(self) -> int:
+        """Steps armed and not yet completed (the same for every worker)."""
+        return max((w.in_flight for w in self._workers()), default=0)
+
+    def staging(self, name: str, n: int | None = None) -> Any:
+        """The stable ``uint8 [n, row_bytes]`` view that consumers of ``name`` read."""
+        rows = self._layer(name).rows
+        return rows.staging if n is None else rows.staging[:n]
+
+    # -- captured (deferred) steps ----------------------------------------------------
+
+    def stage(self, name: str, ids: Any, rows: int | None = None, count: Any = None) -> StagedRows:
+        """Publish ``ids`` (a graph-static CUDA tensor) and fork the consumer's wait and
+        copy onto a side stream; join it before the consumer. Deferred mode only."""
+        layer = self._layer(name)
+        if layer.worker is None:
+            raise StateError(
+                f"stage() needs the deferred path; this plan is {self._mode!r} ({self._reason})"
+            )
+        return layer.worker.stage(ids, rows, count)
+
+    def begin(self, n: int) -> None:
+        """Arm every table's worker for a step of ``n`` rows. All or none: if any refuses,
+        the plan aborts (so no captured consumer waits) and the error is raised."""
+        self._check_open()
+        try:
+            for w in self._workers():
+                w.begin(n)
+        except BaseException as exc:
+            self.abort(f"begin({n}) failed: {exc!r}")
+            raise
+
+    def complete(self, timeout: float | None = None) -> None:
+        """Complete the oldest armed step of every table (waiting at most ``timeout``
+        seconds each, default :attr:`timeout`). Any failure aborts the whole plan, then the
+        first error is raised: no layer is left waiting and no step's rows are silently
+        wrong."""
+        self._check_open()
+        t = self.timeout if timeout is None else float(timeout)
+        first: BaseException | None = None
+        for w in self._workers():
+            try:
+                w.complete(t)
+            except BaseException as exc:
+                if first is None:
+                    first = exc
+        if first is not None:
+            self.abort(f"complete() failed: {first!r}")
+            raise first
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Complete every armed step (before eager work, capture, or shutdown)."""
+        while self.in_flight:
+            self.complete(timeout)
+
+    # -- eager steps --------------------------------------------------------------------
+
+    def gather_now(
+        self, name: str, ids: Any, rows: int | None = None, *, stream: Any = None
+    ) -> Any:
+        """The synchronous path (eager steps, the ``sync`` fallback): copy ``ids`` to the
+        host, gather from the table straight into the pinned slot, copy to the staging
+        buffer on ``stream``, and return ``staging[:n]`` (``n = rows`` or ``len(ids)``;
+        rows past ``len(ids)`` are zero). Same bytes as a deferred step. Needs no step in
+        flight: :meth:`drain` first."""
+        layer = self._layer(name)
+        host = _host_ids(ids)
+        n = len(host) if rows is None else int(rows)
+        if len(host) > n:
+            raise InvalidArgumentError(f"{len(host)} ids for a step of {n} rows")
+        self._check_idle(layer)
+        layer.table.check_ids(host)  # a bad id raises before the step begins
+        r = layer.rows
+        r.begin(n)
+        try:
+            r.fill_from(layer.table, host, stream=stream)
+            r.enqueue(stream=stream, rows=n)
+            r.complete()
+        except BaseException as exc:
+            r.abort(f"gather_now({name!r}) failed: {exc!r}")
+            raise
+        return r.staging[:n]
+
+    def dummy_now(self, name: str, rows: int, *, stream: Any = None) -> Any:
+        """An eager step without data (warm-up, profiling, capture passes): the consumer
+        reads whatever the staging buffer holds. Returns ``staging[:rows]``."""
+        layer = self._layer(name)
+        self._check_idle(layer)
+        r = layer.rows
+        r.begin(rows)
+        try:
+            r.prepare_dummy(stream=stream)
+            r.enqueue(stream=stream, rows=rows)
+            r.complete()
+        except BaseException as exc:
+            r.abort(f"dummy_now({name!r}) failed: {exc!r}")
+            raise
+        return r.staging[:rows]
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def abort(self, reason: str) -> None:
+        """Release every captured consumer for good and poison every table (idempotent)."""
+        for layer in self._layers.values():
+            layer.rows.abort(reason)
+
+    def close(self) -> None:
+        """Stop the workers and release everything (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        _close_layers(list(self._layers.values()))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def stats(self) -> dict[str, tuple[Any, WorkerStats | None]]:
+        """Per table: the rows' :class:`~ple_memops.Stats` and the worker's, if any."""
+        return {
+            n: (layer.rows.stats(), None if layer.worker is None else layer.worker.stats())
+            for n, layer in self._layers.items()
+        }
+
+    def __enter__(self) -> RowsPlan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[PlanLayer]:
+        return iter(self._layers.values())
+
+    def __repr__(self) -> str:
+        return (
+            f"RowsPlan({len(self._layers)} tables, mode={self._mode!r}, "
+            f"device={self._device}, reason={self._reason!r})"
+        )
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _layer(self, name: str) -> PlanLayer:
+        self._check_open()
+        try:
+            return self._layers[name]
+        except KeyError:
+            raise InvalidArgumentError(
+                f"no table {name!r} in this plan (tables: {list(self._layers)})"
+            ) from None
+
+    def _workers(self) -> list[GatherWorker]:
+        return [layer.worker for layer in self._layers.values() if layer.worker is not None]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            from .errors import ClosedError
+
+            raise ClosedError("plan is closed")
+
+    def _check_idle(self, layer: PlanLayer) -> None:
+        busy = layer.worker.in_flight if layer.worker is not None else layer.rows.in_flight
+        if busy:
+            raise StateError(
+                f"{busy} step(s) of table {layer.name!r} still in flight; drain() before an "
+                "eager step"
+            )
+
+
+def _heads_for(heads: Heads | Mapping[str, Heads] | None, name: str) -> Heads | None:
+    if heads is None:
+        return None
+    if isinstance(heads, Mapping):
+        return heads.get(name)
+    return heads
+
+
+def _make_layers(
+    torch: Any,
+    items: list[tuple[str, MmapTable]],
+    max_rows: int,
+    ordinal: int | None,
+    watchdog: float | None,
+    force_sync: bool,
+    copy: str,
+    track_arrival: bool,
+) -> list[PlanLayer]:
+    layers: list[PlanLayer] = []
+    dev = "cpu" if ordinal is None else f"cuda:{ordinal}"
+    try:
+        for name, table in items:
+            staging = torch.zeros((max_rows, table.row_bytes), dtype=torch.uint8, device=dev)
+            rows = DeferredRows(
+                max_rows,
+                table.row_bytes,
+                staging=staging,
+                watchdog=watchdog,
+                force_sync=force_sync,
+                copy=copy,
+                track_arrival=track_arrival,
+            )
+            layers.append(PlanLayer(name, table, rows, None))
+    except BaseException:
+        _close_layers(layers)
+        raise
+    modes = {layer.rows.mode for layer in layers}
+    if len(modes) > 1:  # pragma: no cover - the probe is cached per device
+        _close_layers(layers)
+        raise StateError(f"tables ended up in mixed modes {sorted(modes)}")
+    return layers
+
+
+def _close_layers(layers: Sequence[PlanLayer]) -> None:
+    for layer in layers:
+        if layer.worker is not None:
+            layer.worker.close()
+        layer.rows.close()
+
+
+def _host_ids(ids: Any) -> np.ndarray[Any, np.dtype[np.int64]]:
+    torch = _torch()
+    if torch is not None and isinstance(ids, torch.Tensor):
+        ids = ids.detach().reshape(-1).to("cpu", torch.int64).numpy()
+    arr = np.ascontiguousarray(np.asarray(ids).reshape(-1), dtype=np.int64)
+    return arr
