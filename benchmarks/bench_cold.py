@@ -753,7 +753,7 @@ def main() -> None:
     h.add_argument("--quick", action="store_true", help="fewer trials")
     h.add_argument("--zipf", action="store_true")
     h.add_argument("--zipf-a", type=float, nargs="+", default=[1.05, 1.2, 1.5])
-    h.add_argument("--zipf-budget-mib", type=int, nargs="+", default=[64, 256])
+    h.add_argument("--zipf-budget-mib", type=int, nargs="+", default=[16, 64, 256])
     h.add_argument("--zipf-steps", type=int, default=1500)
     h.add_argument("--zipf-batch", type=int, default=256)
     o = sub.choices["overlap"]
