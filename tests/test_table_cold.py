@@ -58,6 +58,16 @@ def _cold(table: MmapTable) -> None:
     assert table.resident_bytes() == 0, "the table did not leave the page cache"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _evictable(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every test here needs a temp filesystem whose pages can be evicted (not tmpfs)."""
+    path = _table(tmp_path_factory.mktemp("evict"), 4096, 64, torch.float32)
+    with MmapTable.open(path, "w") as t:
+        t.drop_pages()
+        if t.resident_bytes() != 0:
+            pytest.skip(f"pages of {path} cannot leave the page cache (tmpfs?)")
+
+
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor]:
     """Qwen4Exp-like: FP8 row shards of 160 B rows over two files plus an index."""
@@ -407,17 +417,45 @@ def _cgroup_run(parent: Path, kind: str, path: Path, limit: int, budget: int) ->
                 time.sleep(0.1)
 
 
+def _try_child_cgroup(parent: Path, kind: str) -> str | None:
+    """Make a child cgroup, set a memory limit and move a process into it; why not, or
+    None if all of that works."""
+    probe = parent / f"ple-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+    except OSError as e:
+        return f"cannot create a child cgroup in {parent}: {e}"
+    try:
+        knob = probe / ("memory.limit_in_bytes" if kind == "v1" else "memory.max")
+        try:
+            knob.write_text(str(256 << 20))
+        except OSError as e:
+            return f"cannot write {knob}: {e}"
+        code = "import os,sys; open(sys.argv[1], 'w').write(str(os.getpid()))"
+        r = subprocess.run(
+            [sys.executable, "-c", code, str(probe / "cgroup.procs")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if r.returncode != 0:
+            return f"cannot move a process into {probe}: {r.stderr.strip().splitlines()[-1]}"
+        return None
+    finally:
+        try:
+            probe.rmdir()
+        except OSError:
+            pass
+
+
 def test_rss_budget_under_a_cgroup_memory_limit(tmp_path: Path) -> None:
     where = _memory_cgroup()
     if isinstance(where, str):
         pytest.skip(f"cannot set a cgroup memory limit here: {where}")
     parent, kind = where
-    probe = parent / f"ple-probe-{os.getpid()}"
-    try:
-        probe.mkdir()
-        probe.rmdir()
-    except OSError as e:
-        pytest.skip(f"cannot create a child cgroup in {parent}: {e}")
+    why = _try_child_cgroup(parent, kind)
+    if why is not None:
+        pytest.skip(why)
     path = _table(tmp_path, 1 << 20, 64, torch.float32)  # 256 MiB of 256 B rows
     limit, budget = 96 << 20, 32 << 20
     capped = _cgroup_run(parent, kind, path, limit, budget)

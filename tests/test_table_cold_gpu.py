@@ -47,6 +47,10 @@ def cold_table(tmp_path_factory: pytest.TempPathFactory) -> Any:
     path = tmp_path_factory.mktemp("cold") / "model.safetensors"
     _write(path, 400_000)  # 64 MiB
     t = pm.MmapTable.open(path, "w")
+    t.drop_pages()
+    if t.resident_bytes() != 0:
+        t.close()
+        pytest.skip(f"pages of {path} cannot leave the page cache (tmpfs?)")
     yield t
     t.close()
 
@@ -178,7 +182,10 @@ def test_a_failed_cold_read_releases_the_gpu(torch, tmp_path: Path, way: str) ->
     w = pm.GatherWorker(rows, table)
     fixed = np.arange(8192 - n, 8192, dtype=np.int64)  # rows in the half cut off below
     g = IdGraph(torch, w, n, table.rows, fixed=fixed)
-    evict(table)
+    table.drop_pages()
+    if table.resident_bytes() != 0:
+        w.close()
+        pytest.skip(f"pages of {path} cannot leave the page cache (tmpfs?)")
     os.truncate(path, os.path.getsize(path) // 2)  # stands in for a failing device
     w.begin(n)
     g.replay()
