@@ -526,6 +526,12 @@ impl MmapTable {
 
     /// A gather with at least one row not known resident: read those together while
     /// copying the others, then record their pages as known.
+    ///
+    /// No residency check (`mincore`, `RWF_NOWAIT`) comes first: a read of a page that is
+    /// cached after all completes at submission without I/O, so checking would only add a
+    /// system call per row to every cold gather. A known page the kernel dropped behind our
+    /// back is not read here but faulted in by the copy: slower, still correct; the known
+    /// set is bounded (see [`PageStats::pages_forgotten`]) so such pages do not pile up.
     fn gather_cold<T: Id>(&self, src: &RowSource<'_>, ids: &[T], dst: &mut [u8]) -> Result<()> {
         let pm = &self.inner.pages;
         let rb = src.row_bytes;
