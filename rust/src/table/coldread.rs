@@ -20,7 +20,7 @@
 //! each table's first file at open), else `willneed`, which needs nothing but `madvise`.
 //!
 //! All `unsafe` of this module is the io_uring submission (the kernel writes into the
-//! destination rows until each read completes; see [`Inflight`]).
+//! destination rows until each read completes; see `Inflight`).
 
 use std::cell::RefCell;
 use std::io;
