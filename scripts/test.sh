@@ -37,3 +37,19 @@ $PY -m mypy
 
 echo "== pytest"
 (cd /tmp && $PY -m pytest "$OLDPWD/tests" -q -p no:cacheprovider "$@")
+
+echo "== vLLM 0.33.0 (CPU): the patch applies, the patched modules import, the integration runs"
+# A separate environment (vLLM pins its own torch; about 9 GB, pip's cache serves reruns).
+# PLE_MEMOPS_VLLM_VENV points at an existing one instead of .venv-vllm/.
+VENV=${PLE_MEMOPS_VLLM_VENV:-$PWD/.venv-vllm}
+if ! "$VENV/bin/python" -c 'import importlib.metadata as m; assert m.version("vllm") == "0.33.0"' \
+        >/dev/null 2>&1; then
+    $PY -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "vllm==0.33.0"
+fi
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check "pytest>=8"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps \
+    dist/*.whl
+export VLLM_TARGET_DEVICE=cpu
+(cd /tmp && "$VENV/bin/python" -m ple_memops.vllm apply)
+(cd /tmp && "$VENV/bin/python" -m pytest "$OLDPWD/tests/test_vllm_real.py" -q -p no:cacheprovider)

@@ -309,7 +309,11 @@ class DeferredRows:
             raise InvalidArgumentError("stage() needs torch")
         cur = torch.cuda.current_stream(self._device) if stream is None else stream
         if self._side is None:
-            self._side = torch.cuda.Stream(self._device)
+            # Our own stream, not one of torch's pooled ones: a pooled stream can be the
+            # very stream being captured, and the fork would then overlap nothing.
+            self._side = torch.cuda.ExternalStream(
+                self._live().side_stream(), device=torch.device("cuda", self._device)
+            )
         self._side.wait_stream(cur)
         return self._side
 
@@ -378,6 +382,7 @@ class DeferredRows:
         memory that a graph captured is kept until process exit (see
         :func:`retained_bytes`); the rest is freed."""
         core, self._core = self._core, None
+        self._side = None
         if core is not None:
             core.close()
         _LIVE.discard(self)

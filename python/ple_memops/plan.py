@@ -102,6 +102,7 @@ class RowsPlan:
         publish: str = "kernel",
         spin: float | None = None,
         track_arrival: bool = False,
+        log_fallback: bool = True,
     ) -> RowsPlan:
         """One staging buffer of ``max_rows`` rows per table on ``device`` (``"cpu"``,
         ``"cuda:N"``, an ordinal, or ``None`` for CUDA if available), and a worker per
@@ -110,7 +111,8 @@ class RowsPlan:
         tables or one per table name. ``track_arrival`` counts fills the GPU had to wait
         for (one more stream write a step; see :class:`~ple_memops.DeferredRows`). Raises
         only for bad arguments; a device that cannot defer gives a ``sync`` plan with
-        :attr:`reason`."""
+        :attr:`reason`, logged once unless ``log_fallback=False`` (for a caller that says
+        it in its own words)."""
         items = list(tables.items()) if isinstance(tables, Mapping) else list(tables)
         if not items:
             raise InvalidArgumentError("a plan needs at least one table")
@@ -169,7 +171,7 @@ class RowsPlan:
                     torch, items, max_rows, ordinal, watchdog, True, copy, track_arrival
                 )
                 mode = layers[0].rows.mode
-        if reason is not None:
+        if reason is not None and log_fallback:
             log.warning(
                 "ple_memops: PLE rows of %d table(s) use the %s path: %s",
                 len(layers),

@@ -17,7 +17,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::cuda::driver::{self, DevicePtr, Event, Kernels, PrimaryContext, RawStream};
+use crate::cuda::driver::{
+    self, DevicePtr, Event, Kernels, OwnedStream, PrimaryContext, RawStream,
+};
 use crate::cuda::pinned::{HostFlag, PinnedBuf};
 use crate::error::{Error, Op, Result};
 use crate::probe;
@@ -183,6 +185,8 @@ struct Shared {
     worker_fed: AtomicBool,
     flag: Option<HostFlag>,
     inner: Mutex<Inner>,
+    /// A dedicated stream for staged consumers (created on first use).
+    side: Mutex<Option<OwnedStream>>,
     // Declared last: dropped after the pinned memory it owns.
     ctx: Option<PrimaryContext>,
 }
@@ -327,6 +331,7 @@ impl DeferredRows {
                 step_seq: 0,
                 stats: Stats::default(),
             }),
+            side: Mutex::new(None),
             ctx,
         });
         Ok(Self { shared })
@@ -610,6 +615,27 @@ impl DeferredRows {
         self.shared.lock().phase.oldest_unfilled().map(|s| s.rows)
     }
 
+    /// A non-blocking stream of this object's device, its own for its life, for staged
+    /// consumers: a publish and a wait forked onto it never share a CUDA stream with the
+    /// work they are meant to overlap (a pooled stream can be the capture stream itself).
+    pub fn side_stream(&self) -> Result<RawStream> {
+        let s = &self.shared;
+        let Some(ctx) = &s.ctx else {
+            return Err(Error::unsupported(
+                "no CUDA device: there is no side stream",
+            ));
+        };
+        let mut side = s.side.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(st) = side.as_ref() {
+            return Ok(st.raw);
+        }
+        let _g = ctx.bind()?;
+        let st = OwnedStream::new(ctx.ordinal())?;
+        let raw = st.raw;
+        *side = Some(st);
+        Ok(raw)
+    }
+
     /// Steps begun and not yet completed.
     pub fn in_flight(&self) -> usize {
         self.shared.lock().phase.in_flight()
@@ -889,7 +915,10 @@ impl Drop for Shared {
                 let _ = ev.synchronize();
             }
         }
-        // Free the pinned memory while the context is bound; ctx itself drops last.
+        // Free the pinned memory while the context is bound; ctx itself drops last. A
+        // stream destroyed with work queued finishes that work first (cuStreamDestroy).
+        *self.side.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
+        let inner = self.inner.get_mut().unwrap_or_else(|e| e.into_inner());
         inner.last_copy = None;
         inner.slot = Slot::Heap(Vec::new());
         self.flag = None;

@@ -203,6 +203,13 @@ impl PyDeferredRows {
         self.inner.in_flight()
     }
 
+    /// The raw handle of this object's own side stream (created on first use).
+    fn side_stream(&self, py: Python<'_>) -> PyResult<u64> {
+        let inner = &self.inner;
+        py.detach(|| inner.side_stream().map(|s| s as usize as u64))
+            .py(py)
+    }
+
     fn begin(&self, py: Python<'_>, rows: usize) -> PyResult<u64> {
         self.inner.begin(rows).py(py)
     }

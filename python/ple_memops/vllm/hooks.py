@@ -1,0 +1,385 @@
+"""The runner side of deferred PLE rows: what a model runner does around captures,
+replays and eager steps so every graph that consumes deferred rows is armed exactly once
+per replay, and nothing else ever waits for a fill.
+
+Pure Python against two small protocols (a rows plan, see :class:`PlanLike`, and a graph
+manager, see :class:`GraphManagerLike`), so the same code runs in the patched vLLM Model
+Runner V2 and in the stand-in runner of ``tests/test_vllm_runner_gpu.py``.
+
+The runner calls, in the order Model Runner V2 reaches them::
+
+    hooks = PleRunnerHooks(plan, rows_per_token=H)     # load time, outside any capture
+    with hooks.eager(dummy=True): model(...)            # profile run, dummy runs
+    hooks.quiesce()                                     # before capturing
+    for desc in descs:                                  # capture loop
+        with hooks.warmup(): forward(desc)              #   eager warm-up, no data
+        with torch.cuda.graph(g), hooks.capture(manager, desc): forward(desc)
+    out = hooks.run_fullgraph(manager, desc)            # FULL replays (real or dummy)
+    with hooks.eager(dummy=False): model(...)           # eager steps: synchronous gather
+    hooks.shutdown()
+
+The model's PLE op calls :meth:`PleRunnerHooks.stage` and :meth:`PleRunnerHooks.join`
+(through the custom ops in :mod:`ple_memops.vllm.ops`); what they do depends on the scope
+the runner opened, cross-checked with the stream's capture state (inside a FULL capture
+Model Runner V2's forward runs in runtime mode NONE, the same as eager, so the forward
+context cannot tell them apart):
+
+====================================  ====================================================
+scope, stream                         stage / join
+====================================  ====================================================
+``capture`` of a deferrable graph,    record publish + wait/copy/reset on a side stream
+capturing                             (``plan.stage``) / join it before the consumer
+any other capture                     :class:`~ple_memops.StateError`: a host gather
+                                      cannot be captured
+``eager(dummy=True)``, ``warmup``     ``plan.dummy_now``: no data, no host sync
+``eager(dummy=False)`` or none        ``plan.gather_now``: ids to the host, gather, copy
+====================================  ====================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping, MutableSet
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..errors import InvalidArgumentError, StateError
+
+__all__ = [
+    "DEPTH",
+    "GraphManagerLike",
+    "PlanLike",
+    "PleRunnerHooks",
+    "StagedLike",
+    "deferrable",
+]
+
+logger = logging.getLogger("ple_memops")
+
+DEPTH = 2
+"""Steps armed at once: the host runs one step ahead under async scheduling, so the
+step launched now may be armed while the previous one has not been completed."""
+
+
+class StagedLike(Protocol):
+    def join(self, stream: Any = None) -> None: ...
+
+
+class PlanLike(Protocol):
+    """What the hooks use of :class:`ple_memops.plan.RowsPlan`."""
+
+    @property
+    def mode(self) -> str: ...
+    @property
+    def reason(self) -> str | None: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def layers(self) -> Mapping[str, Any]: ...
+    def stage(self, name: str, ids: Any, *, rows: int) -> StagedLike: ...
+    def begin(self, rows: int) -> Any: ...
+    def complete(self, timeout: float | None = None) -> None: ...
+    def drain(self, timeout: float | None = None) -> None: ...
+    def gather_now(self, name: str, ids: Any, rows: int | None = None) -> Any: ...
+    def dummy_now(self, name: str, rows: int) -> Any: ...
+    def staging(self, name: str, n: int) -> Any: ...
+    def abort(self, reason: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class GraphManagerLike(Protocol):
+    """What the hooks use of vLLM's ``CudaGraphManager`` (the patch adds the set)."""
+
+    ple_wait_descs: MutableSet[Any]
+
+    def run_fullgraph(self, desc: Any) -> Any: ...
+
+
+def _mode_name(mode: Any) -> str:
+    return str(getattr(mode, "name", mode))
+
+
+def deferrable(desc: Any) -> str | None:
+    """``None`` when a graph captured for ``desc`` may defer its rows, else why not.
+
+    A batch descriptor (``cg_mode``, ``num_tokens``, ``num_ubatches``) qualifies when its
+    graph is FULL (replayed whole with ``run_fullgraph``, so the runner arms it right
+    before) and runs as one batch. Uniform decode graphs of every captured size qualify;
+    so do FULL graphs of mixed batches (``cudagraph_mode=FULL``): their ids are computed
+    in the graph too, and the rows fit the plan (``max_rows`` covers the largest step).
+    """
+    mode = _mode_name(desc.cg_mode)
+    if mode != "FULL":
+        return f"a {mode} graph (only FULL graphs are armed before their replay)"
+    if int(getattr(desc, "num_ubatches", 1)) != 1:
+        return "a microbatched (DBO) graph"
+    return None
+
+
+@dataclass
+class _Capture:
+    desc: Any
+    rows: int
+    staged: dict[str, StagedLike] = field(default_factory=dict)
+    joined: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _NoDefer:
+    desc: Any
+    why: str
+
+
+@dataclass
+class _Eager:
+    dummy: bool
+
+
+def _capturing(tensor: Any) -> bool:
+    if getattr(getattr(tensor, "device", None), "type", None) != "cuda":
+        return False
+    import torch
+
+    return bool(torch.cuda.is_current_stream_capturing())
+
+
+class PleRunnerHooks:
+    """Drives a rows plan through a model runner's captures, replays and eager steps.
+
+    Args:
+        plan: the per-model plan (all PLE layers deferred, or all synchronous).
+        rows_per_token: row ids per token (Qwen4Exp: ``(ngram_size - 1) *
+            heads_per_ngram``); a graph of ``T`` tokens consumes ``T * rows_per_token``
+            rows per layer.
+        timeout: seconds to wait for a pending step's fill when it must be completed
+            (above the longest step that can be queued ahead of it).
+        depth: steps armed at once (the plan must allow as many).
+    """
+
+    def __init__(
+        self,
+        plan: PlanLike,
+        *,
+        rows_per_token: int,
+        timeout: float = 60.0,
+        depth: int = DEPTH,
+    ) -> None:
+        if rows_per_token < 1 or depth < 1 or not timeout > 0:
+            raise InvalidArgumentError("rows_per_token and depth must be >= 1, timeout > 0")
+        self.plan = plan
+        self.rows_per_token = int(rows_per_token)
+        self.timeout = float(timeout)
+        self.depth = int(depth)
+        self._scope: _Capture | _NoDefer | _Eager | None = None
+        self._closed = False
+        self.armed_steps = 0
+        self.recorded_graphs = 0
+
+    # -- state ------------------------------------------------------------------------
+
+    @property
+    def deferred(self) -> bool:
+        """Whether captured graphs defer their rows (the plan's mode is ``deferred``)."""
+        return self.plan.mode == "deferred"
+
+    @property
+    def layer_names(self) -> list[str]:
+        return list(self.plan.layers)
+
+    def output(self, name: str, tokens: int) -> Any:
+        """The buffer the consumer of ``name`` reads for a step of ``tokens`` tokens:
+        ``uint8 [tokens * rows_per_token, row_bytes]`` (the plan's stable staging)."""
+        return self.plan.staging(name, int(tokens) * self.rows_per_token)
+
+    # -- runner hooks -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def capture(self, manager: GraphManagerLike, desc: Any) -> Iterator[None]:
+        """Open around the forward inside ``torch.cuda.graph`` for ``desc``. On success,
+        records ``desc`` in ``manager.ple_wait_descs`` when the graph consumes deferred
+        rows (every PLE layer staged and joined), so its replays get armed."""
+        self._check_usable()
+        why = deferrable(desc)
+        if why is None and not self.deferred:
+            why = f"PLE rows are synchronous here ({self.plan.reason})"
+        rows = int(desc.num_tokens) * self.rows_per_token
+        scope: _Capture | _NoDefer = _Capture(desc, rows) if why is None else _NoDefer(desc, why)
+        with self._scoped(scope):
+            yield
+        if isinstance(scope, _Capture) and scope.staged:
+            missing = sorted(set(self.plan.layers) - set(scope.staged))
+            if missing:
+                raise StateError(
+                    f"ple-memops: the graph for {desc} staged rows for "
+                    f"{sorted(scope.staged)} but not for {missing}; every PLE layer of "
+                    "the plan must run in each FULL graph"
+                )
+            unjoined = sorted(set(scope.staged) - scope.joined)
+            if unjoined:
+                raise StateError(f"ple-memops: staged rows of {unjoined} were never joined")
+            manager.ple_wait_descs.add(desc)
+            self.recorded_graphs += 1
+
+    @contextlib.contextmanager
+    def warmup(self) -> Iterator[None]:
+        """The eager pass before each capture: no data, after completing pending steps."""
+        with self.eager(dummy=True):
+            yield
+
+    @contextlib.contextmanager
+    def eager(self, *, dummy: bool) -> Iterator[None]:
+        """Around an eager (or PIECEWISE) forward: completes every pending step first
+        (the synchronous gather reuses the rows objects), then the PLE op gathers on the
+        host before its consumer (``dummy=False``) or publishes no data (``dummy=True``:
+        profile, warm-up and dummy runs). Any exception aborts the plan."""
+        self.quiesce()
+        try:
+            with self._scoped(_Eager(bool(dummy))):
+                yield
+        except BaseException as exc:
+            self.abort(f"exception in an eager step: {exc!r}")
+            raise
+
+    def run_fullgraph(self, manager: GraphManagerLike, desc: Any) -> Any:
+        """Replay the FULL graph of ``desc`` (``manager.run_fullgraph``), armed first when
+        it consumes deferred rows. Completes the oldest pending step only when ``depth``
+        are armed (so under async scheduling the host never waits for a fill here). Any
+        exception between arming and the launch aborts the plan (the GPU is released,
+        later calls raise :class:`~ple_memops.PoisonedError`)."""
+        if desc not in manager.ple_wait_descs:
+            return manager.run_fullgraph(desc)
+        self._check_usable()
+        try:
+            while self.plan.in_flight >= self.depth:
+                self.plan.complete(timeout=self.timeout)
+            self.plan.begin(int(desc.num_tokens) * self.rows_per_token)
+            self.armed_steps += 1
+            return manager.run_fullgraph(desc)
+        except BaseException as exc:
+            self.abort(f"exception around the replay of {desc}: {exc!r}")
+            raise
+
+    def quiesce(self) -> None:
+        """Complete every pending step (before captures, eager steps, dummy runs and
+        graph release). A failed fill raises its typed error after aborting the plan."""
+        self._check_usable()
+        if self.plan.in_flight == 0:
+            return
+        try:
+            self.plan.drain(timeout=self.timeout)
+        except BaseException as exc:
+            self.abort(f"completing pending steps failed: {exc!r}")
+            raise
+
+    def abort(self, reason: str) -> None:
+        """Release every GPU wait for good; later calls raise ``PoisonedError``."""
+        logger.error("ple-memops: aborting deferred PLE rows: %s", reason)
+        self.plan.abort(reason)
+
+    def shutdown(self) -> None:
+        """Complete pending steps (bounded; a failure is logged and aborts), then close
+        the plan. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.plan.in_flight:
+                self.plan.drain(timeout=self.timeout)
+        except BaseException as exc:
+            logger.error("ple-memops: pending PLE rows failed at shutdown: %r", exc)
+            self.plan.abort(f"shutdown: {exc!r}")
+        finally:
+            from . import ops
+
+            ops.unbind_all(self)
+            self.plan.close()
+
+    # -- the PLE op -------------------------------------------------------------------
+
+    def stage(self, name: str, ids: Any, output: Any) -> None:
+        """The PLE op's first half: ids ``[tokens, rows_per_token]`` (or flat) of layer
+        ``name``; ``output`` is :meth:`output` for the step (what the consumer reads)."""
+        scope = self._scope
+        n = int(ids.numel())
+        if _capturing(ids):
+            if not isinstance(scope, _Capture):
+                raise StateError(self._capture_refusal(name, scope))
+            if n != scope.rows:
+                raise StateError(
+                    f"ple-memops: {name} produced {n} row ids under capture of {scope.desc}, "
+                    f"which consumes {scope.rows} ({scope.desc.num_tokens} tokens x "
+                    f"{self.rows_per_token})"
+                )
+            if name in scope.staged:
+                raise StateError(f"ple-memops: {name} staged twice in one capture")
+            self._check_output(name, output, n)
+            scope.staged[name] = self.plan.stage(name, ids.reshape(-1), rows=n)
+            return
+        if isinstance(scope, _Capture):
+            raise StateError(
+                f"ple-memops: a capture scope is open for {scope.desc} but the current "
+                "stream is not capturing"
+            )
+        if isinstance(scope, _NoDefer) or (isinstance(scope, _Eager) and scope.dummy):
+            self.plan.dummy_now(name, n)
+            return
+        rows = self.plan.gather_now(name, ids.reshape(-1), rows=n)
+        if int(rows.data_ptr()) != int(output.data_ptr()):
+            output.copy_(rows)
+
+    def join(self, name: str, output: Any) -> None:
+        """The PLE op's second half, right before the consumer: under capture the main
+        stream waits for the side stream that publishes and copies the rows."""
+        scope = self._scope
+        if not _capturing(output):
+            return  # eagerly the rows are already in place
+        if not isinstance(scope, _Capture):
+            raise StateError(self._capture_refusal(name, scope))
+        staged = scope.staged.get(name)
+        if staged is None:
+            raise StateError(f"ple-memops: {name} joined rows it never staged in this capture")
+        staged.join()
+        scope.joined.add(name)
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _capture_refusal(self, name: str, scope: object) -> str:
+        if isinstance(scope, _NoDefer):
+            why = f"{scope.desc} is {scope.why}"
+        else:
+            why = (
+                "the runner opened no ple-memops capture scope for it (a PIECEWISE or "
+                "breakable graph, or a runner without the ple-memops hooks)"
+            )
+        return (
+            f"ple-memops: the PLE rows of {name} cannot be gathered inside this CUDA graph "
+            f"capture: {why}. A host gather cannot be captured; with the mmap table backend "
+            "use FULL graphs (e.g. cudagraph_mode=FULL_DECODE_ONLY) or no graphs"
+        )
+
+    def _check_output(self, name: str, output: Any, n: int) -> None:
+        staging = self.plan.staging(name, n)
+        if int(output.data_ptr()) != int(staging.data_ptr()) or tuple(output.shape) != tuple(
+            staging.shape
+        ):
+            raise StateError(
+                f"ple-memops: the output of {name} must be the plan's staging view "
+                f"(hooks.output(name, tokens)); a captured consumer reads that buffer"
+            )
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            from ..errors import ClosedError
+
+            raise ClosedError("ple-memops runner hooks are shut down")
+
+    @contextlib.contextmanager
+    def _scoped(self, scope: _Capture | _NoDefer | _Eager) -> Iterator[None]:
+        if self._scope is not None:
+            raise StateError(f"ple-memops: a {type(self._scope).__name__} scope is already open")
+        self._scope = scope
+        try:
+            yield
+        finally:
+            self._scope = None

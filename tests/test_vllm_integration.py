@@ -1,0 +1,787 @@
+"""The vLLM integration layer without vLLM: Qwen4Exp ids, table discovery, the runner
+hooks (against a real host-mode RowsPlan, and a recording plan for the step sequencing),
+the custom ops (eager and under torch.compile), and the patch engine on synthetic files.
+
+The same layer against the real vLLM 0.33.0 is in ``test_vllm_real.py``; on a GPU, through
+Model Runner V2's sequence, in ``test_vllm_runner_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ple_memops as pm
+from ple_memops.errors import (
+    ClosedError,
+    InvalidArgumentError,
+    PoisonedError,
+    StateError,
+    TableError,
+    UnsupportedError,
+)
+
+torch = pytest.importorskip("torch")
+from safetensors.torch import save_file as save_torch  # noqa: E402
+
+from ple_memops.vllm import _patch, hooks, ops, runner  # noqa: E402
+from ple_memops.vllm.__main__ import main as cli  # noqa: E402
+from ple_memops.vllm.hooks import PleRunnerHooks, deferrable  # noqa: E402
+from ple_memops.vllm.ngram import NGramHasher, NGramLayout, _is_prime  # noqa: E402
+from ple_memops.vllm.tables import (  # noqa: E402
+    TableSpec,
+    checkpoint_tensor_names,
+    find_layer_table,
+    is_table_weight,
+    open_layer_table,
+)
+
+# -- Qwen4Exp ids ----------------------------------------------------------------------
+
+
+def _layout(dense: int = 0, eos: int = 7) -> NGramLayout:
+    return NGramLayout.qwen4exp(
+        ngram_size=3,
+        heads_per_ngram=2,
+        vocab_size=128,
+        ngram_vocab_size_base=1000,
+        make_ngram_vocab_size_divisible_by=128,
+        seed=1234,
+        dense_layer_id=dense,
+        eos_token_id=eos,
+    )
+
+
+def _reference_ids(
+    lay: NGramLayout, tokens: list[int], starts: list[int], context: list[list[int]]
+) -> list[list[int]]:
+    """Per token, straight from the definition: walk back through the request's tokens,
+    then its context; stop at the first EOS (it and everything older reads as EOS)."""
+    mask = (1 << 64) - 1
+    out = []
+    for t, tok in enumerate(tokens):
+        r = max(i for i in range(len(starts) - 1) if starts[i] <= t) if t >= starts[0] else 0
+        seq = context[r] + tokens[starts[r] : t + 1]  # oldest first, current token last
+        window, crossed = [tok], False
+        for k in range(1, lay.ngram_size):
+            prev = lay.eos_token_id if crossed else seq[-1 - k]
+            crossed = crossed or prev == lay.eos_token_id
+            window.append(prev)
+        row = []
+        for n in range(2, lay.ngram_size + 1):
+            h = 0
+            for k in range(n):
+                h ^= (window[k] * lay.multipliers[k]) & mask
+            signed = h - (1 << 64) if h >= 1 << 63 else h
+            for j in range(lay.heads_per_ngram):
+                head = (n - 2) * lay.heads_per_ngram + j
+                row.append(lay.offsets[head] + signed % lay.sizes[head])
+        out.append(row)
+    return out
+
+
+def test_layout_primes_and_rows() -> None:
+    lay = _layout(dense=1)
+    assert lay.heads == 4
+    assert all(_is_prime(s) for s in lay.sizes)
+    # Layer 1's heads take the primes after layer 0's: consecutive, all >= the base.
+    lay0 = _layout(dense=0)
+    assert lay0.sizes == (1009, 1013, 1019, 1021)
+    assert lay.sizes[0] > lay0.sizes[-1]
+    assert [p for p in range(1000, lay.sizes[-1] + 1) if _is_prime(p)] == [
+        *lay0.sizes,
+        *lay.sizes,
+    ]
+    assert lay.offsets == (0, lay.sizes[0], sum(lay.sizes[:2]), sum(lay.sizes[:3]))
+    assert lay.rows % 128 == 0 and 0 <= lay.rows - sum(lay.sizes) < 128
+    assert all(m % 2 == 1 and 0 < m < 1 << 63 for m in lay.multipliers)
+    assert _layout(dense=0).multipliers != lay.multipliers
+
+
+def test_ids_match_the_definition_on_random_layouts() -> None:
+    rng = random.Random(3)
+    lay = _layout(dense=2)
+    hasher = NGramHasher(lay)
+    for _ in range(150):
+        nreq = rng.randint(1, 5)
+        lens = [rng.randint(0, 6) for _ in range(nreq)]
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        total = starts[-1] + rng.randint(0, 3)  # trailing padding tokens
+        if total == 0:
+            continue
+        toks = [rng.choice([7, rng.randint(0, 127)]) for _ in range(total)]
+        ctx = [[rng.choice([7, rng.randint(0, 127)]) for _ in range(2)] for _ in range(nreq)]
+        got = hasher(
+            torch.tensor(toks, dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32),
+            torch.tensor(ctx, dtype=torch.int32),
+        )
+        assert got.dtype == torch.int64 and tuple(got.shape) == (total, lay.heads)
+        assert got.tolist() == _reference_ids(lay, toks, starts, ctx)
+        assert int(got.min()) >= 0 and int(got.max()) < lay.rows
+
+
+def test_ids_into_out_and_wrapping_products() -> None:
+    lay = NGramLayout.qwen4exp(
+        ngram_size=4,
+        heads_per_ngram=3,
+        vocab_size=248320,
+        ngram_vocab_size_base=20_000_000,
+        make_ngram_vocab_size_divisible_by=128,
+        seed=1234,
+        dense_layer_id=0,
+        eos_token_id=248044,
+    )
+    toks = [248319, 5, 248044, 17, 248318, 9]
+    starts, ctx = [0, 4, 6], [[1, 2, 248044], [248044, 3, 4]]
+    out = torch.full((6, lay.heads), -1, dtype=torch.int64)
+    ret = NGramHasher(lay)(torch.tensor(toks), torch.tensor(starts), torch.tensor(ctx), out=out)
+    assert ret is out
+    assert out.tolist() == _reference_ids(lay, toks, starts, ctx)
+
+
+# -- tables ----------------------------------------------------------------------------
+
+H, HEAD_DIM = 4, 16  # 4 ids per token, FP8 rows of 16 bytes
+
+
+def _write_checkpoint(
+    root: Path, layers: dict[int, int], *, index: bool = True, shards: int = 3
+) -> dict[int, np.ndarray]:
+    """Layer index -> table rows, stored as row shards next to an unrelated weight."""
+    rng = np.random.default_rng(0)
+    tables, files, weight_map = {}, {}, {}
+    for i, rows in layers.items():
+        data = rng.integers(0, 256, (rows, HEAD_DIM), dtype=np.uint8)
+        tables[i] = data
+        per = -(-rows // shards)
+        tensors = {
+            f"model.layers.{i}.ple.ple_embedding.ngram_embedding.shard_{k}.weight": data[
+                k * per : (k + 1) * per
+            ].view(np.uint8)
+            for k in range(shards)
+        }
+        files[f"ple-{i}.safetensors"] = tensors
+    files["rest.safetensors"] = {"model.embed_tokens.weight": np.ones((4, 4), np.float32)}
+    for fname, tensors in files.items():
+        # FP8 rows (numpy has no FP8): the bytes, written as float8_e4m3fn by safetensors.
+        save_torch(
+            {
+                k: torch.from_numpy(np.ascontiguousarray(v)).view(torch.float8_e4m3fn)
+                if v.dtype == np.uint8
+                else torch.from_numpy(v)
+                for k, v in tensors.items()
+            },
+            str(root / fname),
+        )
+        weight_map.update({k: fname for k in tensors})
+    if index:
+        (root / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map})
+        )
+    return tables
+
+
+@pytest.fixture()
+def ckpt(tmp_path: Path) -> tuple[Path, dict[int, np.ndarray]]:
+    return tmp_path, _write_checkpoint(tmp_path, {1: 4096, 3: 2048})
+
+
+def test_table_discovery(ckpt: tuple[Path, dict[int, np.ndarray]]) -> None:
+    root, tables = ckpt
+    names = checkpoint_tensor_names(root)
+    assert "model.embed_tokens.weight" in names
+    index = root / "model.safetensors.index.json"
+    index.rename(root / "saved.json")
+    assert sorted(checkpoint_tensor_names(root)) == sorted(names)  # from the headers
+    (root / "saved.json").rename(index)
+    spec = find_layer_table(names, 1)
+    pattern = "model.layers.1.ple.ple_embedding.ngram_embedding.shard_{}.weight"
+    assert spec == TableSpec(1, pattern=pattern)
+    with pytest.raises(TableError, match="no PLE table for layer 2"):
+        find_layer_table(names, 2)
+    both = [*names, "model.language_model.layers.1.ple.ple_embedding.ngram_embedding.weight"]
+    with pytest.raises(TableError, match="ambiguous"):
+        find_layer_table(both, 1)
+    whole = find_layer_table(["x.layers.5.ple.ple_embedding.ngram_embedding.weight"], 5)
+    assert whole.name == "x.layers.5.ple.ple_embedding.ngram_embedding.weight"
+    table = open_layer_table(root, spec, rows=4096, row_bytes=HEAD_DIM, dtype="F8_E4M3")
+    try:
+        ids = np.array([0, 1365, 1366, 4095, 7])
+        assert np.array_equal(table.gather(ids), tables[1][ids])
+    finally:
+        table.close()
+    with pytest.raises(TableError, match="4096 rows, the model has 4224"):
+        open_layer_table(root, spec, rows=4224)
+    with pytest.raises(TableError, match="dtype F8_E4M3, the model's is BF16"):
+        open_layer_table(root, spec, dtype="BF16")
+    with pytest.raises(TableError, match="no such checkpoint"):
+        checkpoint_tensor_names(root / "missing")
+
+
+def test_is_table_weight() -> None:
+    assert is_table_weight("model.layers.2.ple.ple_embedding.ngram_embedding.shard_17.weight")
+    assert is_table_weight("model.language_model.layers.0.ple.ple_embedding.ngram_embedding.weight")
+    assert not is_table_weight("model.layers.2.ple.ple_embedding.ngram_embedding.weight_scale")
+    assert not is_table_weight("model.layers.2.ple.kv_proj.weight")
+    assert not is_table_weight("model.layers.2.ple.ple_embedding.layer_multipliers")
+
+
+# -- hooks and ops with a real (host-mode) RowsPlan -------------------------------------
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+
+
+FULL, NONE, PIECEWISE = Mode("FULL"), Mode("NONE"), Mode("PIECEWISE")
+
+
+@dataclass(frozen=True)
+class Desc:
+    """The fields of vLLM's ``BatchExecutionDescriptor`` the hooks read."""
+
+    cg_mode: Mode
+    num_tokens: int
+    uniform_token_count: int | None = 1
+    num_ubatches: int = 1
+
+
+class Manager:
+    """The runner protocol's graph manager: replays are recorded, not run."""
+
+    def __init__(self) -> None:
+        self.ple_wait_descs: set[Any] = set()
+        self.replays: list[Any] = []
+
+    def run_fullgraph(self, desc: Any) -> str:
+        self.replays.append(desc)
+        return f"out{desc.num_tokens}"
+
+
+def _host_plan(root: Path) -> tuple[PleRunnerHooks, dict[str, Any]]:
+    names = checkpoint_tensor_names(root)
+    tables = {
+        f"model.layers.{i}.ple.ple_embedding.ngram_embedding": open_layer_table(
+            root, find_layer_table(names, i)
+        )
+        for i in (1, 3)
+    }
+    hk = runner.build_hooks(tables, rows_per_token=H, max_rows=64 * H, device="cpu")
+    return hk, tables
+
+
+def test_eager_ops_gather_table_bytes_on_the_host(
+    ckpt: tuple[Path, dict[int, np.ndarray]],
+) -> None:
+    root, data = ckpt
+    hk, tables = _host_plan(root)
+    try:
+        assert hk.plan.mode == "host" and not hk.deferred
+        assert "no CUDA device" in str(hk.plan.reason)
+        name = "model.layers.1.ple.ple_embedding.ngram_embedding"
+        ids = torch.randint(0, 4096, (5, H), dtype=torch.int64)
+        out = hk.output(name, 5)
+        assert tuple(out.shape) == (5 * H, HEAD_DIM) and out.dtype == torch.uint8
+        with hk.eager(dummy=False):
+            ops.stage_rows(ids, out, name)
+            ops.join_rows(out, name)
+        assert np.array_equal(out.numpy(), data[1][ids.reshape(-1).numpy()])
+        # A dummy step publishes no data: the staging keeps the last rows.
+        before = out.clone()
+        with hk.eager(dummy=True):
+            ops.stage_rows(torch.zeros((5, H), dtype=torch.int64), out, name)
+            ops.join_rows(out, name)
+        assert torch.equal(out, before)
+        # Outside any scope the op gathers for real (e.g. a direct model call).
+        ops.stage_rows(ids.flip(0), out, name)
+        assert np.array_equal(out.numpy(), data[1][ids.flip(0).reshape(-1).numpy()])
+        # A bad id is a typed error before anything is written.
+        bad = ids.clone()
+        bad[2, 1] = 4096
+        with pytest.raises(pm.RowIdError), hk.eager(dummy=False):
+            ops.stage_rows(bad, out, name)
+        with pytest.raises(PoisonedError):  # the exception aborted the plan
+            with hk.eager(dummy=False):
+                ops.stage_rows(ids, out, name)
+    finally:
+        hk.shutdown()
+    with pytest.raises(StateError, match="no rows plan is bound"):
+        ops.stage_rows(ids, out, name)
+    with pytest.raises(ClosedError):
+        hk.quiesce()
+    hk.shutdown()  # idempotent
+    for t in tables.values():
+        t.close()
+
+
+def test_op_output_must_be_the_staging_for_eager_copy(
+    ckpt: tuple[Path, dict[int, np.ndarray]],
+) -> None:
+    root, data = ckpt
+    hk, tables = _host_plan(root)
+    try:
+        name = "model.layers.3.ple.ple_embedding.ngram_embedding"
+        ids = torch.tensor([[0, 1, 2, 2047]], dtype=torch.int64)
+        other = torch.zeros((H, HEAD_DIM), dtype=torch.uint8)
+        with hk.eager(dummy=False):
+            ops.stage_rows(ids, other, name)  # eagerly a separate output gets a copy
+        assert np.array_equal(other.numpy(), data[3][[0, 1, 2, 2047]])
+    finally:
+        hk.shutdown()
+        for t in tables.values():
+            t.close()
+
+
+def test_ops_compile_fullgraph(ckpt: tuple[Path, dict[int, np.ndarray]]) -> None:
+    root, data = ckpt
+    hk, tables = _host_plan(root)
+    name = "model.layers.1.ple.ple_embedding.ngram_embedding"
+    out = hk.output(name, 3)
+
+    def consumer(ids: Any, out: Any) -> Any:
+        torch.ops.ple_memops.stage_rows(ids, out, name)
+        torch.ops.ple_memops.join_rows(out, name)
+        return out.view(torch.float8_e4m3fn).to(torch.float32).sum(dim=-1)
+
+    try:
+        compiled = torch.compile(consumer, fullgraph=True, backend="aot_eager")
+        ids = torch.randint(0, 4096, (3, H), dtype=torch.int64)
+        with hk.eager(dummy=False):
+            got = compiled(ids, out)
+        want = (
+            torch.from_numpy(data[1][ids.reshape(-1).numpy()])
+            .view(torch.float8_e4m3fn)
+            .to(torch.float32)
+            .sum(dim=-1)
+        )
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    finally:
+        hk.shutdown()
+        for t in tables.values():
+            t.close()
+    assert ops.registered_with() == "torch"
+
+
+# -- hooks sequencing against a recording plan -------------------------------------------
+
+
+class Staged:
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def join(self, stream: Any = None) -> None:
+        self.log.append(f"join {self.name}")
+
+
+class RecordingPlan:
+    """The plan contract the hooks rely on (arming up to ``depth`` steps, completing the
+    oldest, abort poisoning), recording every call."""
+
+    def __init__(self, names: list[str], depth: int = 2, mode: str = "deferred") -> None:
+        self.log: list[str] = []
+        self._names, self.depth, self.mode = names, depth, mode
+        self.reason = None if mode == "deferred" else "probe said sync"
+        self.armed: list[int] = []
+        self.poisoned: str | None = None
+        self.closed = False
+        self.fail_complete: BaseException | None = None
+        self.bufs = {n: torch.zeros((256, 8), dtype=torch.uint8) for n in names}
+
+    @property
+    def layers(self) -> dict[str, None]:
+        return dict.fromkeys(self._names)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.armed)
+
+    def _live(self) -> None:
+        if self.poisoned is not None:
+            raise PoisonedError(self.poisoned)
+
+    def stage(self, name: str, ids: Any, *, rows: int) -> Staged:
+        self._live()
+        self.log.append(f"stage {name} {rows}")
+        return Staged(self.log, name)
+
+    def begin(self, rows: int) -> None:
+        self._live()
+        if len(self.armed) >= self.depth:
+            raise StateError("depth")
+        self.armed.append(rows)
+        self.log.append(f"begin {rows}")
+
+    def complete(self, timeout: float | None = None) -> None:
+        self._live()
+        if self.fail_complete is not None:
+            raise self.fail_complete
+        self.log.append(f"complete {self.armed.pop(0)}")
+
+    def drain(self, timeout: float | None = None) -> None:
+        while self.armed:
+            self.complete(timeout)
+
+    def gather_now(self, name: str, ids: Any, rows: int | None = None) -> Any:
+        self._live()
+        assert not self.armed, "eager gather with steps in flight"
+        self.log.append(f"gather {name} {rows}")
+        return self.bufs[name][:rows]
+
+    def dummy_now(self, name: str, rows: int) -> Any:
+        self._live()
+        assert not self.armed
+        self.log.append(f"dummy {name} {rows}")
+        return self.bufs[name][:rows]
+
+    def staging(self, name: str, n: int) -> Any:
+        return self.bufs[name][:n]
+
+    def abort(self, reason: str) -> None:
+        self.log.append("abort")
+        self.poisoned = self.poisoned or reason
+
+    def close(self) -> None:
+        self.log.append("close")
+        self.closed = True
+
+
+@pytest.fixture()
+def capturing(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Pretend the current stream is (not) being captured, as the test says."""
+    state = [False]
+    monkeypatch.setattr(hooks, "_capturing", lambda _t: state[0])
+    return state
+
+
+def _capture(hk: PleRunnerHooks, mgr: Manager, desc: Desc, cap: list[bool], run: Any) -> None:
+    cap[0] = True
+    try:
+        with hk.capture(mgr, desc):
+            run()
+    finally:
+        cap[0] = False
+
+
+def _forward(hk: PleRunnerHooks, names: list[str], tokens: int) -> None:
+    """The model: stage every layer at the top, join each before its consumer."""
+    ids = torch.zeros((tokens, 2), dtype=torch.int64)
+    for n in names:
+        hk.stage(n, ids, hk.output(n, tokens))
+    for n in names:
+        hk.join(n, hk.output(n, tokens))
+
+
+def test_capture_records_deferrable_graphs(capturing: list[bool]) -> None:
+    names = ["a", "b"]
+    plan = RecordingPlan(names)
+    hk = PleRunnerHooks(plan, rows_per_token=2)
+    mgr = Manager()
+    for size in (1, 4, 8):  # every captured decode size, not only one token
+        with hk.warmup():
+            _forward(hk, names, size)
+        _capture(hk, mgr, Desc(FULL, size), capturing, lambda s=size: _forward(hk, names, s))
+    assert mgr.ple_wait_descs == {Desc(FULL, 1), Desc(FULL, 4), Desc(FULL, 8)}
+    assert plan.log[:6] == ["dummy a 2", "dummy b 2", "stage a 2", "stage b 2", "join a", "join b"]
+    # A mixed FULL graph (cudagraph_mode=FULL) defers too: its ids come from the graph.
+    _capture(hk, mgr, Desc(FULL, 8, None), capturing, lambda: _forward(hk, names, 8))
+    assert Desc(FULL, 8, None) in mgr.ple_wait_descs
+    # A graph without PLE work (another rank's layers) is not armed at replay.
+    _capture(hk, mgr, Desc(FULL, 2), capturing, lambda: None)
+    assert Desc(FULL, 2) not in mgr.ple_wait_descs
+
+
+@pytest.mark.parametrize(
+    ("desc", "match"),
+    [
+        (Desc(PIECEWISE, 4, None), "a PIECEWISE graph"),
+        (Desc(FULL, 4, 1, num_ubatches=2), "microbatched"),
+    ],
+)
+def test_capture_of_other_graphs_raises(capturing: list[bool], desc: Desc, match: str) -> None:
+    plan = RecordingPlan(["a"])
+    hk = PleRunnerHooks(plan, rows_per_token=2)
+    mgr = Manager()
+    refusal = f"cannot be gathered inside this CUDA graph capture.*{match}"
+    with pytest.raises(StateError, match=refusal):
+        _capture(hk, mgr, desc, capturing, lambda: _forward(hk, ["a"], 4))
+    assert not mgr.ple_wait_descs and "stage a 8" not in plan.log
+    # Captured without any scope (a runner without the hooks): the same refusal.
+    capturing[0] = True
+    with pytest.raises(StateError, match="opened no ple-memops capture scope"):
+        _forward(hk, ["a"], 4)
+    capturing[0] = False
+
+
+def test_capture_in_sync_mode_raises(capturing: list[bool]) -> None:
+    hk = PleRunnerHooks(RecordingPlan(["a"], mode="sync"), rows_per_token=2)
+    with pytest.raises(StateError, match="synchronous here \\(probe said sync\\)"):
+        _capture(hk, Manager(), Desc(FULL, 4), capturing, lambda: _forward(hk, ["a"], 4))
+
+
+def test_capture_checks(capturing: list[bool]) -> None:
+    plan = RecordingPlan(["a", "b"])
+    hk = PleRunnerHooks(plan, rows_per_token=2)
+    mgr = Manager()
+    with pytest.raises(StateError, match="but not for \\['b'\\]"):
+        _capture(hk, mgr, Desc(FULL, 4), capturing, lambda: _forward(hk, ["a"], 4))
+    ids = torch.zeros((4, 2), dtype=torch.int64)
+
+    def unjoined() -> None:
+        for n in ("a", "b"):
+            hk.stage(n, ids, hk.output(n, 4))
+
+    with pytest.raises(StateError, match="never joined"):
+        _capture(hk, mgr, Desc(FULL, 4), capturing, unjoined)
+    with pytest.raises(StateError, match="produced 8 row ids under capture"):
+        _capture(hk, mgr, Desc(FULL, 3), capturing, lambda: _forward(hk, ["a", "b"], 4))
+    with pytest.raises(StateError, match="staging view"):
+        _capture(
+            hk,
+            mgr,
+            Desc(FULL, 4),
+            capturing,
+            lambda: hk.stage("a", ids, torch.zeros((8, 8), dtype=torch.uint8)),
+        )
+    with pytest.raises(StateError, match="stream is not capturing"), hk.capture(mgr, Desc(FULL, 4)):
+        _forward(hk, ["a", "b"], 4)
+    with pytest.raises(StateError, match="already open"), hk.eager(dummy=True):
+        with hk.warmup():
+            pass
+    assert not mgr.ple_wait_descs
+
+
+def test_replays_keep_two_steps_armed(capturing: list[bool]) -> None:
+    names = ["a", "b"]
+    plan = RecordingPlan(names)
+    hk = PleRunnerHooks(plan, rows_per_token=2)
+    mgr = Manager()
+    for size in (2, 4):
+        _capture(hk, mgr, Desc(FULL, size), capturing, lambda s=size: _forward(hk, names, s))
+    plan.log.clear()
+    # Async scheduling: the host launches step N+1 before completing step N.
+    assert hk.run_fullgraph(mgr, Desc(FULL, 2)) == "out2"
+    assert hk.run_fullgraph(mgr, Desc(FULL, 4)) == "out4"
+    assert plan.log == ["begin 4", "begin 8"]
+    hk.run_fullgraph(mgr, Desc(FULL, 4))  # the third completes only the oldest
+    assert plan.log[2:] == ["complete 4", "begin 8"] and plan.in_flight == 2
+    # A FULL graph without PLE work replays unarmed and leaves the pending steps alone.
+    hk.run_fullgraph(mgr, Desc(FULL, 16))
+    assert plan.in_flight == 2 and mgr.replays[-1] == Desc(FULL, 16)
+    # An eager step (prefill) completes everything first, then gathers.
+    with hk.eager(dummy=False):
+        _forward(hk, names, 3)
+    assert plan.log[4:] == ["complete 8", "complete 8", "gather a 6", "gather b 6"]
+    assert hk.armed_steps == 3 and hk.recorded_graphs == 2
+    # Dummy replays after capture are armed like real steps.
+    hk.run_fullgraph(mgr, Desc(FULL, 2))
+    assert plan.log[-1] == "begin 4"
+    hk.quiesce()
+    assert plan.log[-1] == "complete 4" and plan.in_flight == 0
+    hk.shutdown()
+    assert plan.log[-1] == "close"
+
+
+def test_exceptions_abort(capturing: list[bool], caplog: pytest.LogCaptureFixture) -> None:
+    plan = RecordingPlan(["a"])
+    hk = PleRunnerHooks(plan, rows_per_token=2)
+    mgr = Manager()
+    _capture(hk, mgr, Desc(FULL, 4), capturing, lambda: _forward(hk, ["a"], 4))
+
+    def boom(desc: Any) -> None:
+        raise KeyboardInterrupt
+
+    mgr.run_fullgraph = boom  # type: ignore[method-assign]
+    with caplog.at_level(logging.ERROR, logger="ple_memops"), pytest.raises(KeyboardInterrupt):
+        hk.run_fullgraph(mgr, Desc(FULL, 4))
+    assert plan.log[-2:] == ["begin 8", "abort"]
+    assert "exception around the replay" in caplog.text
+    with pytest.raises(PoisonedError):
+        hk.quiesce()
+    with pytest.raises(PoisonedError):
+        hk.run_fullgraph(mgr, Desc(FULL, 4))
+    hk.shutdown()  # logs, closes, never raises
+    assert plan.closed
+
+
+def test_failed_completion_aborts_and_raises(capturing: list[bool]) -> None:
+    plan = RecordingPlan(["a"])
+    hk = PleRunnerHooks(plan, rows_per_token=2)
+    mgr = Manager()
+    _capture(hk, mgr, Desc(FULL, 4), capturing, lambda: _forward(hk, ["a"], 4))
+    hk.run_fullgraph(mgr, Desc(FULL, 4))
+    plan.fail_complete = pm.RowIdError("row id 99 out of range")
+    with pytest.raises(pm.RowIdError), hk.eager(dummy=False):
+        pass
+    assert plan.log[-1] == "abort"
+    with pytest.raises(PoisonedError):
+        hk.run_fullgraph(mgr, Desc(FULL, 4))
+
+
+def test_exception_in_eager_step_aborts() -> None:
+    plan = RecordingPlan(["a"])
+    hk = PleRunnerHooks(plan, rows_per_token=2)
+    with pytest.raises(RuntimeError), hk.eager(dummy=False):
+        raise RuntimeError("kernel failed")
+    assert plan.poisoned is not None and "kernel failed" in plan.poisoned
+
+
+def test_deferrable() -> None:
+    assert deferrable(Desc(FULL, 8)) is None
+    assert deferrable(Desc(FULL, 8, None)) is None
+    assert "NONE" in str(deferrable(Desc(NONE, 8)))
+    assert "microbatched" in str(deferrable(Desc(FULL, 8, num_ubatches=2)))
+    with pytest.raises(InvalidArgumentError):
+        PleRunnerHooks(RecordingPlan(["a"]), rows_per_token=0)
+
+
+# -- switches ------------------------------------------------------------------------------
+
+
+def test_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(runner.BACKEND_ENV, raising=False)
+    assert not runner.mmap_requested("default")
+    assert runner.mmap_requested("mmap")
+    monkeypatch.setenv(runner.BACKEND_ENV, "mmap")
+    assert runner.mmap_requested("default")
+    monkeypatch.setenv(runner.BACKEND_ENV, "pinned")
+    with pytest.raises(InvalidArgumentError, match="must be 'mmap' or 'default'"):
+        runner.mmap_requested("default")
+    with pytest.raises(InvalidArgumentError):
+        runner.mmap_requested("uva")
+    monkeypatch.delenv(runner.TIMEOUT_ENV, raising=False)
+    assert runner.timeout_seconds() == runner.DEFAULT_TIMEOUT
+    monkeypatch.setenv(runner.TIMEOUT_ENV, "120")
+    assert runner.timeout_seconds() == 120.0
+    monkeypatch.setenv(runner.TIMEOUT_ENV, "0")
+    with pytest.raises(InvalidArgumentError):
+        runner.timeout_seconds()
+
+
+class _Parallel:
+    def __init__(self, pp: int = 1, dbo: bool = False) -> None:
+        self.pipeline_parallel_size, self.use_ubatching = pp, dbo
+
+
+class _Engram:
+    def __init__(self, backend: str = "mmap", across_dp: bool = False) -> None:
+        self.table_backend, self.embedding_across_dp = backend, across_dp
+        self.dp_shared_memory: bool | None = None
+
+
+def test_config_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(runner.BACKEND_ENV, raising=False)
+    e = _Engram()
+    runner.resolve_engram_config(e, _Parallel())
+    assert e.dp_shared_memory is False
+    with pytest.raises(UnsupportedError, match="pipeline parallelism"):
+        runner.resolve_engram_config(_Engram(), _Parallel(pp=2))
+    with pytest.raises(UnsupportedError, match="embedding_across_dp"):
+        runner.resolve_engram_config(_Engram(across_dp=True), _Parallel())
+    with pytest.raises(UnsupportedError, match="DBO"):
+        runner.resolve_engram_config(_Engram(), _Parallel(dbo=True))
+    off = _Engram("default", across_dp=True)
+    runner.resolve_engram_config(off, _Parallel(pp=4))  # not requested: untouched
+    assert off.table_backend == "default" and off.dp_shared_memory is None
+    monkeypatch.setenv(runner.BACKEND_ENV, "mmap")
+    env = _Engram("default")
+    runner.resolve_engram_config(env, _Parallel())
+    assert env.table_backend == "mmap"
+
+
+# -- the patch engine on synthetic files -----------------------------------------------------
+
+ORIGINAL = "".join(f"line {i}\n" for i in range(1, 31))
+PATCHED = ORIGINAL.replace("line 5\n", "line 5\nadded a\n").replace("line 20\n", "line twenty\n")
+
+
+def _fake_site(root: Path, version: str = "0.33.0") -> Path:
+    pkg = root / "vllm"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mod.py").write_text(ORIGINAL)
+    dist = root / f"vllm-{version}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    return root
+
+
+def _make_patch(tmp: Path) -> Path:
+    import difflib
+
+    text = "".join(
+        difflib.unified_diff(
+            ORIGINAL.splitlines(True),
+            PATCHED.splitlines(True),
+            "a/vllm/mod.py",
+            "b/vllm/mod.py",
+        )
+    )
+    path = tmp / "test.patch"
+    path.write_text(text)
+    return path
+
+
+def test_patch_engine(tmp_path: Path) -> None:
+    site = _fake_site(tmp_path / "site")
+    patch = _make_patch(tmp_path)
+    mod = site / "vllm" / "mod.py"
+    os.chmod(mod, 0o640)
+    _, states, changed = _patch.apply(site=site, check=True, patch_file=patch)
+    assert changed and [s.state for s in states] == ["unpatched"] and states[0].delta == (2, 1)
+    assert mod.read_text() == ORIGINAL  # --check writes nothing
+    _patch.apply(site=site, patch_file=patch)
+    assert mod.read_text() == PATCHED and (mod.stat().st_mode & 0o777) == 0o640
+    _, states, changed = _patch.apply(site=site, patch_file=patch)  # idempotent
+    assert not changed and states[0].state == "patched" and mod.read_text() == PATCHED
+    _patch.apply(site=site, revert=True, patch_file=patch)
+    assert mod.read_text() == ORIGINAL
+    mod.write_text(ORIGINAL.replace("line 21\n", "line 21 edited\n"))
+    with pytest.raises(
+        _patch.PatchError, match=r"nothing was written.*line 21 is 'line 21 edited'"
+    ):
+        _patch.apply(site=site, patch_file=patch)
+    assert "line 21 edited" in mod.read_text() and "added a" not in mod.read_text()
+
+
+def test_patch_refuses_other_versions(tmp_path: Path) -> None:
+    site = _fake_site(tmp_path / "site", version="0.34.0")
+    with pytest.raises(
+        _patch.PatchError, match=r"is for vllm 0\.33\.0; the installed vllm is 0\.34\.0"
+    ):
+        _patch.apply(site=site, patch_file=_make_patch(tmp_path))
+    with pytest.raises(_patch.PatchError, match="no installed vllm"):
+        _patch.locate_vllm(tmp_path / "empty")
+    assert cli(["apply", "--site", str(site)]) == 2
+
+
+def test_shipped_patch_parses_and_is_explained() -> None:
+    files = _patch.parse(_patch.PATCH.read_text())
+    assert sorted(f.path for f in files) == sorted(_patch.WHY)
+    assert all(f.hunks and f.added for f in files)
+    # The file in integrations/vllm/ is the one the package ships.
+    repo = Path(__file__).resolve().parent.parent
+    shipped = repo / "integrations" / "vllm" / _patch.PATCH.name
+    if shipped.exists():
+        assert shipped.read_text() == _patch.PATCH.read_text()
+
+
+def test_cli_on_the_real_patch_without_vllm(capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        assert cli(["apply", "--check"]) == 2
+        assert "vLLM is not installed" in capsys.readouterr().err
+    else:  # pragma: no cover - the vLLM environment tests this in test_vllm_real.py
+        pytest.skip("vLLM is installed here: covered by test_vllm_real.py")
