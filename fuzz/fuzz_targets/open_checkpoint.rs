@@ -2,7 +2,8 @@
 //! with up to three shard files, random and truncated headers and index files. Any input
 //! must give a typed error or a table whose gathers stay in bounds; never a panic.
 //!
-//! Input layout: byte 0 picks the mode and the selector; the rest is split on `#SEP` into
+//! Input layout: byte 0 picks the mode, the selector and the options (bit 7: `access`
+//! normal; the input length picks `cold_reads`); the rest is split on `#SEP` into
 //! the single file (or the index), then `f1.safetensors`, `f2.safetensors`, `f3.safetensors`.
 
 #![no_main]
@@ -11,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
-use ple_memops::table::{MmapTable, RowIds, Selector, TableOptions};
+use ple_memops::table::{Access, ColdReads, MmapTable, RowIds, Selector, TableOptions};
 
 fn workdir() -> &'static PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
@@ -68,6 +69,9 @@ fuzz_target!(|data: &[u8]| {
         readahead: ctl & 16 != 0,
         rss_budget_bytes: (ctl & 32 != 0).then_some(8192),
         prewarm_bytes: (ctl & 64 != 0).then_some(1 << 16),
+        access: if ctl & 128 != 0 { Access::Normal } else { Access::Random },
+        cold_reads: [ColdReads::Auto, ColdReads::WillNeed, ColdReads::Pool, ColdReads::Fault]
+            [rest.len() % 4],
     };
     let Ok(t) = MmapTable::open(dir, &sel, opts) else {
         return;

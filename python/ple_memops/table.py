@@ -4,14 +4,19 @@ a read-only memory map, gathered by native code with the GIL released."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
 from . import _native
 from .errors import ClosedError, InvalidArgumentError, RowIdError
 
-__all__ = ["MmapTable"]
+__all__ = ["Access", "ColdReads", "MmapTable"]
+
+Access = Literal["random", "normal"]
+"""How rows are read: ``"random"`` (no read-around) or ``"normal"`` (the kernel's)."""
+ColdReads = Literal["auto", "uring", "willneed", "pool", "fault"]
+"""How a gather reads rows that are not known to be in the page cache."""
 
 # numpy type numbers the native gather takes as-is (int64/int32 in every platform spelling).
 _NATIVE_ID_NUMS = frozenset(np.dtype(t).num for t in (np.int64, np.int32, np.intp, np.longlong))
@@ -85,6 +90,8 @@ class MmapTable:
         readahead: bool = False,
         rss_budget_bytes: int | None = None,
         parallel_min_bytes: int | None = None,
+        access: Access = "random",
+        cold_reads: ColdReads = "auto",
     ) -> MmapTable:
         """Open a table.
 
@@ -98,18 +105,33 @@ class MmapTable:
                 shards ``0..n`` must all exist and agree in dtype and width; their rows
                 concatenate in shard order.
             prewarm_bytes: fault in the first this-many bytes of the table at open.
-            readahead: ``MADV_WILLNEED`` the rows of each gather before copying them (for
-                tables that do not stay resident; one ``madvise`` per page read).
-            rss_budget_bytes: when the table's distinct pages read since the last drop
-                exceed this, drop them all (see :meth:`drop_pages`).
+            readahead: kept for compatibility. It asked for a gather's cold reads to go out
+                together, which every ``cold_reads`` but ``"fault"`` now does; with
+                ``"fault"`` it is refused, otherwise it changes nothing.
+            rss_budget_bytes: keep the table's pages in the page cache below about this
+                many bytes: once the pages it has read exceed it, evict the least used
+                (per-page access counts with aging), not the whole table.
             parallel_min_bytes: gathers of at least this many bytes use the native thread
                 pool (default: the measured threshold, 256 KiB).
+            access: ``"random"`` (default): no read-around, so a cold row costs one read
+                of its page(s) and the page cache grows by about that; ``"normal"``: the
+                kernel's read-around and readahead (for tables read in long runs).
+            cold_reads: how a gather reads rows whose pages the table has not read yet
+                (rows it has read are copied straight from the mapping): ``"auto"``
+                (default: ``"uring"`` where the kernel allows io_uring, else
+                ``"willneed"``; :attr:`cold_reads` tells which), ``"uring"`` (one read per
+                row on an io_uring, all submitted together; refused with
+                :class:`~ple_memops.TableIoError` where io_uring is unavailable),
+                ``"willneed"`` (``MADV_WILLNEED`` per row, then the copy), ``"pool"``
+                (``pread`` on 32 threads), ``"fault"`` (one page fault at a time).
 
         Raises:
             TableError: the checkpoint or tensor is missing, malformed or inconsistent.
-            TableIoError: a file could not be read.
-            InvalidArgumentError: neither or both of ``name`` and ``pattern``, or a pattern
-                without exactly one ``{}``.
+            TableIoError: a file could not be read or advised, or ``cold_reads="uring"``
+                where io_uring cannot be used.
+            InvalidArgumentError: neither or both of ``name`` and ``pattern``, a pattern
+                without exactly one ``{}``, an unknown ``access`` or ``cold_reads``, or
+                ``readahead=True`` with ``cold_reads="fault"``.
         """
         if (name is None) == (pattern is None):
             raise InvalidArgumentError("give exactly one of name= and pattern=")
@@ -120,6 +142,14 @@ class MmapTable:
         ):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise InvalidArgumentError(f"{what} must be a non-negative int or None, got {v!r}")
+        for what, choice, allowed in (
+            ("access", access, get_args(Access)),
+            ("cold_reads", cold_reads, get_args(ColdReads)),
+        ):
+            if not isinstance(choice, str) or choice not in allowed:
+                raise InvalidArgumentError(
+                    f"{what} must be one of {', '.join(map(repr, allowed))}, got {choice!r}"
+                )
         core = _native.MmapTableCore(
             os.fspath(path),
             name,
@@ -128,6 +158,8 @@ class MmapTable:
             bool(readahead),
             rss_budget_bytes,
             parallel_min_bytes,
+            access,
+            cold_reads,
         )
         return cls(core)
 
@@ -178,6 +210,23 @@ class MmapTable:
         return self._live().shards
 
     @property
+    def cold_reads(self) -> str:
+        """The cold-read way in use: ``"uring"``, ``"willneed"``, ``"pool"`` or
+        ``"fault"`` (``"auto"`` resolved at open)."""
+        return self._live().cold_reads
+
+    @property
+    def cold_reads_reason(self) -> str | None:
+        """Why ``cold_reads="auto"`` did not choose io_uring (e.g. a seccomp filter or an
+        old kernel refused it), or ``None``."""
+        return self._live().cold_reads_reason
+
+    @property
+    def access(self) -> str:
+        """``"random"`` or ``"normal"``, as opened."""
+        return self._live().access
+
+    @property
     def closed(self) -> bool:
         return self._core is None
 
@@ -196,7 +245,14 @@ class MmapTable:
     def gather_into(self, ids: Any, out: Any) -> None:
         """Copy rows ``ids`` into ``out``: a C-contiguous, writable ``uint8`` numpy array
         or torch CPU tensor (pinned or not) of shape ``[len(ids), row_bytes]``. Every id
-        is checked first: on any error ``out`` is left untouched."""
+        is checked first: on an id or argument error ``out`` is left untouched.
+
+        Rows whose pages the table has read before are copied straight from the mapping;
+        the others are read together first (see ``cold_reads``). A read error raises
+        :class:`~ple_memops.TableIoError` (``out`` then holds some rows and not others);
+        through the mapping (``"willneed"``, ``"fault"``, or a page the kernel dropped
+        since) an I/O error or a truncated file raises SIGBUS instead, as with any
+        memory map."""
         self._live().gather_into(_as_ids(ids), _as_out(out))
 
     def check_ids(self, ids: Any) -> None:
@@ -220,12 +276,18 @@ class MmapTable:
 
     def drop_pages(self) -> None:
         """Drop the table's pages from this process (``MADV_DONTNEED``) and from the page
-        cache (``POSIX_FADV_DONTNEED``; clean pages no other process maps). The data is
+        cache (``POSIX_FADV_DONTNEED``; clean pages no other mapping holds). The data is
         unaffected: later gathers read it back from the file."""
         self._live().drop_pages()
 
     def page_stats(self) -> dict[str, Any]:
-        """``budget_drops``, ``touched_bytes``, ``last_drop_error``, ``data_bytes``."""
+        """Page-cache counters: ``row_hits`` / ``row_misses`` (rows copied straight from
+        the mapping / read cold), ``pages_read`` (pages cold reads brought in),
+        ``touched_bytes`` (bytes of the pages the table has read and not dropped since),
+        ``budget_drops`` and ``pages_evicted`` (RSS-budget evictions), ``pages_forgotten``
+        (without a budget, pages no longer assumed resident once they exceed half the
+        machine's memory), ``cold_fallbacks`` / ``last_fallback`` (cold gathers that
+        could not use io_uring on their thread), ``last_drop_error``, ``data_bytes``."""
         return self._live().page_stats()
 
     # -- lifecycle --------------------------------------------------------------------

@@ -14,7 +14,7 @@ use pyo3::types::PyDict;
 
 use super::to_pyerr;
 use crate::error::Error;
-use crate::table::{MmapTable, RowIds, Selector, TableOptions};
+use crate::table::{floor, Access, ColdReads, MmapTable, RowIds, Selector, TableOptions};
 
 /// Ids borrowed from a numpy array (or copied, when it is strided).
 pub(crate) enum Ids<'py> {
@@ -100,7 +100,7 @@ impl IntoUsize for Range<*const u8> {
 impl PyMmapTable {
     /// Open a table; exactly one of `name` and `pattern`.
     #[new]
-    #[pyo3(signature = (path, name=None, pattern=None, prewarm_bytes=None, readahead=false, rss_budget_bytes=None, parallel_min_bytes=None))]
+    #[pyo3(signature = (path, name=None, pattern=None, prewarm_bytes=None, readahead=false, rss_budget_bytes=None, parallel_min_bytes=None, access="random", cold_reads="auto"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -111,6 +111,8 @@ impl PyMmapTable {
         readahead: bool,
         rss_budget_bytes: Option<u64>,
         parallel_min_bytes: Option<usize>,
+        access: &str,
+        cold_reads: &str,
     ) -> PyResult<Self> {
         let selector = match (name, pattern) {
             (Some(n), None) => Selector::Name(n),
@@ -122,10 +124,14 @@ impl PyMmapTable {
                 ))
             }
         };
+        let access = Access::parse(access).map_err(|e| to_pyerr(py, e))?;
+        let cold_reads = ColdReads::parse(cold_reads).map_err(|e| to_pyerr(py, e))?;
         let mut opts = TableOptions {
             prewarm_bytes,
             readahead,
             rss_budget_bytes,
+            access,
+            cold_reads,
             ..TableOptions::default()
         };
         if let Some(m) = parallel_min_bytes {
@@ -188,6 +194,23 @@ impl PyMmapTable {
     #[getter]
     fn label(&self) -> String {
         self.inner.label().to_owned()
+    }
+
+    /// The cold-read way in use (`"auto"` resolved).
+    #[getter]
+    fn cold_reads(&self) -> &'static str {
+        self.inner.cold_reads().0.name()
+    }
+
+    /// Why `cold_reads="auto"` did not choose io_uring, or `None`.
+    #[getter]
+    fn cold_reads_reason(&self) -> Option<String> {
+        self.inner.cold_reads().1.map(str::to_owned)
+    }
+
+    #[getter]
+    fn access(&self) -> &'static str {
+        self.inner.options().access.name()
     }
 
     /// Gather rows `ids` (1-D int64/int32 numpy) into `out` (C-contiguous, writable uint8
@@ -282,11 +305,68 @@ impl PyMmapTable {
         d.set_item("touched_bytes", s.touched_bytes)?;
         d.set_item("last_drop_error", s.last_drop_error)?;
         d.set_item("data_bytes", self.inner.data_bytes())?;
+        d.set_item("row_hits", s.row_hits)?;
+        d.set_item("row_misses", s.row_misses)?;
+        d.set_item("pages_read", s.pages_read)?;
+        d.set_item("pages_evicted", s.pages_evicted)?;
+        d.set_item("pages_forgotten", s.pages_forgotten)?;
+        d.set_item("cold_fallbacks", s.cold_fallbacks)?;
+        d.set_item("last_fallback", s.last_fallback)?;
         Ok(d)
     }
 }
 
+/// Benchmark instrument: `batches` rounds of `depth` random 4 KiB reads of `path`
+/// submitted together through io_uring (`O_DIRECT` unless `direct=False`); each round's
+/// seconds.
+#[pyfunction]
+#[pyo3(signature = (path, depth, batches, direct=true, seed=0))]
+fn bench_read_batches(
+    py: Python<'_>,
+    path: PathBuf,
+    depth: usize,
+    batches: usize,
+    direct: bool,
+    seed: u64,
+) -> PyResult<Vec<f64>> {
+    py.detach(|| floor::read_batches(&path, depth, batches, direct, seed))
+        .map_err(|e| to_pyerr(py, e))
+}
+
+/// Benchmark instrument: `reads` random 4 KiB reads of `path` with `depth` in flight;
+/// the seconds they took.
+#[pyfunction]
+#[pyo3(signature = (path, depth, reads, direct=true, seed=0))]
+fn bench_read_sustained(
+    py: Python<'_>,
+    path: PathBuf,
+    depth: usize,
+    reads: usize,
+    direct: bool,
+    seed: u64,
+) -> PyResult<f64> {
+    py.detach(|| floor::read_sustained(&path, depth, reads, direct, seed))
+        .map_err(|e| to_pyerr(py, e))
+}
+
+/// Benchmark instrument: nanoseconds per hop of a dependent pointer chase over
+/// `buffer_bytes` (one cache-line miss per hop when far larger than the last-level cache).
+#[pyfunction]
+#[pyo3(signature = (buffer_bytes, hops, seed=0))]
+fn bench_memory_latency_ns(
+    py: Python<'_>,
+    buffer_bytes: usize,
+    hops: usize,
+    seed: u64,
+) -> PyResult<f64> {
+    py.detach(|| floor::memory_latency_ns(buffer_bytes, hops, seed))
+        .map_err(|e| to_pyerr(py, e))
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyMmapTable>()?;
+    m.add_function(wrap_pyfunction!(bench_read_batches, m)?)?;
+    m.add_function(wrap_pyfunction!(bench_read_sustained, m)?)?;
+    m.add_function(wrap_pyfunction!(bench_memory_latency_ns, m)?)?;
     Ok(())
 }

@@ -78,18 +78,29 @@ fn prefetch_row(data: &[u8], off: usize, len: usize) {
     }
 }
 
-/// [`RowSource::copy`] for one shard and rows of exactly `N` bytes.
+/// [`RowSource::copy_if`] for one shard and rows of exactly `N` bytes; `start` is the
+/// shard's offset in its file (for `known`).
 #[inline(always)]
-fn copy_fixed<T: Id, const N: usize>(data: &[u8], ids: &[T], dst: &mut [u8]) {
+fn copy_fixed<T: Id, const N: usize, K: Fn(usize, usize) -> bool>(
+    data: &[u8],
+    start: usize,
+    ids: &[T],
+    dst: &mut [u8],
+    known: &K,
+) -> bool {
     for (i, (&id, out)) in ids.iter().zip(dst.chunks_exact_mut(N)).enumerate() {
         if let Some(&next) = ids.get(i + PREFETCH_AHEAD) {
             prefetch_row(data, next.as_i64() as usize * N, N);
         }
         let off = id.as_i64() as usize * N;
+        if !known(0, start + off) {
+            return false;
+        }
         let src: &[u8; N] = data[off..off + N].try_into().expect("N-byte row");
         let out: &mut [u8; N] = out.try_into().expect("N-byte row");
         *out = *src;
     }
+    true
 }
 
 /// A row id type the gather accepts.
@@ -151,21 +162,29 @@ impl RowSource<'_> {
         (si, off)
     }
 
-    /// Copy rows `ids` (all in range) into `dst` (`ids.len() * row_bytes` bytes).
+    /// Copy rows `ids` (all in range) into `dst` (`ids.len() * row_bytes` bytes) while
+    /// `known(segment, file offset)` holds for each row; stop at the first row for which
+    /// it does not and return `false` (rows before it are copied, the rest are not). The
+    /// check is fused into the copy loop so that it overlaps the rows' cache misses; with
+    /// a constant `true` it compiles away.
     #[inline]
-    pub fn copy<T: Id>(&self, ids: &[T], dst: &mut [u8]) {
+    pub fn copy_if<T: Id, K: Fn(usize, usize) -> bool>(
+        &self,
+        ids: &[T],
+        dst: &mut [u8],
+        known: &K,
+    ) -> bool {
         let rb = self.row_bytes;
         if let [seg] = self.segments {
             let data = &self.files[seg.file].map[seg.start..seg.start + seg.len];
             // The PLE row widths (160 B FP8, 320 B BF16) get a copy of a compile-time size:
             // inlined vector moves instead of a memcpy call per row.
             match rb {
-                160 => return copy_fixed::<T, 160>(data, ids, dst),
-                320 => return copy_fixed::<T, 320>(data, ids, dst),
+                160 => return copy_fixed::<T, 160, K>(data, seg.start, ids, dst, known),
+                320 => return copy_fixed::<T, 320, K>(data, seg.start, ids, dst, known),
                 _ => {}
             }
             // One shard (the common case): no search, one bounds-checked slice.
-            let data = &self.files[seg.file].map[seg.start..seg.start + seg.len];
             for (i, (&id, out)) in ids.iter().zip(dst.chunks_exact_mut(rb)).enumerate() {
                 // Random rows of a large table miss every cache level (and the TLB);
                 // prefetching a few rows ahead keeps several misses in flight.
@@ -173,9 +192,12 @@ impl RowSource<'_> {
                     prefetch_row(data, next.as_i64() as usize * rb, rb);
                 }
                 let off = id.as_i64() as usize * rb;
+                if !known(0, seg.start + off) {
+                    return false;
+                }
                 out.copy_from_slice(&data[off..off + rb]);
             }
-            return;
+            return true;
         }
         for (i, (&id, out)) in ids.iter().zip(dst.chunks_exact_mut(rb)).enumerate() {
             if let Some(&next) = ids.get(i + PREFETCH_AHEAD) {
@@ -183,13 +205,24 @@ impl RowSource<'_> {
                 prefetch_row(&self.files[self.segments[si].file].map, off, rb);
             }
             let (si, off) = self.locate(id.as_i64() as u64);
+            if !known(si, off) {
+                return false;
+            }
             let map = &self.files[self.segments[si].file].map;
             out.copy_from_slice(&map[off..off + rb]);
         }
+        true
     }
 
-    /// As [`Self::copy`], split across the pool when `dst` is at least `min_bytes`.
-    pub fn copy_maybe_parallel<T: Id>(&self, ids: &[T], dst: &mut [u8], min_bytes: usize) {
+    /// As [`Self::copy_if`], split across the pool when `dst` is at least `min_bytes`;
+    /// `false` if some row failed `known` (each chunk stops at its first such row).
+    pub fn copy_if_maybe_parallel<T: Id, K: Fn(usize, usize) -> bool + Sync>(
+        &self,
+        ids: &[T],
+        dst: &mut [u8],
+        min_bytes: usize,
+        known: &K,
+    ) -> bool {
         let rb = self.row_bytes;
         let pool = if dst.len() >= min_bytes && ids.len() >= 2 {
             pool()
@@ -197,8 +230,7 @@ impl RowSource<'_> {
             None
         };
         let Some(pool) = pool else {
-            self.copy(ids, dst);
-            return;
+            return self.copy_if(ids, dst, known);
         };
         // Two chunks a thread: even work (rows are equal-sized), a little slack for a
         // thread that starts late.
@@ -207,7 +239,8 @@ impl RowSource<'_> {
         pool.install(|| {
             dst.par_chunks_mut(per * rb)
                 .zip(ids.par_chunks(per))
-                .for_each(|(d, i)| self.copy(i, d));
-        });
+                .map(|(d, i)| self.copy_if(i, d, known))
+                .reduce(|| true, |a, b| a & b)
+        })
     }
 }

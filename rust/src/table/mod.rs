@@ -4,15 +4,22 @@
 //! * [`discover`]: find the tensor(s) in one file or an indexed directory and validate
 //!   them (typed errors naming the file and the tensor; never a panic on hostile input).
 //! * [`gather`]: check every id, then copy rows inline or on a small rayon pool.
-//! * [`pagecache`]: prewarm, readahead, an RSS budget and residency (`mincore`), all off
-//!   by default.
+//! * [`coldread`]: read the rows of a gather that miss the page cache together (io_uring,
+//!   `MADV_WILLNEED`, a `pread` pool).
+//! * `residency`: which pages the table has read (a gather of those goes straight to the
+//!   copy), their access counts, and the clock that evicts the least used under a budget.
+//! * [`pagecache`]: random-access advice, prewarm, dropping pages, residency (`mincore`).
+//! * [`floor`]: measuring instruments for the benchmarks (storage and memory latency).
 //!
 //! The table is immutable once open and cheap to clone (an `Arc`); any number of threads
 //! may gather at once.
 
+pub mod coldread;
 pub mod discover;
+pub mod floor;
 pub mod gather;
 pub mod pagecache;
+mod residency;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,9 +30,10 @@ pub use gather::PARALLEL_MIN_BYTES;
 pub use safetensors::Dtype;
 
 use crate::error::{Error, Result};
+use coldread::{ColdRow, Uring};
 use discover::Layout;
-use gather::{first_bad, RowSource};
-use pagecache::Touched;
+use gather::{first_bad, Id, RowSource};
+use residency::PageMap;
 
 /// Row ids to gather: `int32` or `int64`, as the caller has them (no conversion copy).
 #[derive(Debug, Clone, Copy)]
@@ -76,27 +84,111 @@ impl<'a> From<&'a [i64]> for RowIds<'a> {
     }
 }
 
-/// How the table uses the page cache. Everything is off by default: the table then
-/// behaves like a plain read-only `mmap` (the kernel faults pages in on first read and
-/// keeps them as long as it likes).
+/// How the table's rows are expected to be read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Access {
+    /// At random (the default): `MADV_RANDOM` on the mapping and `POSIX_FADV_RANDOM` on
+    /// the files, so the kernel reads no neighbouring pages around a cold row (with its
+    /// default read-around, one cold row pulled megabytes into the page cache).
+    #[default]
+    Random,
+    /// Leave the kernel's read-around and readahead as they are (for tables read in long
+    /// runs of consecutive rows).
+    Normal,
+}
+
+impl Access {
+    pub fn name(self) -> &'static str {
+        match self {
+            Access::Random => "random",
+            Access::Normal => "normal",
+        }
+    }
+
+    /// Parse `"random"` or `"normal"`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "random" => Ok(Access::Random),
+            "normal" => Ok(Access::Normal),
+            _ => Err(Error::invalid(format!(
+                "access must be \"random\" or \"normal\", got {s:?}"
+            ))),
+        }
+    }
+}
+
+/// How a gather reads its rows that are not known to be in the page cache (see
+/// [`coldread`]). Rows whose pages the table has read before are copied straight from
+/// the mapping whatever this says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ColdReads {
+    /// io_uring where the kernel allows it (probed once per process and verified on the
+    /// table's first file at open), else [`ColdReads::WillNeed`].
+    #[default]
+    Auto,
+    /// One buffered read per row through a per-thread io_uring, all submitted together;
+    /// I/O errors come back as [`Error::Io`]. Refused at open where io_uring is unavailable.
+    Uring,
+    /// `MADV_WILLNEED` on each cold row's page(s), then the copy from the mapping.
+    WillNeed,
+    /// `pread` per cold row on a pool of 32 blocking threads.
+    Pool,
+    /// No batching: the copy faults each cold page in, one at a time.
+    Fault,
+}
+
+impl ColdReads {
+    pub fn name(self) -> &'static str {
+        match self {
+            ColdReads::Auto => "auto",
+            ColdReads::Uring => "uring",
+            ColdReads::WillNeed => "willneed",
+            ColdReads::Pool => "pool",
+            ColdReads::Fault => "fault",
+        }
+    }
+
+    /// Parse `"auto"`, `"uring"`, `"willneed"`, `"pool"` or `"fault"`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(ColdReads::Auto),
+            "uring" => Ok(ColdReads::Uring),
+            "willneed" => Ok(ColdReads::WillNeed),
+            "pool" => Ok(ColdReads::Pool),
+            "fault" => Ok(ColdReads::Fault),
+            _ => Err(Error::invalid(format!(
+                "cold_reads must be one of \"auto\", \"uring\", \"willneed\", \"pool\", \
+                 \"fault\", got {s:?}"
+            ))),
+        }
+    }
+}
+
+/// How the table uses the page cache. The defaults suit a table larger than RAM: random
+/// access (no read-around), cold rows of a gather read together, pages kept as long as
+/// the kernel likes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TableOptions {
     /// At open, fault in the table's first `n` bytes (in row order): `MADV_WILLNEED`, then
     /// one read a page, so the first gathers do not wait for the disk.
     pub prewarm_bytes: Option<u64>,
-    /// Before each gather, `MADV_WILLNEED` the pages of the rows about to be read, so a
-    /// gather from a cold table issues its reads together instead of one fault at a time.
-    /// Costs one `madvise` per distinct page a gather touches: meant for tables that do
-    /// not stay resident, not for hot ones.
+    /// Kept for compatibility: it asked for a gather's cold reads to go out together
+    /// (`MADV_WILLNEED` per row), which every [`ColdReads`] but `Fault` now does. With
+    /// `Fault` it is refused; otherwise it changes nothing.
     pub readahead: bool,
-    /// Keep the table's pages below about this many bytes: when the distinct pages read
-    /// since the last drop exceed it, the gather that crossed it drops them all (see
-    /// [`MmapTable::drop_pages`]) before returning. Pages touched are tracked one bit a
-    /// page (a 48 GiB table needs 1.5 MiB).
+    /// Keep the table's pages in the page cache below about this many bytes: once the
+    /// pages the table has read (and not dropped) exceed it, the gather that crossed it
+    /// evicts the least used ones (a CLOCK sweep over per-page access counts with aging)
+    /// until under budget, `MADV_DONTNEED` + `POSIX_FADV_DONTNEED` per run of pages. One
+    /// bit and one byte per 4 KiB page of bookkeeping (a 48 GiB table needs 14 MiB).
     pub rss_budget_bytes: Option<u64>,
     /// Gathers of at least this many bytes run on the gather pool (default
     /// [`PARALLEL_MIN_BYTES`]; `usize::MAX`: always inline).
     pub parallel_min_bytes: usize,
+    /// Read-around policy of the mapping and files.
+    pub access: Access,
+    /// How a gather reads rows that are not known to be resident.
+    pub cold_reads: ColdReads,
 }
 
 impl Default for TableOptions {
@@ -106,6 +198,8 @@ impl Default for TableOptions {
             readahead: false,
             rss_budget_bytes: None,
             parallel_min_bytes: PARALLEL_MIN_BYTES,
+            access: Access::Random,
+            cold_reads: ColdReads::Auto,
         }
     }
 }
@@ -113,13 +207,39 @@ impl Default for TableOptions {
 /// Page-cache counters of one table.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PageStats {
-    /// Drops the RSS budget triggered.
+    /// Eviction passes the RSS budget triggered.
     pub budget_drops: u64,
-    /// Bytes of distinct pages read since the last drop (0 without an RSS budget).
+    /// Bytes of the pages the table has read and not dropped since ("known resident").
     pub touched_bytes: u64,
-    /// The last failure of a budget drop (a gather does not fail for it; it is reported
-    /// here and the next drop tries again).
+    /// The last failure of a budget eviction (a gather does not fail for it; it is
+    /// reported here and the next eviction tries again).
     pub last_drop_error: Option<String>,
+    /// Rows gathered whose pages were all known resident (copied straight from the map).
+    pub row_hits: u64,
+    /// Rows gathered through a cold read.
+    pub row_misses: u64,
+    /// Pages that became known resident through cold reads.
+    pub pages_read: u64,
+    /// Pages the RSS budget evicted.
+    pub pages_evicted: u64,
+    /// Pages forgotten (not evicted) to bound the known set without a budget: their next
+    /// read goes through a cold read, which costs little if the page is still cached.
+    pub pages_forgotten: u64,
+    /// Cold gathers that could not use io_uring on their thread and used `willneed`.
+    pub cold_fallbacks: u64,
+    /// Why the last such gather fell back.
+    pub last_fallback: Option<String>,
+}
+
+#[derive(Default)]
+struct Counters {
+    budget_drops: AtomicU64,
+    row_hits: AtomicU64,
+    row_misses: AtomicU64,
+    pages_read: AtomicU64,
+    pages_evicted: AtomicU64,
+    pages_forgotten: AtomicU64,
+    cold_fallbacks: AtomicU64,
 }
 
 struct Inner {
@@ -127,9 +247,17 @@ struct Inner {
     label: String,
     ends: Vec<u64>,
     opts: TableOptions,
-    touched: Option<Touched>,
-    budget_drops: AtomicU64,
-    /// Serialises drops (a budget drop and an explicit one) and holds the last failure.
+    /// The cold-read way in use (never `Auto`).
+    cold: ColdReads,
+    /// Why `Auto` did not choose io_uring.
+    cold_reason: Option<String>,
+    pages: PageMap,
+    /// Most pages kept known: the RSS budget (evicted beyond it), or without one half the
+    /// machine's memory (forgotten beyond it: see [`PageStats::pages_forgotten`]).
+    known_limit: usize,
+    counters: Counters,
+    last_fallback: Mutex<Option<String>>,
+    /// Serialises drops and evictions and holds the last eviction failure.
     drop_state: Mutex<Option<String>>,
 }
 
@@ -165,22 +293,64 @@ impl MmapTable {
         let path = path.as_ref();
         let layout = discover::discover(path, selector)?;
         let label = format!("{:?} in {}", selector.text(), path.display());
+        if options.readahead && options.cold_reads == ColdReads::Fault {
+            return Err(Error::invalid(
+                "readahead=True asks for a gather's cold reads to go out together; \
+                 cold_reads=\"fault\" reads one page at a time",
+            ));
+        }
+        for f in &layout.files {
+            match options.access {
+                Access::Random => pagecache::advise_random(f)?,
+                Access::Normal => pagecache::advise_normal(f)?,
+            }
+        }
+        let (cold, cold_reason) = match options.cold_reads {
+            ColdReads::Auto | ColdReads::Uring => {
+                let why = coldread::uring_unavailable()
+                    .map(str::to_owned)
+                    .or_else(|| layout.files.first().and_then(coldread::verify_uring));
+                match (why, options.cold_reads) {
+                    (None, _) => (ColdReads::Uring, None),
+                    (Some(why), ColdReads::Uring) => {
+                        return Err(Error::Io {
+                            path: path.display().to_string(),
+                            detail: format!(
+                                "cold_reads=\"uring\": io_uring cannot be used: {why} \
+                                 (cold_reads=\"auto\" falls back to \"willneed\")"
+                            ),
+                        })
+                    }
+                    (Some(why), _) => (ColdReads::WillNeed, Some(why)),
+                }
+            }
+            other => (other, None),
+        };
         let ends = layout
             .segments
             .iter()
             .map(|s| s.first_row + s.rows)
             .collect();
-        let touched = options
-            .rss_budget_bytes
-            .map(|_| Touched::new(&layout.segments));
+        let pages = PageMap::new(&layout.segments, options.rss_budget_bytes.is_some());
+        let ps = pagecache::page_size() as u64;
+        let known_limit = match options.rss_budget_bytes {
+            Some(b) => usize::try_from(b / ps).unwrap_or(usize::MAX),
+            None => usize::try_from(pagecache::physical_memory_bytes() / 2 / ps)
+                .unwrap_or(usize::MAX)
+                .max(1 << 16),
+        };
         let table = Self {
             inner: Arc::new(Inner {
                 layout,
                 label,
                 ends,
                 opts: options,
-                touched,
-                budget_drops: AtomicU64::new(0),
+                cold,
+                cold_reason,
+                pages,
+                known_limit,
+                counters: Counters::default(),
+                last_fallback: Mutex::new(None),
                 drop_state: Mutex::new(None),
             }),
         };
@@ -188,6 +358,11 @@ impl MmapTable {
             table.prewarm(budget)?;
         }
         Ok(table)
+    }
+
+    /// The cold-read way in use (`Auto` resolved), and why `Auto` did not take io_uring.
+    pub fn cold_reads(&self) -> (ColdReads, Option<&str>) {
+        (self.inner.cold, self.inner.cold_reason.as_deref())
     }
 
     /// Rows in the table (all shards).
@@ -290,9 +465,16 @@ impl MmapTable {
 
     /// Copy rows `ids` into `dst`, row `i` at `dst[i * row_bytes..]`. `dst` must be
     /// exactly `ids.len() * row_bytes` bytes. Every id is checked before anything is
-    /// written: on error `dst` is untouched. Duplicate ids are fine. No allocation; runs
-    /// on the calling thread below [`TableOptions::parallel_min_bytes`], on the gather
-    /// pool above.
+    /// written: on an id or size error `dst` is untouched. Duplicate ids are fine.
+    ///
+    /// Rows whose pages the table has read before are copied straight from the mapping
+    /// (no allocation, no system call; inline below [`TableOptions::parallel_min_bytes`],
+    /// on the gather pool above). The other rows are read together (see [`ColdReads`])
+    /// while the known ones are copied. A cold read's I/O error returns [`Error::Io`]
+    /// (`dst` then holds some rows and not others); with `willneed` or `fault`, or for a
+    /// known page the kernel dropped since, the copy reads through the mapping, where an
+    /// I/O error or a file truncated under the table raises SIGBUS (the contract of any
+    /// memory map).
     pub fn gather_into(&self, ids: RowIds<'_>, dst: &mut [u8]) -> Result<()> {
         let rb = self.row_bytes();
         if Some(dst.len()) != ids.len().checked_mul(rb) {
@@ -304,19 +486,126 @@ impl MmapTable {
             )));
         }
         self.check_ids(ids)?;
-        let src = self.source();
-        let min = self.inner.opts.parallel_min_bytes;
-        if self.inner.opts.readahead {
-            self.readahead(&src, ids);
-        }
         match ids {
-            RowIds::I32(v) => src.copy_maybe_parallel(v, dst, min),
-            RowIds::I64(v) => src.copy_maybe_parallel(v, dst, min),
+            RowIds::I32(v) => self.gather_checked(v, dst),
+            RowIds::I64(v) => self.gather_checked(v, dst),
         }
-        if self.inner.touched.is_some() {
-            self.account(&src, ids);
+    }
+
+    fn gather_checked<T: Id>(&self, ids: &[T], dst: &mut [u8]) -> Result<()> {
+        let src = self.source();
+        let pm = &self.inner.pages;
+        let rb = src.row_bytes;
+        // The warm path: copy while every row's pages are known resident (a bit test or
+        // two a row, fused into the copy loop; access counts only under a budget).
+        let known = |si: usize, off: usize| {
+            let span = pm.span(si, off, rb);
+            pm.touch(span);
+            pm.all_known(span)
+        };
+        let min = self.inner.opts.parallel_min_bytes;
+        let warm = if pm.all_known_uncounted() {
+            // The whole table is known resident (e.g. prewarmed): no check at all.
+            src.copy_if_maybe_parallel(ids, dst, min, &|_, _| true)
+        } else if let Some(check) = pm.single_segment_check(rb) {
+            src.copy_if_maybe_parallel(ids, dst, min, &check)
+        } else {
+            src.copy_if_maybe_parallel(ids, dst, min, &known)
+        };
+        if warm {
+            self.inner
+                .counters
+                .row_hits
+                .fetch_add(ids.len() as u64, Ordering::Relaxed);
+            return Ok(());
         }
-        Ok(())
+        // Some row is cold: start over with the cold path (rows already copied are copied
+        // again, for nothing next to the reads; their access counts are counted twice).
+        self.gather_cold(&src, ids, dst)
+    }
+
+    /// A gather with at least one row not known resident: read those together while
+    /// copying the others, then record their pages as known.
+    ///
+    /// No residency check (`mincore`, `RWF_NOWAIT`) comes first: a read of a page that is
+    /// cached after all completes at submission without I/O, so checking would only add a
+    /// system call per row to every cold gather. A known page the kernel dropped behind our
+    /// back is not read here but faulted in by the copy: slower, still correct; the known
+    /// set is bounded (see [`PageStats::pages_forgotten`]) so such pages do not pile up.
+    fn gather_cold<T: Id>(&self, src: &RowSource<'_>, ids: &[T], dst: &mut [u8]) -> Result<()> {
+        let pm = &self.inner.pages;
+        let rb = src.row_bytes;
+        let mut hits: Vec<(&mut [u8], &[u8])> = Vec::new();
+        let mut cold: Vec<ColdRow<'_>> = Vec::new();
+        let mut spans: Vec<(usize, usize)> = Vec::new();
+        for (&id, out) in ids.iter().zip(dst.chunks_exact_mut(rb)) {
+            let (si, off) = src.locate(id.as_i64() as u64);
+            let span = pm.span(si, off, rb);
+            pm.touch(span);
+            let file = &src.files[src.segments[si].file];
+            if pm.all_known(span) {
+                hits.push((out, &file.map[off..off + rb]));
+            } else {
+                cold.push(ColdRow { out, file, off });
+                spans.push(span);
+            }
+        }
+        let (n_hits, n_cold) = (hits.len() as u64, cold.len() as u64);
+        let copy_hits = move || {
+            for (out, row) in hits {
+                out.copy_from_slice(row);
+            }
+        };
+        let from_map = |cold: &mut [ColdRow<'_>]| {
+            for r in cold {
+                r.out.copy_from_slice(&r.file.map[r.off..r.off + rb]);
+            }
+        };
+        let mut copy_hits = Some(copy_hits);
+        let res = match self.inner.cold {
+            ColdReads::Uring => match coldread::read_uring(&mut cold, &mut copy_hits) {
+                Uring::Done(r) => r,
+                Uring::Unavailable(why) => {
+                    self.inner
+                        .counters
+                        .cold_fallbacks
+                        .fetch_add(1, Ordering::Relaxed);
+                    *self
+                        .inner
+                        .last_fallback
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(why);
+                    coldread::will_need(&cold);
+                    from_map(&mut cold);
+                    Ok(())
+                }
+            },
+            ColdReads::WillNeed => {
+                coldread::will_need(&cold);
+                if let Some(f) = copy_hits.take() {
+                    f();
+                }
+                from_map(&mut cold);
+                Ok(())
+            }
+            ColdReads::Pool => coldread::read_pool(&mut cold),
+            ColdReads::Fault | ColdReads::Auto => {
+                from_map(&mut cold);
+                Ok(())
+            }
+        };
+        if let Some(f) = copy_hits.take() {
+            f();
+        }
+        let c = &self.inner.counters;
+        c.row_hits.fetch_add(n_hits, Ordering::Relaxed);
+        c.row_misses.fetch_add(n_cold, Ordering::Relaxed);
+        if res.is_ok() {
+            let new: usize = spans.iter().map(|&s| pm.mark(s)).sum();
+            c.pages_read.fetch_add(new as u64, Ordering::Relaxed);
+            self.enforce_limit();
+        }
+        res
     }
 
     /// [`Self::gather_into`] into a new buffer.
@@ -331,46 +620,41 @@ impl MmapTable {
         Ok(out)
     }
 
-    fn readahead(&self, src: &RowSource<'_>, ids: RowIds<'_>) {
-        let ps = pagecache::page_size();
-        let rb = src.row_bytes;
-        let mut last: Option<(usize, usize)> = None;
-        for i in 0..ids.len() {
-            let Some(id) = ids.get(i) else { break };
-            let (si, off) = src.locate(id as u64);
-            let page = (si, off / ps);
-            if last == Some(page) && (off + rb - 1) / ps == page.1 {
-                continue;
-            }
-            last = Some(page);
-            pagecache::will_need(&src.files[src.segments[si].file], off, rb);
+    /// Keep the known pages within their limit: under an RSS budget evict the least used
+    /// (dropping them from this process and the page cache); without one only forget them.
+    fn enforce_limit(&self) {
+        let inner = &*self.inner;
+        let limit = inner.known_limit;
+        if inner.pages.known_pages() <= limit {
+            return;
         }
-    }
-
-    /// RSS budget: record the pages this gather read; drop everything once over budget.
-    fn account(&self, src: &RowSource<'_>, ids: RowIds<'_>) {
-        let (Some(t), Some(budget)) = (&self.inner.touched, self.inner.opts.rss_budget_bytes)
-        else {
+        // One sweeper at a time; a gather that finds one under way goes on.
+        let Ok(mut last_err) = inner.drop_state.try_lock() else {
             return;
         };
-        for i in 0..ids.len() {
-            let Some(id) = ids.get(i) else { break };
-            let (si, off) = src.locate(id as u64);
-            let seg = &src.segments[si];
-            t.mark(si, seg.start, off - seg.start, src.row_bytes);
+        let known = inner.pages.known_pages();
+        if known <= limit {
+            return;
         }
-        if t.bytes() > budget {
-            // One dropper at a time; a gather that finds a drop under way goes on.
-            if let Ok(mut last_err) = self.inner.drop_state.try_lock() {
-                if t.bytes() > budget {
-                    self.inner.budget_drops.fetch_add(1, Ordering::Relaxed);
-                    t.reset();
-                    if let Err(e) =
-                        pagecache::drop_pages(&self.inner.layout.files, &self.inner.layout.segments)
-                    {
-                        *last_err = Some(e.to_string());
-                    }
-                }
+        let runs = inner.pages.sweep(known - limit);
+        let n: usize = runs.iter().map(|r| r.pages).sum();
+        if inner.opts.rss_budget_bytes.is_none() {
+            inner
+                .counters
+                .pages_forgotten
+                .fetch_add(n as u64, Ordering::Relaxed);
+            return;
+        }
+        inner.counters.budget_drops.fetch_add(1, Ordering::Relaxed);
+        inner
+            .counters
+            .pages_evicted
+            .fetch_add(n as u64, Ordering::Relaxed);
+        let ps = pagecache::page_size();
+        for run in runs {
+            let f = &inner.layout.files[inner.layout.segments[run.segment].file];
+            if let Err(e) = pagecache::drop_range(f, run.offset, run.pages * ps) {
+                *last_err = Some(e.to_string());
             }
         }
     }
@@ -381,19 +665,20 @@ impl MmapTable {
     }
 
     /// Fault in the first `budget` bytes of the table (row order; capped by the RSS
-    /// budget if one is set). Returns the bytes warmed.
+    /// budget if one is set). Returns the bytes warmed; their pages count as known
+    /// resident (with no accesses: the first an RSS budget evicts if they stay unused).
     pub fn prewarm(&self, budget: u64) -> Result<u64> {
         let budget = match self.inner.opts.rss_budget_bytes {
             Some(b) => budget.min(b),
             None => budget,
         };
-        let t = self.inner.touched.as_ref();
+        let pm = &self.inner.pages;
         let segs = &self.inner.layout.segments;
-        pagecache::prewarm(&self.inner.layout.files, segs, budget, |si, off, len| {
-            if let Some(t) = t {
-                t.mark(si, segs[si].start, off, len);
-            }
-        })
+        let warmed = pagecache::prewarm(&self.inner.layout.files, segs, budget, |si, off, len| {
+            pm.mark(pm.span(si, segs[si].start + off, len));
+        })?;
+        self.enforce_limit();
+        Ok(warmed)
     }
 
     /// Drop the table's pages now: `MADV_DONTNEED` on the mapping (this process's RSS
@@ -405,9 +690,7 @@ impl MmapTable {
             .drop_state
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(t) = &self.inner.touched {
-            t.reset();
-        }
+        self.inner.pages.clear();
         let r = pagecache::drop_pages(&self.inner.layout.files, &self.inner.layout.segments);
         if r.is_ok() {
             *last_err = None;
@@ -417,16 +700,25 @@ impl MmapTable {
 
     /// Page-cache counters.
     pub fn page_stats(&self) -> PageStats {
-        let last_drop_error = self
-            .inner
-            .drop_state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
+        let inner = &*self.inner;
+        let lock = |m: &Mutex<Option<String>>| {
+            m.lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone()
+        };
+        let c = &inner.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         PageStats {
-            budget_drops: self.inner.budget_drops.load(Ordering::Relaxed),
-            touched_bytes: self.inner.touched.as_ref().map_or(0, Touched::bytes),
-            last_drop_error,
+            budget_drops: get(&c.budget_drops),
+            touched_bytes: inner.pages.known_pages() as u64 * pagecache::page_size() as u64,
+            last_drop_error: lock(&inner.drop_state),
+            row_hits: get(&c.row_hits),
+            row_misses: get(&c.row_misses),
+            pages_read: get(&c.pages_read),
+            pages_evicted: get(&c.pages_evicted),
+            pages_forgotten: get(&c.pages_forgotten),
+            cold_fallbacks: get(&c.cold_fallbacks),
+            last_fallback: lock(&inner.last_fallback),
         }
     }
 

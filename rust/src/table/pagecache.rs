@@ -1,14 +1,14 @@
-//! Page-cache control for a mapped table: measure residency (`mincore`), prewarm within a
-//! byte budget (`MADV_WILLNEED` plus a read of every page), per-gather readahead, and
-//! dropping the table's pages (`MADV_DONTNEED` on our read-only mapping, then
+//! Page-cache control for a mapped table: random-access advice at open, measure residency
+//! (`mincore`), prewarm within a byte budget (`MADV_WILLNEED` plus a read of every page),
+//! and dropping pages (`MADV_DONTNEED` on our read-only mapping, then
 //! `POSIX_FADV_DONTNEED` on the file so clean pages leave the page cache too: cgroup
-//! memory accounting counts the page cache, so unmapping alone would not shrink it).
+//! memory accounting counts the page cache, so unmapping alone would not shrink it), for
+//! the whole table or for runs of pages the RSS budget evicts.
 //!
-//! All `unsafe` of this module is the three libc calls and memmap2's unchecked advice.
+//! All `unsafe` of this module is the libc calls and memmap2's unchecked advice.
 
 use std::os::fd::AsRawFd;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use memmap2::{Advice, UncheckedAdvice};
@@ -29,7 +29,14 @@ pub fn page_size() -> usize {
     })
 }
 
-fn io_err(path: &Path, what: &str, e: std::io::Error) -> Error {
+/// The machine's physical memory in bytes (`sysconf`; 0 if unknown).
+pub fn physical_memory_bytes() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
+    u64::try_from(pages).unwrap_or(0) * page_size() as u64
+}
+
+pub(crate) fn io_err(path: &Path, what: &str, e: std::io::Error) -> Error {
     Error::Io {
         path: path.display().to_string(),
         detail: format!("{what}: {e}"),
@@ -122,108 +129,82 @@ pub(crate) fn prewarm(
     Ok(warmed)
 }
 
-/// Ask the kernel to start reading `len` bytes at `offset` of `f` (readahead for the rows
-/// of one gather). Advisory: an error only means no readahead.
-pub(crate) fn will_need(f: &MappedFile, offset: usize, len: usize) {
-    let _ = f.map.advise_range(Advice::WillNeed, offset, len);
-}
-
 /// Drop the table's pages: unmap them from this process and evict the clean ones from
 /// the page cache. Later gathers read them back from the file.
 pub(crate) fn drop_pages(files: &[MappedFile], segments: &[Segment]) -> Result<()> {
     for seg in segments {
-        let f = &files[seg.file];
         if seg.len == 0 {
             continue;
         }
-        // SAFETY: the mapping is read-only and file-backed (MAP_SHARED, never written), so
-        // MADV_DONTNEED only discards page-table entries: the next access re-reads the same
-        // bytes from the file, and no `&[u8]` into the map ever observes a change.
-        unsafe {
-            f.map
-                .unchecked_advise_range(UncheckedAdvice::DontNeed, seg.start, seg.len)
-        }
-        .map_err(|e| io_err(&f.path, "madvise(DONTNEED)", e))?;
         let (lo, hi) = page_span(seg.start, seg.len);
-        let (Ok(off), Ok(n)) = (libc::off_t::try_from(lo), libc::off_t::try_from(hi - lo)) else {
-            continue;
-        };
-        // SAFETY: `f.file` is an open descriptor we own for the table's life; fadvise
-        // touches no memory of ours.
-        let rc =
-            unsafe { libc::posix_fadvise(f.file.as_raw_fd(), off, n, libc::POSIX_FADV_DONTNEED) };
-        if rc != 0 {
-            return Err(io_err(
-                &f.path,
-                "posix_fadvise(DONTNEED)",
-                std::io::Error::from_raw_os_error(rc),
-            ));
-        }
+        drop_range(&files[seg.file], lo, hi - lo)?;
     }
     Ok(())
 }
 
-/// Which of the table's pages our gathers (and prewarm) touched since the last drop: one
-/// bit a page, set with `fetch_or`, so a hot row counts once however often it is read.
-pub(crate) struct Touched {
-    bits: Vec<AtomicU64>,
-    /// Global page number of each segment's first page.
-    base: Vec<usize>,
-    /// Page-aligned start of each segment.
-    seg_lo: Vec<usize>,
-    count: AtomicU64,
+/// Drop `len` bytes of `f` from page-aligned offset `lo` (clipped to the file): unmap
+/// them from this process, then evict the clean pages from the page cache.
+pub(crate) fn drop_range(f: &MappedFile, lo: usize, len: usize) -> Result<()> {
+    let end = lo.saturating_add(len).min(f.map.len());
+    if end <= lo {
+        return Ok(());
+    }
+    // SAFETY: the mapping is read-only and file-backed (MAP_SHARED, never written), so
+    // MADV_DONTNEED only discards page-table entries: the next access re-reads the same
+    // bytes from the file, and no `&[u8]` into the map ever observes a change.
+    unsafe {
+        f.map
+            .unchecked_advise_range(UncheckedAdvice::DontNeed, lo, end - lo)
+    }
+    .map_err(|e| io_err(&f.path, "madvise(DONTNEED)", e))?;
+    // The page cache is dropped whole pages at a time: round the end up (the last page of
+    // the file may be partial).
+    let hi = end.div_ceil(page_size()) * page_size();
+    let (Ok(off), Ok(n)) = (libc::off_t::try_from(lo), libc::off_t::try_from(hi - lo)) else {
+        return Ok(());
+    };
+    // SAFETY: `f.file` is an open descriptor we own for the table's life; fadvise
+    // touches no memory of ours.
+    let rc = unsafe { libc::posix_fadvise(f.file.as_raw_fd(), off, n, libc::POSIX_FADV_DONTNEED) };
+    if rc != 0 {
+        return Err(io_err(
+            &f.path,
+            "posix_fadvise(DONTNEED)",
+            std::io::Error::from_raw_os_error(rc),
+        ));
+    }
+    Ok(())
 }
 
-impl Touched {
-    pub fn new(segments: &[Segment]) -> Self {
-        let ps = page_size();
-        let mut base = Vec::with_capacity(segments.len());
-        let mut seg_lo = Vec::with_capacity(segments.len());
-        let mut pages = 0usize;
-        for s in segments {
-            let (lo, hi) = page_span(s.start, s.len);
-            base.push(pages);
-            seg_lo.push(lo);
-            pages += (hi - lo) / ps;
-        }
-        Self {
-            bits: (0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
-            base,
-            seg_lo,
-            count: AtomicU64::new(0),
-        }
+/// Give `f`'s mapping back the kernel's default read-around (`access="normal"`; the
+/// mapping was opened with random access for reading headers).
+pub(crate) fn advise_normal(f: &MappedFile) -> Result<()> {
+    if f.map.is_empty() {
+        return Ok(());
     }
+    f.map
+        .advise(Advice::Normal)
+        .map_err(|e| io_err(&f.path, "madvise(NORMAL)", e))
+}
 
-    /// Record bytes `offset..offset+len` of segment `seg` (offsets relative to the
-    /// segment's data) as touched.
-    pub fn mark(&self, seg: usize, seg_start: usize, offset: usize, len: usize) {
-        if len == 0 {
-            return;
-        }
-        let ps = page_size();
-        let abs = seg_start + offset;
-        let p0 = (abs - self.seg_lo[seg]) / ps + self.base[seg];
-        let p1 = (abs + len - 1 - self.seg_lo[seg]) / ps + self.base[seg];
-        for p in p0..=p1 {
-            let Some(word) = self.bits.get(p / 64) else {
-                return;
-            };
-            let bit = 1u64 << (p % 64);
-            if word.fetch_or(bit, Ordering::Relaxed) & bit == 0 {
-                self.count.fetch_add(1, Ordering::Relaxed);
-            }
-        }
+/// Advise the kernel that `f` is read at random: no read-around on a fault of the
+/// mapping (`MADV_RANDOM`) and no readahead on reads through the descriptor
+/// (`POSIX_FADV_RANDOM`), so a cold row costs one read of its page(s).
+pub(crate) fn advise_random(f: &MappedFile) -> Result<()> {
+    if f.map.is_empty() {
+        return Ok(());
     }
-
-    /// Bytes of distinct pages touched since the last reset.
-    pub fn bytes(&self) -> u64 {
-        self.count.load(Ordering::Relaxed) * page_size() as u64
+    f.map
+        .advise(Advice::Random)
+        .map_err(|e| io_err(&f.path, "madvise(RANDOM)", e))?;
+    // SAFETY: an open descriptor we own; fadvise touches no memory of ours.
+    let rc = unsafe { libc::posix_fadvise(f.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
+    if rc != 0 {
+        return Err(io_err(
+            &f.path,
+            "posix_fadvise(RANDOM)",
+            std::io::Error::from_raw_os_error(rc),
+        ));
     }
-
-    pub fn reset(&self) {
-        for w in &self.bits {
-            w.store(0, Ordering::Relaxed);
-        }
-        self.count.store(0, Ordering::Relaxed);
-    }
+    Ok(())
 }
