@@ -108,6 +108,7 @@ class StagedRows:
     before the first kernel that reads the rows."""
 
     def __init__(self, rows: DeferredRows, side: Any, n: int) -> None:
+        # side None: issued inline on the caller's stream (eager), nothing to join.
         self._rows, self._side, self._n = rows, side, n
 
     @property
@@ -119,9 +120,10 @@ class StagedRows:
         """Make ``stream`` (default: torch's current stream) wait for the staged copy;
         returns ``staging[:rows]``. Under capture this is the graph edge from the copy to
         the consumer; every staged step must be joined before its capture ends."""
-        torch = _torch()
-        cur = torch.cuda.current_stream(self._rows.device) if stream is None else stream
-        cur.wait_stream(self._side)
+        if self._side is not None:
+            torch = _torch()
+            cur = torch.cuda.current_stream(self._rows.device) if stream is None else stream
+            cur.wait_stream(self._side)
         return self._rows.staging[: self._n]
 
 
@@ -293,20 +295,27 @@ class DeferredRows:
         """:meth:`enqueue` on a side stream forked from ``stream`` (default: the current
         stream), eagerly or under capture: the consumer's wait and copy run beside the
         work queued on ``stream`` until :meth:`StagedRows.join`, which the first kernel
-        reading the rows must follow. Deferred mode only (the fallbacks copy in
-        :meth:`fill`, before the launch)."""
+        reading the rows must follow. Eagerly the consumer is issued inline on ``stream``
+        (a fork would overlap nothing worth it). In the fallback modes the copy happened
+        in :meth:`fill`, before the launch, and nothing is recorded."""
         if self._device is None:
             raise InvalidArgumentError("stage() needs a CUDA device; on the host use enqueue()")
         n = self.max_rows if rows is None else int(rows)
         side = self._fork(stream)
-        self._live().enqueue(self._stream_handle(side), n)
+        self._live().enqueue(self._stream_handle(stream if side is None else side), n)
         return StagedRows(self, side, n)
 
     def _fork(self, stream: Any) -> Any:
-        """This object's side stream, made to wait for ``stream`` (default: current)."""
+        """Under capture: this object's side stream, made to wait for ``stream`` (default:
+        the current one). Eagerly: ``None``, the caller issues inline on ``stream``. An
+        eager fork would gain nothing (eager steps are warm-ups and prefills) and would
+        need ``record_stream`` on our own stream, which torch's allocator then uses when
+        the tensor is freed, possibly after the stream is gone."""
         torch = _torch()
         if torch is None:
             raise InvalidArgumentError("stage() needs torch")
+        if not torch.cuda.is_current_stream_capturing():
+            return None
         cur = torch.cuda.current_stream(self._device) if stream is None else stream
         if self._side is None:
             # Our own stream, not one of torch's pooled ones: a pooled stream can be the

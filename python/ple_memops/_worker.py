@@ -180,24 +180,24 @@ class GatherWorker:
     def stage(
         self, ids: Any, rows: int | None = None, count: Any = None, *, stream: Any = None
     ) -> StagedRows:
-        """Fork the step's device side onto this worker's side stream: publish ``ids``,
+        """Fork the step's device side onto the rows' own side stream: publish ``ids``,
         then the consumer's wait/copy/reset for ``rows`` rows (default ``ids.numel()``),
-        eagerly or under capture. The layers queued on ``stream`` (default: the current
-        stream) between this call and :meth:`StagedRows.join` run while the host gathers;
-        neither the publish nor the wait sits on their path."""
+        under capture. The layers queued on ``stream`` (default: the current stream)
+        between this call and :meth:`StagedRows.join` run while the host gathers; neither
+        the publish nor the wait sits on their path. Eagerly both are issued inline on
+        ``stream`` (and ``join`` does nothing)."""
         torch = _torch()
         if torch is None or not isinstance(ids, torch.Tensor) or ids.device.type != "cuda":
             raise RowShapeError("ids must be a CUDA tensor (use publish_from_host on the host)")
         n = int(ids.numel()) if rows is None else int(rows)
         side = self._rows._fork(stream)
+        if side is None:  # eager: inline on the caller's stream
+            self.publish(ids, count, stream=stream)
+            self._rows.enqueue(stream=stream, rows=n)
+            return StagedRows(self._rows, None, n)
         with torch.cuda.stream(side):
             self.publish(ids, count, stream=side)
             self._rows.enqueue(stream=side, rows=n)
-        if not torch.cuda.is_current_stream_capturing():
-            # Eager: keep the allocator from reusing the ids before the side stream read them.
-            ids.record_stream(side)
-            if count is not None:
-                count.record_stream(side)
         return StagedRows(self._rows, side, n)
 
     def publish_from_host(self, ids: Any) -> None:

@@ -344,7 +344,8 @@ class GemmaBench:
         import torch
 
         if self._uva is None:
-            w = self.stock.weight.detach()
+            # The stock (reference) module may already live on the GPU: pin a host copy.
+            w = self.stock.weight.detach().to("cpu")
             pinned = w.view(torch.int16).pin_memory()
             view = torch.as_tensor(_CudaArray(pinned, self.device.index or 0), device=self.device)
             mod = copy.copy(self.stock)
