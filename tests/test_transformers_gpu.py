@@ -83,7 +83,9 @@ def test_every_variant_captured_and_bit_identical(gemma_ckpt: Path) -> None:
         if r.variant == "gpu-table":
             assert extra >= table
         elif r.variant in DEFERRED_VARIANTS:
-            assert 0 < extra < table
+            # Its staging rows only: a few KiB, which the caching allocator may serve from
+            # blocks it already holds (so possibly no growth at all).
+            assert 0 <= extra < table
     served.close()
 
 

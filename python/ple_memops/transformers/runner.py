@@ -734,6 +734,14 @@ class GemmaBench:
                 ops.before(k, ids_prev)
                 graph.replay()
                 ends[k + 1].record(stream)
+                # Host-known ids: fill right after the launch, before anything else reaches
+                # the device queue. The replay waits for this fill, so any implicit
+                # synchronisation in between (a reduction's first workspace allocation, a
+                # lazily loaded kernel) would wait for a fill that cannot come yet.
+                if ops.needs_ids_after and style == "async" and k > 0:
+                    tok_ev[k - 1].synchronize()  # step k-1 only: never waits for step k
+                    ids_prev = _in_table(toks[k - 1].numpy(), dec.vocab_rows)
+                ops.after(k, ids_prev)
                 toks[k].copy_(dec.tok.view(-1), non_blocking=True)
                 tok_ev[k].record(stream)
                 if recording:
@@ -741,10 +749,6 @@ class GemmaBench:
                 else:
                     torch.ne(_bits(logits), _bits(record.logits[k]), out=diff)
                     torch.any(diff, out=mism[k])
-                if ops.needs_ids_after and style == "async" and k > 0:
-                    tok_ev[k - 1].synchronize()
-                    ids_prev = _in_table(toks[k - 1].numpy(), dec.vocab_rows)
-                ops.after(k, ids_prev)
                 ops.after_launch(k)
                 if style == "sync":
                     tok_ev[k].synchronize()
