@@ -310,3 +310,56 @@ def test_plan_sync_fallback_refuses_stage(torch: Any, table: pm.MmapTable) -> No
         got = plan.gather_now("a", torch.arange(8, device="cuda"))
         torch.cuda.synchronize()
         np.testing.assert_array_equal(got.cpu().numpy(), table.gather(np.arange(8)))
+
+
+@pytest.mark.parametrize("copy", ["kernel", "memop"])
+@pytest.mark.parametrize("with_worker", [False, True])
+def test_staged_host_fill_after_launch(
+    torch: Any, table: pm.MmapTable, copy: str, with_worker: bool
+) -> None:
+    """Host-known ids with a staged consumer, on both device paths, with and without a
+    worker attached to the rows (a plan builds one; host-filled steps must still work):
+    eager warm-ups (fill, then the inline consumer), a capture, then replays filled from
+    the host right after each launch. No step may wait for its fill past a bound."""
+    n, width = 8, 15360  # 120 KiB a step: the memop path under copy="auto" too
+    data = np.random.default_rng(4).integers(0, 256, (64, width), dtype=np.uint8)
+    rows = pm.DeferredRows(n, width, device=0, watchdog=10.0, copy=copy, track_arrival=True)
+    worker = None
+    if with_worker:
+        import tempfile
+
+        from safetensors.numpy import save_file as save
+
+        tmp = tempfile.mkdtemp()
+        save({"t.weight": data.view(np.float16)}, f"{tmp}/t.safetensors")
+        worker = pm.GatherWorker(rows, pm.MmapTable.open(f"{tmp}/t.safetensors", "t.weight"))
+    out = torch.zeros_like(rows.staging)
+    for i in range(2):
+        rows.begin(n)
+        rows.fill(data[i : i + n], busy_wait=5.0)
+        st = rows.stage(rows=n)
+        st.join()
+        out.copy_(rows.staging)
+        rows.complete()
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(out.cpu().numpy(), data[i : i + n])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        st = rows.stage(rows=n)
+        torch.cuda._sleep(20_000)
+        st.join()
+        out.copy_(rows.staging)
+    end = torch.cuda.Event()
+    for i in range(30):
+        rows.begin(n)
+        graph.replay()
+        end.record()
+        k = i % (64 - n)
+        t0 = time.monotonic()
+        rows.fill(data[k : k + n], busy_wait=5.0)
+        assert time.monotonic() - t0 < 5.0, f"replay {i}: the fill waited for the slot"
+        rows.complete()
+        assert done(end), f"replay {i} never finished"
+        np.testing.assert_array_equal(out.cpu().numpy(), data[k : k + n], err_msg=f"replay {i}")
+    if worker is not None:
+        worker.close()
