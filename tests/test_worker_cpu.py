@@ -241,3 +241,24 @@ def test_closing_a_worker_that_published_releases_its_rows(table: pm.MmapTable) 
     w.close()
     assert rows.phase == "poisoned"
     assert "can no longer be filled" in (rows.poison_cause or "")
+
+
+def test_staged_rows_hold_the_published_tensors_until_the_join() -> None:
+    """Under capture the side stream reads the ids after the capturing stream moved on; the
+    handle keeps them alive until join(), then lets them go."""
+    import gc
+    import weakref
+
+    class Ids:
+        pass
+
+    rows = pm.DeferredRows(4, WIDTH, device="cpu")
+    ids = Ids()
+    ref = weakref.ref(ids)
+    staged = pm.StagedRows(rows, None, 3, keep=(ids, None))
+    del ids
+    gc.collect()
+    assert ref() is not None, "the handle must keep the published ids alive"
+    assert staged.join().shape == (3, WIDTH)
+    gc.collect()
+    assert ref() is None, "join() releases them"

@@ -107,9 +107,15 @@ class StagedRows:
     :meth:`GatherWorker.stage` (or :meth:`DeferredRows.stage`). Call :meth:`join` right
     before the first kernel that reads the rows."""
 
-    def __init__(self, rows: DeferredRows, side: Any, n: int) -> None:
+    def __init__(self, rows: DeferredRows, side: Any, n: int, keep: tuple[Any, ...] = ()) -> None:
         # side None: issued inline on the caller's stream (eager), nothing to join.
         self._rows, self._side, self._n = rows, side, n
+        # Tensors the side stream reads (the published ids): under capture the capturing
+        # stream does not wait for them before the join, so if the caller dropped the
+        # last reference earlier, torch's allocator could hand their block to a later
+        # allocation of the capturing stream, and a replay would overwrite the ids before
+        # the publish read them. Held until join().
+        self._keep: tuple[Any, ...] = keep
 
     @property
     def rows(self) -> int:
@@ -124,6 +130,7 @@ class StagedRows:
             torch = _torch()
             cur = torch.cuda.current_stream(self._rows.device) if stream is None else stream
             cur.wait_stream(self._side)
+        self._keep = ()
         return self._rows.staging[: self._n]
 
 

@@ -198,7 +198,7 @@ class GatherWorker:
         with torch.cuda.stream(side):
             self.publish(ids, count, stream=side)
             self._rows.enqueue(stream=side, rows=n)
-        return StagedRows(self._rows, side, n)
+        return StagedRows(self._rows, side, n, keep=(ids, count))
 
     def publish_from_host(self, ids: Any) -> None:
         """Publish ids from the host, as the GPU would (host mode; tests)."""

@@ -389,16 +389,22 @@ impl DeferredRows {
                 "its gather worker has steps in flight; complete them before a host-filled step",
             ));
         }
-        self.begin_depth(rows, 1)
+        self.begin_step(rows, 1, false)
     }
 
-    /// [`Self::begin`] allowing up to `depth` steps in flight (the gather worker's steps).
-    pub(crate) fn begin_depth(&self, rows: usize, depth: usize) -> Result<u64> {
+    /// A step the gather worker arms, with up to `depth` of its steps in flight.
+    pub(crate) fn begin_for_worker(&self, rows: usize, depth: usize) -> Result<u64> {
+        self.begin_step(rows, depth, true)
+    }
+
+    fn begin_step(&self, rows: usize, depth: usize, worker: bool) -> Result<u64> {
         let s = &self.shared;
         let step = {
             let mut inner = s.lock();
             let step = inner.step_seq + 1;
-            inner.phase.begin(rows, s.cfg.max_rows, step, depth)?;
+            inner
+                .phase
+                .begin(rows, s.cfg.max_rows, step, depth, worker)?;
             inner.step_seq = step;
             step
         };
@@ -488,9 +494,7 @@ impl DeferredRows {
         inner.phase.check_live()?;
         let Some(ctx) = &s.ctx else {
             // Host mode: nothing runs on a GPU; keep the eager ordering rule anyway.
-            inner
-                .phase
-                .eager_enqueue(s.worker_fed.load(Ordering::Acquire))?;
+            inner.phase.eager_enqueue()?;
             inner.stats.eager_enqueues += 1;
             return Ok(Enqueued::Nothing);
         };
@@ -527,7 +531,7 @@ impl DeferredRows {
             (Mode::Deferred, None) => {
                 // Applied to a copy: a failed issue below leaves the phase unchanged.
                 let mut next = inner.phase.clone();
-                let n = next.eager_enqueue(s.worker_fed.load(Ordering::Acquire))?;
+                let n = next.eager_enqueue()?;
                 if let Some(r) = rows {
                     if r != n {
                         return Err(Error::rows(format!(
@@ -549,9 +553,7 @@ impl DeferredRows {
                 Ok(Enqueued::Nothing)
             }
             (_, None) => {
-                inner
-                    .phase
-                    .eager_enqueue(s.worker_fed.load(Ordering::Acquire))?;
+                inner.phase.eager_enqueue()?;
                 inner.stats.eager_enqueues += 1;
                 Ok(Enqueued::Nothing)
             }

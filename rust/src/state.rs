@@ -25,6 +25,8 @@ pub struct Step {
     pub filled: bool,
     /// A worker-fed object was enqueued eagerly for it before its fill.
     pub eager_enqueued: bool,
+    /// A gather worker armed this step (and will fill it from its own thread).
+    pub worker: bool,
 }
 
 /// Where one object is in its steps.
@@ -98,8 +100,15 @@ impl Phase {
     }
 
     /// `begin(rows)`: start step `seq` of `rows` rows (the captured extent), with at most
-    /// `depth` steps in flight.
-    pub fn begin(&mut self, rows: usize, max_rows: usize, seq: u64, depth: usize) -> Result<()> {
+    /// `depth` steps in flight; `worker`: a gather worker armed it.
+    pub fn begin(
+        &mut self,
+        rows: usize,
+        max_rows: usize,
+        seq: u64,
+        depth: usize,
+        worker: bool,
+    ) -> Result<()> {
         let name = self.name();
         let steps = self.steps_mut()?;
         if rows == 0 || rows > max_rows {
@@ -123,6 +132,7 @@ impl Phase {
             seq,
             filled: false,
             eager_enqueued: false,
+            worker,
         });
         Ok(())
     }
@@ -155,10 +165,10 @@ impl Phase {
 
     /// An eager (non-captured) enqueue. Returns the step's rows. Eager work must never
     /// wait on a fill that the calling thread makes later (an implicit synchronisation
-    /// before it would deadlock), so the step must already be filled, unless
-    /// `worker_fed`: a native worker fills it when the GPU publishes its ids, which no
-    /// host synchronisation can block. Only with exactly one step in flight.
-    pub fn eager_enqueue(&mut self, worker_fed: bool) -> Result<usize> {
+    /// before it would deadlock), so the step must already be filled, unless a gather
+    /// worker armed it: the worker fills it when the GPU publishes its ids, which no host
+    /// synchronisation can block. Only with exactly one step in flight.
+    pub fn eager_enqueue(&mut self) -> Result<usize> {
         let steps = self.steps_mut()?;
         let n = steps.len();
         let Some(step) = steps.front_mut() else {
@@ -179,7 +189,7 @@ impl Phase {
                 "already enqueued in this step: a second WAIT would never be released",
             ));
         }
-        if !step.filled && !worker_fed {
+        if !step.filled && !step.worker {
             return Err(Error::state(
                 Op::Enqueue,
                 "eager enqueue before fill: fill() or prepare_dummy() first (only graph replays may defer the fill)",
@@ -216,12 +226,12 @@ mod tests {
     fn happy_path() {
         let mut p = Phase::default();
         assert_eq!(p.name(), "idle");
-        p.begin(4, 8, 1, 1).unwrap();
+        p.begin(4, 8, 1, 1, false).unwrap();
         assert_eq!(p.name(), "pending");
         assert_eq!(p.check_fill(Op::Fill, 3).unwrap(), 4);
         p.mark_filled();
         assert_eq!(p.name(), "filled");
-        assert_eq!(p.eager_enqueue(false).unwrap(), 4);
+        assert_eq!(p.eager_enqueue().unwrap(), 4);
         assert_eq!(p.complete().unwrap().seq, 1);
         assert_eq!(p, Phase::default());
     }
@@ -231,37 +241,40 @@ mod tests {
         let mut idle = Phase::default();
         assert_eq!(kind(idle.check_fill(Op::Fill, 1)), ErrorKind::State);
         assert_eq!(kind(idle.complete()), ErrorKind::State);
-        assert_eq!(kind(idle.eager_enqueue(false)), ErrorKind::State);
+        assert_eq!(kind(idle.eager_enqueue()), ErrorKind::State);
         let mut p = Phase::default();
-        p.begin(2, 8, 1, 1).unwrap();
-        assert_eq!(kind(p.begin(2, 8, 2, 1)), ErrorKind::State);
+        p.begin(2, 8, 1, 1, false).unwrap();
+        assert_eq!(kind(p.begin(2, 8, 2, 1, false)), ErrorKind::State);
         assert_eq!(kind(p.complete()), ErrorKind::State);
-        assert_eq!(kind(p.eager_enqueue(false)), ErrorKind::State);
+        assert_eq!(kind(p.eager_enqueue()), ErrorKind::State);
         assert_eq!(kind(p.check_fill(Op::Fill, 3)), ErrorKind::RowShape);
         p.mark_filled();
         assert_eq!(kind(p.check_fill(Op::Fill, 1)), ErrorKind::State);
-        p.eager_enqueue(false).unwrap();
-        assert_eq!(kind(p.eager_enqueue(false)), ErrorKind::State);
+        p.eager_enqueue().unwrap();
+        assert_eq!(kind(p.eager_enqueue()), ErrorKind::State);
     }
 
     #[test]
-    fn worker_fed_steps_may_enqueue_before_the_fill_once() {
+    fn worker_steps_may_enqueue_before_the_fill_once() {
         let mut p = Phase::default();
-        p.begin(2, 8, 1, 1).unwrap();
-        assert_eq!(p.eager_enqueue(true).unwrap(), 2);
-        assert_eq!(kind(p.eager_enqueue(true)), ErrorKind::State);
+        p.begin(2, 8, 1, 1, true).unwrap();
+        assert_eq!(p.eager_enqueue().unwrap(), 2);
+        assert_eq!(kind(p.eager_enqueue()), ErrorKind::State);
         p.mark_filled();
-        assert_eq!(kind(p.eager_enqueue(true)), ErrorKind::State);
+        assert_eq!(kind(p.eager_enqueue()), ErrorKind::State);
         p.complete().unwrap();
         assert_eq!(p.in_flight(), 0);
+        // A host step on the same object must be filled first, worker or not.
+        p.begin(2, 8, 2, 1, false).unwrap();
+        assert_eq!(kind(p.eager_enqueue()), ErrorKind::State);
     }
 
     #[test]
     fn two_steps_in_flight_fill_and_complete_in_order() {
         let mut p = Phase::default();
-        p.begin(3, 8, 1, 2).unwrap();
-        p.begin(5, 8, 2, 2).unwrap();
-        let e = p.begin(1, 8, 3, 2).unwrap_err();
+        p.begin(3, 8, 1, 2, true).unwrap();
+        p.begin(5, 8, 2, 2, true).unwrap();
+        let e = p.begin(1, 8, 3, 2, true).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::State);
         assert!(e.to_string().contains("2 steps already in flight"), "{e}");
         assert_eq!(p.in_flight(), 2);
@@ -274,7 +287,7 @@ mod tests {
         assert_eq!(p.oldest_unfilled().unwrap().seq, 2);
         assert_eq!(p.check_fill(Op::Fill, 5).unwrap(), 5);
         // No eager enqueue while two steps are in flight.
-        assert_eq!(kind(p.eager_enqueue(true)), ErrorKind::State);
+        assert_eq!(kind(p.eager_enqueue()), ErrorKind::State);
         assert_eq!(p.complete().unwrap().seq, 1);
         // Step 2 is not filled yet.
         assert_eq!(kind(p.complete()), ErrorKind::State);
@@ -286,8 +299,8 @@ mod tests {
     #[test]
     fn begin_checks_extent() {
         let mut p = Phase::default();
-        assert_eq!(kind(p.begin(0, 8, 1, 1)), ErrorKind::RowShape);
-        assert_eq!(kind(p.begin(9, 8, 1, 1)), ErrorKind::RowShape);
+        assert_eq!(kind(p.begin(0, 8, 1, 1, false)), ErrorKind::RowShape);
+        assert_eq!(kind(p.begin(9, 8, 1, 1, false)), ErrorKind::RowShape);
         assert_eq!(p.in_flight(), 0);
     }
 
@@ -297,9 +310,9 @@ mod tests {
             cause: "boom".into(),
         };
         let errs = [
-            p.clone().begin(1, 1, 1, 1).map(|_| ()),
+            p.clone().begin(1, 1, 1, 1, false).map(|_| ()),
             p.check_fill(Op::Fill, 1).map(|_| ()),
-            p.clone().eager_enqueue(false).map(|_| ()),
+            p.clone().eager_enqueue().map(|_| ()),
             p.clone().complete().map(|_| ()),
         ];
         for r in errs {

@@ -374,7 +374,7 @@ impl GatherWorker {
                 "the rows object has a step begun outside this worker; complete it first",
             ));
         }
-        let step = sh.rows.begin_depth(rows, sh.opts.depth)?;
+        let step = sh.rows.begin_for_worker(rows, sh.opts.depth)?;
         ctl.armed.push_back(step);
         sh.armed_seq.store(step, Ordering::Release);
         sh.cv.notify_all();
