@@ -157,6 +157,52 @@ def test_bench_cpu_path_every_variant_identical(gemma_ckpt: Path) -> None:
     served.close()
 
 
+def test_published_ids_live_until_the_consumer_joined(gemma_ckpt: Path) -> None:
+    # Under capture the publish reads the ids on the rows' side stream, which the
+    # capturing stream waits for only at the join: with a late consumer placement, layers
+    # run in between, and if the ids' last reference went with rows_for, torch could hand
+    # their block to one of those layers' outputs. The ticket holds them until the join.
+    import gc
+    import weakref
+
+    from ple_memops.transformers._models import GEMMA3N_TABLE
+
+    model = _gemma(gemma_ckpt)
+    served = serve(model, gemma_ckpt)
+    server = served.server
+    seen: dict[str, Any] = {}
+
+    class Staged:
+        def join(self) -> None:
+            seen["alive at join"] = seen["ids"]() is not None
+
+    class Plan:  # the deferred plan's stage(), as rows_for calls it
+        mode = "deferred"
+
+        def stage(self, name: str, ids: Any, rows: int) -> Staged:
+            seen["ids"] = weakref.ref(ids)  # the worker keeps no reference either
+            return Staged()
+
+        def staging(self, name: str, n: int) -> Any:
+            return torch.zeros((n, 4), dtype=torch.uint8)
+
+    tickets: list[Any] = []
+    server.plan, server.source, server.graph_path = Plan(), "device", True
+    server.consume_later(GEMMA3N_TABLE, tickets.append)
+    try:
+        server.rows_for(GEMMA3N_TABLE, torch.tensor([[5], [7]]))
+        gc.collect()
+        assert seen["ids"]() is not None, "the published ids were freed before the join"
+        tickets.pop().consume()
+        gc.collect()
+    finally:
+        server.plan, server.source, server.graph_path = None, "device", False
+        server.consume_later(GEMMA3N_TABLE, None)
+    assert seen["alive at join"]
+    assert seen["ids"]() is None  # and released once joined
+    served.close()
+
+
 def test_late_placement_changes_nothing_eagerly(gemma_ckpt: Path) -> None:
     stock = _gemma(gemma_ckpt)
     model = _gemma(gemma_ckpt)
