@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from gpu_wait import done
 from safetensors.numpy import save_file
 
 import ple_memops as pm
@@ -44,15 +45,6 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> pm.MmapTable:
 @pytest.fixture(params=["kernel", "memop"])
 def publish(request: pytest.FixtureRequest) -> str:
     return str(request.param)
-
-
-def done(event: Any, timeout: float = 10.0) -> bool:
-    t0 = time.monotonic()
-    while not event.query():
-        if time.monotonic() - t0 > timeout:
-            return False
-        time.sleep(0.0002)
-    return True
 
 
 def ids_for(step: int, n: int, modulo: int = TABLE_ROWS) -> np.ndarray:

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from gpu_wait import done
 
 import ple_memops as pm
 
@@ -35,16 +36,6 @@ def torch():  # type: ignore[no-untyped-def]
 
     torch.cuda.init()
     return torch
-
-
-def done(torch, event, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    """Poll an event (never a blocking sync: a stuck WAIT must fail the test, not hang it)."""
-    t0 = time.monotonic()
-    while not event.query():
-        if time.monotonic() - t0 > timeout:
-            return False
-        time.sleep(0.0005)
-    return True
 
 
 def host_rows(k: int, seed: int, width: int = ROW) -> np.ndarray:
@@ -138,7 +129,7 @@ def test_captured_replays_with_fill_after_launch(torch, copy: str) -> None:  # t
         g.replay()  # launched first: the graph waits on the flag
         dr.fill(rows, busy_wait=5.0)
         dr.complete()
-        assert done(torch, g.end), f"replay {i} never finished"
+        assert done(g.end), f"replay {i} never finished"
         got = g.out.cpu().numpy()
         np.testing.assert_array_equal(got[:k], rows, err_msg=f"replay {i}")
         assert not got[k:].any(), f"replay {i}: padding not zero"
@@ -157,7 +148,7 @@ def test_replay_really_waits_for_the_fill(torch, copy: str) -> None:  # type: ig
     rows = host_rows(8, 5)
     dr.fill(rows)
     dr.complete()
-    assert done(torch, g.end)
+    assert done(g.end)
     np.testing.assert_array_equal(g.out.cpu().numpy(), rows)
     assert dr.stats().gpu_waited == 1
     dr.close()
@@ -171,20 +162,20 @@ def test_abort_releases_a_pending_replay_and_the_gate_stays_open(torch, copy: st
     g.replay()
     dr.fill(host_rows(8, 1))
     dr.complete()
-    assert done(torch, g.end)
+    assert done(g.end)
     dr.begin(8)
     g.replay()
     time.sleep(0.01)
     assert not g.end.query()
     dr.abort("request cancelled")
-    assert done(torch, g.end), "abort did not release the GPU"
+    assert done(g.end), "abort did not release the GPU"
     assert not g.out.cpu().numpy().any()
     with pytest.raises(pm.PoisonedError, match="request cancelled"):
         dr.complete()
     # The GPU's reset cannot close a poisoned gate: later replays never wait.
     for _ in range(3):
         g.replay()
-        assert done(torch, g.end), "a replay after abort waited"
+        assert done(g.end), "a replay after abort waited"
 
 
 def test_watchdog_releases_a_pending_replay(torch, copy: str) -> None:  # type: ignore[no-untyped-def]
@@ -193,7 +184,7 @@ def test_watchdog_releases_a_pending_replay(torch, copy: str) -> None:  # type: 
     dr.begin(8)
     g.replay()
     t0 = time.monotonic()
-    assert done(torch, g.end, timeout=5.0), "the watchdog did not release the GPU"
+    assert done(g.end, timeout=5.0), "the watchdog did not release the GPU"
     assert time.monotonic() - t0 >= 0.1
     with pytest.raises(pm.PoisonedError, match="watchdog"):
         dr.complete()
@@ -206,7 +197,7 @@ def test_step_context_releases_on_keyboard_interrupt(torch) -> None:  # type: ig
     with pytest.raises(KeyboardInterrupt), dr.step(8):
         g.replay()
         raise KeyboardInterrupt
-    assert done(torch, g.end)
+    assert done(g.end)
     assert "KeyboardInterrupt" in (dr.poison_cause or "")
 
 
@@ -218,11 +209,11 @@ def test_del_releases_a_pending_replay(torch, copy: str) -> None:  # type: ignor
     g.replay()
     del dr
     gc.collect()
-    assert done(torch, g.end), "dropping the object did not release the GPU"
+    assert done(g.end), "dropping the object did not release the GPU"
     # The graph captured the object's pinned memory: it is retained, not freed.
     assert pm.retained_bytes() > retained
     g.replay()
-    assert done(torch, g.end)
+    assert done(g.end)
 
 
 def test_interpreter_exit_releases_a_pending_replay(torch) -> None:  # type: ignore[no-untyped-def]
@@ -266,7 +257,7 @@ def test_slot_busy_until_the_gpu_consumed(torch, copy: str) -> None:  # type: ig
     dr.fill(second)
     g.replay()
     dr.complete()
-    assert done(torch, g.end)
+    assert done(g.end)
     np.testing.assert_array_equal(g.out.cpu().numpy(), second)
     assert dr.stats().slot_busy == 2
 
@@ -306,7 +297,7 @@ def test_several_objects_in_one_graph(torch, copy: str) -> None:  # type: ignore
             group[j].fill(data[j], busy_wait=5.0)
         for g in group:
             g.complete()
-        assert done(torch, end), f"replay {i}"
+        assert done(end), f"replay {i}"
         for d, o in zip(data, outs, strict=True):
             got = o.cpu().numpy()
             np.testing.assert_array_equal(got[: len(d)], d)
@@ -328,7 +319,7 @@ def test_sync_fallback_is_byte_identical(torch, copy: str) -> None:  # type: ign
         sync.fill(rows)  # the fallback fills before the launch
         gs.replay()
         sync.complete()
-        assert done(torch, gd.end) and done(torch, gs.end)
+        assert done(gd.end) and done(gs.end)
         assert torch.equal(gd.out, gs.out), f"step {i}"
 
 
@@ -356,7 +347,7 @@ def test_auto_path_switches_to_memops_for_large_steps(torch) -> None:  # type: i
             g.replay()
             dr.fill(rows, busy_wait=5.0)
             dr.complete()
-            assert done(torch, g.end)
+            assert done(g.end)
             got = g.out.cpu().numpy()
             np.testing.assert_array_equal(got[: len(rows)], rows)
             assert not got[len(rows) : extent].any()

@@ -9,12 +9,12 @@ No test may hang: every wait for the GPU polls an event with a bound.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from gpu_wait import done
 from safetensors.numpy import save_file
 
 import ple_memops as pm
@@ -53,15 +53,6 @@ def cold_table(tmp_path_factory: pytest.TempPathFactory) -> Any:
         pytest.skip(f"pages of {path} cannot leave the page cache (tmpfs?)")
     yield t
     t.close()
-
-
-def done(event: Any, timeout: float = 10.0) -> bool:
-    t0 = time.monotonic()
-    while not event.query():
-        if time.monotonic() - t0 > timeout:
-            return False
-        time.sleep(0.0002)
-    return True
 
 
 def evict(table: pm.MmapTable) -> None:

@@ -22,7 +22,6 @@ wrong rows (the consumer reads zeros), a typed error at the next call.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from gpu_wait import done as wait_done
 
 import ple_memops as pm
 from ple_memops.vllm import ops, runner
@@ -111,12 +111,7 @@ def write_checkpoint(root: Path) -> tuple[Path, dict[str, np.ndarray]]:
 
 
 def done(event: Any, timeout: float = TIMEOUT) -> bool:
-    t0 = time.monotonic()
-    while not event.query():
-        if time.monotonic() - t0 > timeout:
-            return False
-        time.sleep(0.0002)
-    return True
+    return wait_done(event, timeout)
 
 
 class StandInModel(torch.nn.Module):

@@ -8,10 +8,10 @@ No test may hang: every wait for the GPU polls an event with a bound.
 from __future__ import annotations
 
 import gc
-import time
 
 import numpy as np
 import pytest
+from gpu_wait import done
 from safetensors.numpy import save_file
 
 import ple_memops as pm
@@ -42,15 +42,6 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> pm.MmapTable:
 @pytest.fixture(params=["kernel", "memop"])
 def publish(request: pytest.FixtureRequest) -> str:
     return str(request.param)
-
-
-def done(event, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    t0 = time.monotonic()
-    while not event.query():
-        if time.monotonic() - t0 > timeout:
-            return False
-        time.sleep(0.0002)
-    return True
 
 
 class IdGraph:
