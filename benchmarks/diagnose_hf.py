@@ -196,14 +196,37 @@ def hang_part(served: Any, stock: Any, dev: Any, batch: int, steps: int) -> None
         sys.stdout.flush()
 
 
-def determinism_part(served: Any, stock: Any, dev: Any, batch: int, steps: int) -> None:
+def _first_diff(dec: Any, graph: Any, logits: Any, record: Any) -> str:
+    """Replay every step against the recording; describe the first step that differs."""
     import torch
+
+    dec.prefill()
+    for k in range(dec.steps):
+        if graph is None:
+            out = dec.step()
+        else:
+            graph.replay()
+            out = logits
+        ref = record.logits[k]
+        bad = out.view(torch.int16) != ref.view(torch.int16)
+        if bool(bad.any()):
+            d = (out.float() - ref.float()).abs()
+            same_tok = bool(torch.equal(out.argmax(-1), ref.argmax(-1)))
+            return (
+                f"first differs at step {k}: {int(bad.sum())} of {bad.numel()} logits, "
+                f"max |diff| {float(d.max()):.3g}; argmax {'same' if same_tok else 'DIFFERS'}"
+            )
+    return "identical at every step"
+
+
+def determinism_part(served: Any, stock: Any, dev: Any, batch: int, steps: int) -> None:
 
     from ple_memops.transformers.runner import Decoder, GemmaBench, _Ops, _Record
 
     bench = GemmaBench(served, stock, device=dev, track_arrival=bench_cuda(dev))
     dec = Decoder(served.model, batch=batch, steps=steps, device=dev)
     print(f"== determinism: gpu-table reference, batch {batch}, {steps} steps")
+    differed: list[str] = []
 
     def show(what: str, style: str = "sync") -> None:
         r = bench._loop(dec, graph, logits, style, _Ops(), record)
@@ -212,6 +235,8 @@ def determinism_part(served: Any, stock: Any, dev: Any, batch: int, steps: int) 
             f"  {what:<44} logits first differ at {r.first_mismatch}, tokens "
             f"{'identical' if r.tokens_identical else 'DIFFER'}; state after prefill: {state}"
         )
+        if r.first_mismatch is not None:
+            differed.append(what)
         sys.stdout.flush()
 
     with contextlib.ExitStack() as stack:
@@ -222,22 +247,15 @@ def determinism_part(served: Any, stock: Any, dev: Any, batch: int, steps: int) 
         bench._loop(dec, graph, logits, "sync", _Ops(), record, recording=True)
         for i in range(3):
             show(f"replay run {i + 1}, nothing in between")
+        back_to_back = bool(differed)
+        if back_to_back:
+            print(f"  (a back-to-back replay: {_first_diff(dec, graph, logits, record)})")
         ok = bench._check_eager(dec, record)
         print(f"  eager check (4 steps): {'bit-identical' if ok else 'DIFFER'}")
         show("replay after the eager check")
         show("replay, async style", "async")
         show("replay after an async run")
-        # The eager path for every step, against the recording (graph == eager?).
-        dec.prefill()
-        first = None
-        with torch.no_grad():
-            for k in range(steps):
-                lg = dec.step()
-                if first is None and not torch.equal(
-                    lg.view(torch.int16), record.logits[k].view(torch.int16)
-                ):
-                    first = k
-        print(f"  eager steps vs the recording: first differ at {first}")
+        print(f"  eager steps vs the recording: {_first_diff(dec, None, None, record)}")
         served.restore()
         others = [("deferred-device", "late"), ("pinned-uva", "early")]
         for variant, placement in others if bench.cuda else others[:1]:
@@ -248,6 +266,35 @@ def determinism_part(served: Any, stock: Any, dev: Any, batch: int, steps: int) 
                     f"{r.first_mismatch}; state after prefill: {state}"
                 )
             show(f"replay after {variant}")
+    if back_to_back and bench.cuda:
+        _by_attention_backend(bench, served, dec)
+
+
+def _by_attention_backend(bench: Any, served: Any, dec: Any) -> None:
+    """The reference captured and replayed back to back under one SDPA backend at a time
+    (the eager prefill too): which of them repeat?"""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ple_memops.transformers.runner import _Ops, _Record
+
+    print("== determinism by attention backend (capture, record, two replays each)")
+    for backend in (SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        try:
+            with contextlib.ExitStack() as stack, sdpa_kernel([backend]):
+                stack.enter_context(bench._installed("gpu-table"))
+                graph, logits = bench._capture(dec)
+                stack.callback(served.restore)
+                record = _Record(dec, True)
+                bench._loop(dec, graph, logits, "sync", _Ops(), record, recording=True)
+                firsts = [
+                    bench._loop(dec, graph, logits, "sync", _Ops(), record).first_mismatch
+                    for _ in range(2)
+                ]
+                print(f"  {backend.name:<20} replays first differ at {firsts}")
+                del graph
+        except Exception as e:
+            print(f"  {backend.name:<20} not run: {type(e).__name__}: {str(e)[:100]}")
+        sys.stdout.flush()
 
 
 def bench_cuda(dev: Any) -> bool:

@@ -49,7 +49,7 @@ run "pytest (tiny Gemma 3n: every variant; filler-thread deferred-host)" 240 "$O
     echo "== launch (copy kernels where fill | launch ms | fill ms | result)"
     grep -E "^(kernel|memop) " "$OUT/launch.log"
     echo "== E2B"
-    grep -E "^==|replay|eager|itself|differ|DIFFER|Error|step [0-9]+|deferred-host|gpu-table|\(.* s\)" "$OUT/e2b.log" | head -60
+    grep -E "^==|replay|eager|itself|differ|DIFFER|Error|MATH|EFFICIENT|CUDNN|step [0-9]+|deferred-host|gpu-table|\(.* s\)" "$OUT/e2b.log" | head -80
     echo "== pytest"
     grep -E "passed|failed|error" "$OUT/pytest.log"
     echo "== wall time $((SECONDS - T0)) s, rc=$RC"
