@@ -328,11 +328,23 @@ def main() -> None:
         parts.remove("hang")
     if "hang" in parts or "determinism" in parts:
         served, stock, dev = _load(a.model, a.layers, a.device)
-        if "determinism" in parts:
-            determinism_part(served, stock, dev, a.det_batch, a.det_steps)
-        if "hang" in parts:
-            hang_part(served, stock, dev, a.hang_batch, a.hang_steps)
+        failed = False
+        for part, fn, batch, steps in (
+            ("determinism", determinism_part, a.det_batch, a.det_steps),
+            ("hang", hang_part, a.hang_batch, a.hang_steps),
+        ):
+            if part not in parts:
+                continue
+            try:
+                fn(served, stock, dev, batch, steps)
+            except Exception as e:  # the other part still runs
+                failed = True
+                print(f"!! {part} part failed:")
+                print("".join(traceback.format_exception(e)[-10:]))
+            sys.stdout.flush()
         served.close()
+        if failed:
+            sys.exit(1)
 
 
 if __name__ == "__main__":
