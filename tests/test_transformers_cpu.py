@@ -157,6 +157,147 @@ def test_bench_cpu_path_every_variant_identical(gemma_ckpt: Path) -> None:
     served.close()
 
 
+def test_bench_runs_start_from_the_recordings_state(gemma_ckpt: Path) -> None:
+    # Every run checks, after its prefill, the state its steps read (KV cache, counters,
+    # token and position, prefill logits, memoised constants, weights) against the
+    # recording's: a clean run reports nothing, the report says so.
+    from ple_memops.transformers import _report
+    from ple_memops.transformers.cli import load_gemma
+    from ple_memops.transformers.runner import GemmaBench
+
+    served, stock = load_gemma(gemma_ckpt, torch.device("cpu"))
+    bench = GemmaBench(served, stock, device="cpu")
+    results = bench.run_batch(
+        2,
+        5,
+        variants=["gpu-table", "sync-gather", "fallback"],
+        styles=["sync"],
+        placements=["late"],
+    )
+    assert [r.state_diff for r in results] == [[], [], []]
+    assert any(
+        "every run started from the recording's state" in x for x in _report.summary(results)
+    )
+    served.close()
+
+
+@pytest.mark.parametrize("what", ["weights", "kv-cache", "constants"])
+def test_bench_names_state_that_changed_between_runs(gemma_ckpt: Path, what: str) -> None:
+    # Something changed behind the runner's back between the recording and the timed
+    # runs (a stray write into a weight, a cache position the prefill's reset misses, a
+    # memoised constant): the runs that differ say which state they started from.
+    from ple_memops.transformers import _capture, _report
+    from ple_memops.transformers.cli import load_gemma
+    from ple_memops.transformers.runner import GemmaBench
+
+    served, stock = load_gemma(gemma_ckpt, torch.device("cpu"))
+    bench = GemmaBench(served, stock, device="cpu")
+    check_eager = bench._check_eager
+    undo: list[Any] = []
+
+    def tamper(dec: Any, record: Any) -> bool:
+        ok = check_eager(dec, record)
+        with torch.no_grad():
+            if what == "weights":
+                w = served.model.model.layers[0].mlp.down_proj.weight
+                old = w[0, 0].clone()
+                w[0, 0] += 1.0
+                undo.append(lambda: w[0, 0].copy_(old))
+            elif what == "kv-cache":
+                layer = dec.cache.layers[1]
+                reset = layer.reset
+
+                def leaky_reset() -> None:  # a reset that leaves the last position
+                    last = layer.keys[..., -1, :].clone()
+                    reset()
+                    layer.keys[..., -1, :] = last + 1
+
+                layer.reset = leaky_reset
+            else:
+                memo = vars(_capture._PATCHED["gemma3n"])["torch"]._memo
+                t = next(iter(memo.values()))
+                old = t.clone()
+                t.add_(1)
+                undo.append(lambda: t.copy_(old))
+        return ok
+
+    bench._check_eager = tamper  # type: ignore[method-assign]
+    try:
+        results = bench.run_batch(
+            1, 4, variants=["gpu-table", "sync-gather"], styles=["sync"], placements=["early"]
+        )
+    finally:
+        for u in undo:
+            with torch.no_grad():
+                u()
+    want = {"weights": "weights", "kv-cache": "kv-cache layer 1", "constants": "memoised constants"}
+    for r in results:
+        assert r.state_diff is not None and want[what] in r.state_diff, r
+        if what == "kv-cache":  # a position past the prompt: nothing else moves
+            assert r.state_diff == [want[what]], r
+    text = _report.text_table(results)
+    assert "started from a different " in text and want[what] in text
+    served.close()
+
+
+def test_published_ids_live_until_the_consumer_joined(gemma_ckpt: Path) -> None:
+    # Under capture the publish reads the ids on the rows' side stream, which the
+    # capturing stream waits for only at the join: with a late consumer placement, layers
+    # run in between, and if the ids' last reference went with rows_for, torch could hand
+    # their block to one of those layers' outputs. The ticket holds them until the join.
+    import gc
+    import weakref
+
+    from ple_memops.transformers._models import GEMMA3N_TABLE
+
+    model = _gemma(gemma_ckpt)
+    served = serve(model, gemma_ckpt)
+    server = served.server
+    seen: dict[str, Any] = {}
+
+    class Staged:
+        def join(self) -> None:
+            seen["alive at join"] = seen["ids"]() is not None
+
+    class Plan:  # the deferred plan's stage(), as rows_for calls it
+        mode = "deferred"
+
+        def stage(self, name: str, ids: Any, rows: int) -> Staged:
+            seen["ids"] = weakref.ref(ids)  # the worker keeps no reference either
+            return Staged()
+
+        def staging(self, name: str, n: int) -> Any:
+            return torch.zeros((n, 4), dtype=torch.uint8)
+
+    tickets: list[Any] = []
+    server.plan, server.source, server.graph_path = Plan(), "device", True
+    server.consume_later(GEMMA3N_TABLE, tickets.append)
+    try:
+        server.rows_for(GEMMA3N_TABLE, torch.tensor([[5], [7]]))
+        gc.collect()
+        assert seen["ids"]() is not None, "the published ids were freed before the join"
+        tickets.pop().consume()
+        gc.collect()
+    finally:
+        server.plan, server.source, server.graph_path = None, "device", False
+        server.consume_later(GEMMA3N_TABLE, None)
+    assert seen["alive at join"]
+    assert seen["ids"]() is None  # and released once joined
+    served.close()
+
+
+def test_host_fill_mode_is_checked(gemma_ckpt: Path) -> None:
+    from ple_memops.errors import InvalidArgumentError
+    from ple_memops.transformers.cli import load_gemma
+    from ple_memops.transformers.runner import GemmaBench
+
+    served, stock = load_gemma(gemma_ckpt, torch.device("cpu"))
+    with pytest.raises(InvalidArgumentError, match="host_fill"):
+        GemmaBench(served, stock, device="cpu", host_fill="later")
+    assert GemmaBench(served, stock, device="cpu", host_fill="thread").host_fill == "thread"
+    served.close()
+
+
 def test_late_placement_changes_nothing_eagerly(gemma_ckpt: Path) -> None:
     stock = _gemma(gemma_ckpt)
     model = _gemma(gemma_ckpt)

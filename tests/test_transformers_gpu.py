@@ -69,6 +69,7 @@ def test_every_variant_captured_and_bit_identical(gemma_ckpt: Path) -> None:
             r.first_mismatch,
         )
         assert len(r.step_us) == 24 and all(t > 0 for t in r.step_us)
+        assert r.state_diff == [], (r.variant, r.batch, r.style, r.placement, r.state_diff)
         if r.variant in DEFERRED_VARIANTS:
             assert r.mode == "deferred"
             assert r.host_gather_us is not None
@@ -86,6 +87,32 @@ def test_every_variant_captured_and_bit_identical(gemma_ckpt: Path) -> None:
             # Its staging rows only: a few KiB, which the caching allocator may serve from
             # blocks it already holds (so possibly no growth at all).
             assert 0 <= extra < table
+    served.close()
+
+
+@pytest.mark.parametrize("copy_rows", [1, 520])
+def test_deferred_host_fill_on_a_filler_thread(gemma_ckpt: Path, copy_rows: int) -> None:
+    # host_fill="thread": deferred-host's fill is handed to a filler thread as the step is
+    # launched, in both styles and placements, on the kernel copy path (batch 1: 128 B a
+    # step) and the copy-engine one (batch 520: 66,560 B, above the 64 KiB switch).
+    from ple_memops.transformers.cli import load_gemma
+    from ple_memops.transformers.runner import GemmaBench
+
+    served, stock = load_gemma(gemma_ckpt, torch.device("cuda", 0))
+    bench = GemmaBench(served, stock, device="cuda:0", track_arrival=True, host_fill="thread")
+    results = bench.run_batch(
+        copy_rows,
+        12,
+        variants=["gpu-table", "deferred-host"],
+        styles=["sync", "async"],
+        placements=["early", "late"],
+    )
+    dh = [r for r in results if r.variant == "deferred-host"]
+    assert len(dh) == 4
+    for r in results:
+        assert r.logits_identical and r.tokens_identical, (r.variant, r.style, r.placement)
+        assert r.state_diff == [], r.state_diff
+    assert all(r.mode == "deferred" and r.host_gather_us is not None for r in dh)
     served.close()
 
 

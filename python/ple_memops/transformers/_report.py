@@ -67,6 +67,8 @@ def rows(results: list[RunResult]) -> list[tuple[str, ...]]:
         logits = _ok(r.logits_identical)
         if r.first_mismatch is not None:
             logits += f" from step {r.first_mismatch}"
+        if r.state_diff:
+            logits += f" (started from a different {', '.join(r.state_diff)})"
         out.append(
             (
                 str(r.batch),
@@ -136,6 +138,19 @@ def summary(results: list[RunResult], table_bytes: int | None = None) -> list[st
         lines.append(line)
     checked = [r for r in results if r.logits_identical is not None]
     bad = [r for r in checked if not (r.logits_identical and r.tokens_identical)]
+    moved = [r for r in checked if r.state_diff]
+    if moved:
+        lines.append(
+            "the state after the prefill differed from the recording's in "
+            + "; ".join(
+                f"{r.variant}/{r.batch}/{r.style}: {', '.join(r.state_diff or [])}" for r in moved
+            )
+        )
+    elif any(r.state_diff is not None for r in checked):
+        lines.append(
+            "every run started from the recording's state (KV cache, counters, token, "
+            "prefill logits, constants, weights: identical checksums)"
+        )
     lines.append(
         f"{len(checked) - len(bad)}/{len(checked)} runs: tokens identical and logits "
         "bit-identical to the GPU-table reference"

@@ -66,16 +66,25 @@ def _capturing() -> bool:
 
 class _Ticket:
     """The rows of one table in one captured (or forced graph-path) step, published but
-    not yet consumed."""
+    not yet consumed.
 
-    def __init__(self, server: PleServer, name: str, n: int, staged: Any) -> None:
+    ``ids``: the tensor the step published, held until :meth:`consume` has joined the
+    side stream. Under capture the publish reads it on the rows' side stream, which the
+    capturing stream does not wait for until the join; dropping the last reference
+    earlier would let torch's allocator hand its block to a later allocation of the
+    capturing stream (a late consumer placement runs layer 0 in between), and a replay
+    could overwrite the ids before the publish reads them."""
+
+    def __init__(self, server: PleServer, name: str, n: int, staged: Any, ids: Any = None) -> None:
         self.server, self.name, self.n, self.staged = server, name, n, staged
+        self.ids: Any = ids
 
     def consume(self) -> torch.Tensor:
         """Make the current stream wait for the rows, then return the staging rows
         (``uint8 [n, row_bytes]`` on the model's device)."""
         if self.staged is not None:
             self.staged.join()
+        self.ids = None  # joined: the publish is ordered before anything that follows
         return self.server.staging(self.name, self.n)
 
 
@@ -207,6 +216,7 @@ class PleServer:
             flat = flat.contiguous()
         n = int(flat.numel())
         staged = None
+        published = None
         uses_plan = name not in self._staging_override
         if uses_plan:
             if self.plan is None:
@@ -214,10 +224,11 @@ class PleServer:
             if self.plan.mode == "deferred" and self.source == "device":
                 # Publish the ids the graph computed; the worker gathers after the launch.
                 staged = self.plan.stage(name, flat, rows=n)
+                published = flat
             elif self.plan.mode == "deferred" and self.source == "host":
                 # The runner fills with ids it knows, after the launch.
                 staged = self.plan.layers[name].rows.stage(rows=n)
-        ticket = _Ticket(self, name, n, staged)
+        ticket = _Ticket(self, name, n, staged, published)
         hook = self._deferred_consume.get(name)
         if hook is not None:
             hook(ticket)

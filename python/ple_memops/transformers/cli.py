@@ -16,7 +16,7 @@ from .checkpoints import (
     e2b_gemma3n_config,
     tiny_gemma3n_config,
 )
-from .runner import ALL_VARIANTS, DEFERRED_VARIANTS, STYLES, GemmaBench, RunResult
+from .runner import ALL_VARIANTS, DEFERRED_VARIANTS, HOST_FILLS, STYLES, GemmaBench, RunResult
 
 __all__ = ["add_bench_args", "add_demo_args", "bench_main", "demo_main"]
 
@@ -68,6 +68,13 @@ def _common(ap: argparse.ArgumentParser, *, steps: int, batches: str, track: boo
         action=argparse.BooleanOptionalAction,
         default=track,
         help="count the steps whose fill found the GPU waiting (one stream write a step)",
+    )
+    ap.add_argument(
+        "--host-fill",
+        choices=HOST_FILLS,
+        default="inline",
+        help="deferred-host: fill on the launching thread right after the launch (inline) "
+        "or on a filler thread handed each step as it is launched (thread)",
     )
     ap.add_argument(
         "--eager-check-steps",
@@ -202,6 +209,7 @@ def _run(
         device=device,
         eager_check_steps=args.eager_check_steps,
         track_arrival=args.track_arrival,
+        host_fill=getattr(args, "host_fill", "inline"),
     )
     avail, skipped = bench.available()
     variants = [v for v in args.variants if v in avail]

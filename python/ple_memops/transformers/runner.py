@@ -23,7 +23,16 @@ samples feed the next step on the GPU).
 Correctness: the reference runs twice; its first run records every step's logits on the
 GPU, and every timed run (the reference's second one included) compares its logits bit for
 bit (as integers) and its tokens with that record. The reference is also checked against the
-stock model run eagerly for the first steps.
+stock model run eagerly for the first steps. Every run also checks the state its steps start
+from against the recording's, right after its prefill: the KV cache (all of it, the unused
+positions too), the cache counters, the first token and position, the prefill's logits, the
+memoised constants and the weights (exact integer checksums; ``RunResult.state_diff`` names
+what differs), so a run that differs says whether it started from a different state.
+
+Host-known ids (``deferred-host``) are filled on the launching thread right after
+``graph.replay()`` (``host_fill="inline"``, the default) or by a filler thread handed the
+step as it is launched (``"thread"``): a launch that cannot return before the GPU has
+passed the rows' wait cannot then hold up the fill.
 
 Timing: a CUDA event after each step; a step's time is the interval between consecutive
 events, so it counts GPU work, any GPU wait at the rows' consumer and any gap where the GPU
@@ -32,6 +41,7 @@ had nothing queued (the host was late). Median and p99 over the steps after the 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import inspect
 import time
@@ -41,8 +51,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, PleMemopsError
-from ._capture import capture_scope, device_query_offset, make_capturable
+from ..errors import InvalidArgumentError, PleMemopsError, StateError
+from ._capture import _PATCHED, capture_scope, device_query_offset, make_capturable
 from ._models import GEMMA3N_TABLE, ServedModel
 
 __all__ = [
@@ -64,6 +74,7 @@ ALL_VARIANTS = (
 )
 DEFERRED_VARIANTS = ("deferred-host", "deferred-device")
 STYLES = ("sync", "async")
+HOST_FILLS = ("inline", "thread")
 WARMUPS = 2
 
 
@@ -91,6 +102,11 @@ class RunResult:
     """Pinned host memory the variant holds for its rows (table copy or slots)."""
     mode: str | None = None
     """The rows plan's mode (deferred / sync / host), where one is used."""
+    state_diff: list[str] | None = None
+    """What of the state after the prefill differs from the recording's (empty: nothing;
+    ``None``: not checked, the recording itself)."""
+    launch_us_max: float | None = None
+    """Longest host time of one launch (``graph.replay()`` and the step's event record)."""
     note: str = ""
     tokens: Any = field(default=None, repr=False)
 
@@ -244,9 +260,17 @@ class _Ops:
     """After the launch (deferred-host: end the step; deferred-device: complete the
     oldest step beyond the scheduling depth)."""
     finish: Callable[[], None] = lambda: None
+    launching: Callable[[int, Callable[[], Any]], None] | None = None
+    """Right before the launch, with a callable that returns the step's ids (blocking
+    until they are known): hands the fill to another thread. When set, ``after`` is used
+    only by eager warm-ups (which fill before their consumer)."""
+    close: Callable[[], None] = lambda: None
+    """Always called when the ops are done with, after a failure too."""
     needs_ids_before: bool = False
     needs_ids_after: bool = False
     host_ns: list[int] = field(default_factory=list)
+    launch_s: float = 0.0
+    """Host time of the last launch (set by the decode loop)."""
     stats: Callable[[], tuple[float | None, int | None]] = lambda: (None, None)
 
 
@@ -267,11 +291,15 @@ class GemmaBench:
         watchdog: float = 30.0,
         eager_check_steps: int = 4,
         track_arrival: bool = False,
+        host_fill: str = "inline",
     ) -> None:
         import torch
 
         if served.kind != "gemma3n":
             raise InvalidArgumentError("GemmaBench runs Gemma 3n models")
+        if host_fill not in HOST_FILLS:
+            raise InvalidArgumentError(f"host_fill must be one of {HOST_FILLS}, got {host_fill!r}")
+        self.host_fill = host_fill
         self.served = served
         self.stock = stock
         self.device = torch.device(device)
@@ -486,7 +514,10 @@ class GemmaBench:
         try:
             return dec.capture(warm)
         finally:
-            ops.finish()
+            try:
+                ops.finish()
+            finally:
+                ops.close()
 
     def _allocated(self) -> int:
         import torch
@@ -612,23 +643,53 @@ class GemmaBench:
         rows = plan.layers[GEMMA3N_TABLE].rows
         table = self.table
         n = dec.batch
+        off_thread = self.host_fill == "thread"
 
         def ops_for(style: str) -> _Ops:
             ops = _Ops(needs_ids_after=True)
             base = rows.stats()
+            pending: dict[int, concurrent.futures.Future[None]] = {}
+            pool: list[concurrent.futures.ThreadPoolExecutor] = []
 
             def arm(k: int) -> None:
                 rows.begin(n)
 
-            def after(k: int, ids: Any) -> None:
+            def fill(k: int, ids: Any) -> None:
+                t0 = time.perf_counter()
                 try:
                     rows.fill_from(table, ids, busy_wait=self.watchdog)
                 except BaseException as e:
+                    _explain_fill(e, k, ops.launch_s, time.perf_counter() - t0, off_thread)
                     rows.abort(f"deferred-host step {k}: {e!r}")
                     raise
 
+            def launching(k: int, ids_of: Callable[[], Any]) -> None:
+                if not pool:
+                    pool.append(
+                        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ple-fill")
+                    )
+                pending[k] = pool[0].submit(lambda: fill(k, ids_of()))
+
             def after_launch(k: int) -> None:
+                fut = pending.pop(k, None)
+                if fut is not None:
+                    # Bounded: the fill itself gives up after the watchdog.
+                    try:
+                        fut.result(timeout=2 * self.watchdog + 5.0)
+                    except concurrent.futures.TimeoutError:
+                        rows.abort(f"deferred-host step {k}: the filler thread did not return")
+                        raise StateError(
+                            f"deferred-host step {k}: the filler thread did not return within "
+                            f"{2 * self.watchdog + 5.0:.0f} s (the GPU was released)"
+                        ) from None
                 rows.complete()
+
+            def close() -> None:
+                # No step pending after a clean run; after a failure a fill still under
+                # way ends within its bounded wait (the plan is closed by then).
+                if pool:
+                    pool[0].shutdown(wait=False, cancel_futures=True)
+                    pool.clear()
 
             def stats() -> tuple[float | None, int | None]:
                 s = rows.stats()
@@ -636,7 +697,10 @@ class GemmaBench:
                 us = (s.fill_ns_total - base.fill_ns_total) / 1e3 / fills if fills else None
                 return us, (s.gpu_waited - base.gpu_waited) or None
 
-            ops.arm, ops.after, ops.after_launch, ops.stats = arm, after, after_launch, stats
+            ops.arm, ops.after, ops.after_launch, ops.stats = arm, fill, after_launch, stats
+            ops.close = close
+            if off_thread:
+                ops.launching = launching
             return ops
 
         return ops_for
@@ -709,7 +773,7 @@ class GemmaBench:
 
         steps, b = dec.steps, dec.batch
         stream = torch.cuda.current_stream(self.device)
-        dec.prefill()
+        first = dec.prefill()
         torch.cuda.synchronize(self.device)
         assert dec.first_tokens is not None
         ids_prev = _in_table(dec.first_tokens, dec.vocab_rows)
@@ -722,6 +786,18 @@ class GemmaBench:
         mism = torch.zeros(steps, dtype=torch.bool, device=self.device)
         # Preallocated, so the loop allocates nothing while a step may wait for its rows.
         diff = torch.empty(_bits(logits).shape, dtype=torch.bool, device=self.device)
+        state_diff = self._check_state(dec, first, record, recording)
+        launch_max = 0.0
+
+        def ids_of(k: int, prev: Any) -> Callable[[], Any]:
+            def get() -> Any:
+                if style == "async" and k > 0:
+                    tok_ev[k - 1].synchronize()  # step k-1 only: never waits for step k
+                    return _in_table(toks[k - 1].numpy(), dec.vocab_rows)
+                return prev
+
+            return get
+
         ends[0].record(stream)
         try:
             for k in range(steps):
@@ -732,16 +808,23 @@ class GemmaBench:
                     ids_prev = _in_table(toks[k - 1].numpy(), dec.vocab_rows)
                 ops.arm(k)
                 ops.before(k, ids_prev)
+                if ops.launching is not None:
+                    ops.launching(k, ids_of(k, ids_prev))
+                t0 = time.perf_counter()
                 graph.replay()
                 ends[k + 1].record(stream)
-                # Host-known ids: fill right after the launch, before anything else reaches
-                # the device queue. The replay waits for this fill, so any implicit
-                # synchronisation in between (a reduction's first workspace allocation, a
-                # lazily loaded kernel) would wait for a fill that cannot come yet.
-                if ops.needs_ids_after and style == "async" and k > 0:
-                    tok_ev[k - 1].synchronize()  # step k-1 only: never waits for step k
-                    ids_prev = _in_table(toks[k - 1].numpy(), dec.vocab_rows)
-                ops.after(k, ids_prev)
+                ops.launch_s = time.perf_counter() - t0
+                launch_max = max(launch_max, ops.launch_s)
+                if ops.launching is None:
+                    # Host-known ids: fill right after the launch, before anything else
+                    # reaches the device queue. The replay waits for this fill, so any
+                    # implicit synchronisation in between (a reduction's first workspace
+                    # allocation, a lazily loaded kernel) would wait for a fill that cannot
+                    # come yet.
+                    if ops.needs_ids_after and style == "async" and k > 0:
+                        tok_ev[k - 1].synchronize()  # step k-1 only: never waits for step k
+                        ids_prev = _in_table(toks[k - 1].numpy(), dec.vocab_rows)
+                    ops.after(k, ids_prev)
                 toks[k].copy_(dec.tok.view(-1), non_blocking=True)
                 tok_ev[k].record(stream)
                 if recording:
@@ -760,10 +843,13 @@ class GemmaBench:
             with contextlib.suppress(PleMemopsError):
                 self.served.server.close_plan()
             raise
+        finally:
+            ops.close()
         torch.cuda.synchronize(self.device)
         step_us = [ends[i].elapsed_time(ends[i + 1]) * 1e3 for i in range(steps)]
         tokens = toks.numpy().copy()
         r = RunResult("", b, style, "", steps, step_us, captured=True, tokens=tokens)
+        r.state_diff, r.launch_us_max = state_diff, launch_max * 1e6
         if recording:
             record.tokens = tokens
         else:
@@ -780,8 +866,9 @@ class GemmaBench:
         import torch
 
         steps, b = dec.steps, dec.batch
-        dec.prefill()
+        first = dec.prefill()
         assert dec.first_tokens is not None
+        state_diff = self._check_state(dec, first, record, recording)
         ids = _in_table(dec.first_tokens, dec.vocab_rows)
         tokens = np.empty((steps, b), dtype=np.int64)
         step_us: list[float] = []
@@ -806,7 +893,9 @@ class GemmaBench:
             else:
                 mism[k] = not torch.equal(_bits(logits), _bits(record.logits[k]))
         ops.finish()
+        ops.close()
         r = RunResult("", b, style, "", steps, step_us, captured=False, tokens=tokens)
+        r.state_diff = state_diff
         if recording:
             record.tokens = tokens
         else:
@@ -815,8 +904,127 @@ class GemmaBench:
             r.tokens_identical = bool(np.array_equal(tokens, record.tokens))
         return r
 
+    def _check_state(
+        self, dec: Decoder, prefill_logits: Any, record: _Record, recording: bool
+    ) -> list[str] | None:
+        """Checksums of the state a run's steps start from (see the module docs); the
+        recording keeps its own, every other run returns what differs from them."""
+        got = self.state_digest(dec, prefill_logits)
+        if recording:
+            record.state = got
+            return None
+        if record.state is None:
+            return None
+        diff: list[str] = []
+        for k in sorted(set(got) | set(record.state)):
+            const = k.startswith(_CONST)
+            if const and (k not in got or k not in record.state):
+                continue  # made since (another code path's first call): not a change
+            name = _CONST if const else k
+            if got.get(k) != record.state.get(k) and name not in diff:
+                diff.append(name)
+        return diff
+
+    def state_digest(self, dec: Decoder, prefill_logits: Any = None) -> dict[str, tuple[int, int]]:
+        """Exact checksums (integer sums of the bits and of their squares, order-free) of
+        what a decode step reads besides its rows: per cache layer its keys and values and
+        counters, the decode token and position, the given prefill logits, the memoised
+        constants, and the weights (the model's without the PLE module in place, the stock
+        PLE module's and the served one's buffers)."""
+        out: dict[str, tuple[int, int]] = {}
+        for i, layer in enumerate(dec.cache.layers):
+            if not getattr(layer, "is_initialized", False) or getattr(layer, "keys", None) is None:
+                continue  # not written yet, or a KV-shared layer's placeholder
+            out[f"kv-cache layer {i}"] = _checksum([layer.keys, layer.values])
+            counters = [layer.cumulative_length]
+            host = getattr(layer, "cumulative_length_int", None)
+            out[f"cache counters layer {i}"] = _add(_checksum(counters), (host or 0, 0))
+        out["decode token/position"] = _checksum([dec.tok, dec.pos])
+        if prefill_logits is not None:
+            out["prefill logits"] = _checksum([prefill_logits])
+        for m in _PATCHED.values():
+            for key, t in vars(m)["torch"]._memo.items():
+                out[f"{_CONST} {key}"] = _checksum([t])
+        served = self.served
+        slots = {id(getattr(parent, attr)) for parent, attr in served.owners.values()}
+        seen: set[tuple[int, int]] = set()
+        weights: list[Any] = []
+
+        def take(mod: Any, skip: set[int]) -> None:
+            for sub in mod.modules():
+                if id(sub) in skip:
+                    continue
+                for t in [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]:
+                    key = (t.data_ptr(), t.numel())
+                    if key not in seen:
+                        seen.add(key)
+                        weights.append(t)
+
+        take(served.model, _submodules(served.model, slots))
+        take(self.stock, set())
+        for mod in served.modules.values():
+            take(mod, set())
+        out["weights"] = _checksum(weights)
+        return out
+
     def close(self) -> None:
         self._uva = None
+
+
+_CONST = "memoised constants"
+
+
+def _submodules(root: Any, ids: set[int]) -> set[int]:
+    """Ids of the modules in ``ids`` and of everything under them, within ``root``."""
+    out: set[int] = set()
+    for mod in root.modules():
+        if id(mod) in ids:
+            out.update(id(m) for m in mod.modules())
+    return out
+
+
+def _checksum(tensors: list[Any]) -> tuple[int, int]:
+    """(sum of the elements' bits, sum of their squares), as int64 with wraparound: exact
+    and independent of the reduction's order, so equal data always gives equal sums."""
+    import torch
+
+    chunk = 1 << 25
+    accs: dict[Any, Any] = {}
+    for t in tensors:
+        t = t.detach()
+        if t.numel() == 0:
+            continue
+        flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+        flat = flat.view(torch.uint8) if flat.element_size() == 1 else _bits(flat)
+        acc = accs.get(flat.device)
+        if acc is None:
+            acc = accs[flat.device] = torch.zeros(2, dtype=torch.int64, device=flat.device)
+        for i in range(0, flat.numel(), chunk):
+            part = flat[i : i + chunk].to(torch.int64)
+            acc[0] += part.sum()
+            acc[1] += (part * part).sum()
+    out = (0, 0)
+    for acc in accs.values():
+        a, b = acc.tolist()
+        out = _add(out, (a, b))
+    return out
+
+
+def _add(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    wrap = 1 << 64
+    return (a[0] + b[0]) % wrap, (a[1] + b[1]) % wrap
+
+
+def _explain_fill(e: BaseException, k: int, launch_s: float, fill_s: float, off: bool) -> None:
+    """Say where a deferred-host step's time went, on the error itself."""
+    e.add_note(
+        f"deferred-host step {k} ({'filler thread' if off else 'filled on the launching thread'}"
+        f"): the last launch (graph.replay() and its event record) held the host "
+        f"{launch_s:.3f} s, this fill call {fill_s:.3f} s. A launch as long as the watchdog "
+        "means the launch itself waited for the GPU, which waited for this fill (released "
+        "by the watchdog); a long fill call means the slot still held an earlier step's "
+        "rows (a FILLED never consumed)."
+    )
 
 
 class _Record:
@@ -832,6 +1040,7 @@ class _Record:
             device=dec.device,
         )
         self.tokens: Any = None
+        self.state: dict[str, tuple[int, int]] | None = None
 
 
 class _CudaArray:
