@@ -59,6 +59,8 @@ def test_host_plan_gathers_the_tables_bytes(
         assert plan.in_flight == 0
         with pytest.raises(pm.StateError, match="deferred path"):
             plan.stage("layer2", torch.zeros(4, dtype=torch.int64), rows=4)
+        with pytest.raises(pm.StateError, match="gather_now"):
+            plan.publish_host("layer2", [1, 2])
     assert plan.closed
     with pytest.raises(pm.ClosedError):
         plan.gather_now("layer2", [1])

@@ -203,7 +203,9 @@ def test_a_publish_nobody_armed_never_feeds_the_next_step(table: pm.MmapTable) -
     w.begin(8)
     w.publish_from_host([10, 11])
     w.complete()
-    w.publish_from_host([12, 13])  # nobody armed the worker for this one
+    with pytest.raises(pm.StateError, match="no armed step"):
+        w.publish_from_host([12, 13])  # a host publish is checked...
+    w._simulate_replay_publish([12, 13])  # ...a replay nobody armed the worker for is not
     deadline = time.monotonic() + 5.0
     while rows.phase != "poisoned" and time.monotonic() < deadline:
         time.sleep(0.001)

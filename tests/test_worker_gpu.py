@@ -268,3 +268,63 @@ def test_sync_fallback_refuses_a_worker(torch, table: pm.MmapTable) -> None:  # 
     rows = pm.DeferredRows(16, WIDTH, device=0, force_sync=True)
     with pytest.raises(pm.UnsupportedError, match="deferred protocol"):
         pm.GatherWorker(rows, table)
+
+
+@pytest.mark.parametrize("copy", ["kernel", "memop"])
+@pytest.mark.parametrize("when", ["before", "thread"])
+def test_host_ids_behind_thousands_of_kernels(  # type: ignore[no-untyped-def]
+    torch, table: pm.MmapTable, copy: str, when: str
+) -> None:
+    """Host-known ids through the worker for a consumer with 8192 kernels behind its wait:
+    the launch of such a graph with a copy-engine consumer does not return before the
+    wait was passed (a fill on the launching thread after it stalls until the watchdog;
+    benchmarks/diagnose_hf.py shows it). Published before the launch, or from another
+    thread after it, every step's rows arrive and no watchdog fires."""
+    import threading
+
+    n, kernels = 8, 8192
+    rows = pm.DeferredRows(n, WIDTH, device=0, copy=copy, watchdog=5.0)
+    worker = pm.GatherWorker(rows, table)
+    out = torch.zeros_like(rows.staging)
+    x = torch.zeros(256, device="cuda")
+    try:
+        rows.begin(n)  # the eager warm-up of the captured code, pre-filled
+        rows.prepare_dummy()
+        rows.stage(rows=n).join()
+        rows.complete()
+        torch.cuda.synchronize()
+        assert rows.wait_consumed(5.0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            staged = rows.stage(rows=n)  # the wait and copy only: the host publishes
+            staged.join()
+            out.copy_(rows.staging)
+            for _ in range(kernels):
+                x.add_(1)
+        end = torch.cuda.Event()
+        rng = np.random.default_rng(11)
+        for _ in range(6):
+            ids = rng.integers(0, TABLE_ROWS, int(rng.integers(1, n + 1)))
+            worker.begin(n)
+            if when == "before":
+                worker.publish_from_host(ids)
+                graph.replay()
+            else:
+                t = threading.Thread(target=worker.publish_from_host, args=(ids,), daemon=True)
+                t.start()
+                graph.replay()
+                t.join(10.0)
+                assert not t.is_alive()
+            end.record()
+            worker.complete(timeout=10.0)
+            assert done(end, 20.0)
+            got = out.cpu().numpy()
+            np.testing.assert_array_equal(got[: len(ids)], table.gather(ids))
+            assert not got[len(ids) :].any()
+        assert rows.phase != "poisoned", rows.poison_cause
+        assert rows.stats().watchdog_releases == 0
+        assert worker.stats().publishes_host == 6
+    finally:
+        worker.close()
+        rows.close()
+        torch.cuda.synchronize()

@@ -22,6 +22,19 @@ __all__ = ["GatherWorker", "WorkerStats"]
 _LIVE: weakref.WeakSet[GatherWorker] = weakref.WeakSet()
 
 
+def _host_array(ids: Any) -> Any:
+    """Host ids as an array; a CUDA tensor is refused (reading it would synchronise)."""
+    torch = _torch()
+    if torch is not None and isinstance(ids, torch.Tensor):
+        if ids.device.type != "cpu":
+            raise RowShapeError(
+                f"host ids must be on the host, got a {ids.device.type} tensor "
+                "(device-produced ids: publish() or stage())"
+            )
+        return ids.detach().numpy()
+    return np.asarray(ids)
+
+
 @atexit.register
 def _close_all_at_exit() -> None:
     # Stop the native threads and release any pending step before the interpreter goes.
@@ -45,6 +58,8 @@ class WorkerStats:
     """From ``begin()`` to READY: how far ahead of the GPU the host was."""
     publishes_captured: int
     publishes_eager: int
+    publishes_host: int
+    """Steps given host-known ids with :meth:`GatherWorker.publish_from_host`."""
     unarmed_replays: int
     """Replays that published ids with no step armed (each released with zero rows and
     reported as :class:`~ple_memops.UnarmedReplayError`)."""
@@ -200,12 +215,29 @@ class GatherWorker:
             self._rows.enqueue(stream=side, rows=n)
         return StagedRows(self._rows, side, n, keep=(ids, count))
 
-    def publish_from_host(self, ids: Any) -> None:
-        """Publish ids from the host, as the GPU would (host mode; tests)."""
-        arr = np.ascontiguousarray(np.asarray(ids), dtype=np.int64)
+    def publish_from_host(self, ids: Any, timeout: float = 30.0) -> None:
+        """Give the oldest armed step that has no ids yet the ids the host knows (1-D,
+        int64/int32/list/CPU tensor); the worker thread gathers them and fills. The call
+        only copies the ids, so it may come before the launch (the gather then overlaps
+        it) or from another thread after it: the thread that launches the graph never
+        fills. That matters: with the copy-engine consumer and thousands of nodes behind
+        its wait, ``graph.replay()`` itself may not return until the wait was passed, so a
+        fill from the launching thread after the launch stalls until the watchdog
+        (measured on the H200; BENCHMARKS.md). Also the feed of host mode and of tests.
+
+        One call per armed step, in step order; a step given host ids must come from a
+        graph that does not publish its own. Refused with a typed error, nothing written:
+        no armed step waiting for ids (:class:`StateError`), ids that do not fit int32
+        ids (:class:`RowIdError`), the previous step's ids still untaken after
+        ``timeout`` seconds, a closed or poisoned worker. Releases the GIL."""
+        arr = np.ascontiguousarray(_host_array(ids), dtype=np.int64)
         if arr.ndim != 1:
             raise RowShapeError(f"ids must be 1-D, got shape {list(arr.shape)}")
-        self._live().publish_from_host(arr)
+        self._live().publish_from_host(arr, float(timeout))
+
+    def _simulate_replay_publish(self, ids: Any) -> None:
+        """Tests only: store ids and READY in the mailbox unchecked, as a replay would."""
+        self._live()._simulate_replay_publish(np.ascontiguousarray(ids, dtype=np.int64))
 
     def begin(self, rows: int | None = None) -> int:
         """Start a step of ``rows`` rows (default ``max_rows``) and arm the worker. Up to

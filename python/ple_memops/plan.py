@@ -21,6 +21,13 @@ Per step::
     graph.replay()
     plan.complete()         # later: ends the oldest step; raises the first failure
 
+    # host-known ids instead: the graph captured plan.layers["layer2"].rows.stage(rows=n)
+    # (the wait and copy only, no publish of its own)
+    plan.begin(n)
+    plan.publish_host("layer2", ids)   # the worker gathers while the graph launches
+    graph.replay()
+    plan.complete()
+
     # eager steps (prefill, warm-up, profiling) and the synchronous fallback
     rows = plan.gather_now("layer2", ids)        # ids to the host, gather, copy: same bytes
 """
@@ -35,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ._deferred import DeferredRows, StagedRows, _parse_device, _torch, probe
-from ._worker import GatherWorker, WorkerStats
+from ._worker import GatherWorker, WorkerStats, _host_array
 from .errors import InvalidArgumentError, PleMemopsError, StateError
 from .table import MmapTable
 
@@ -239,6 +246,33 @@ class RowsPlan:
                 w.begin(n)
         except BaseException as exc:
             self.abort(f"begin({n}) failed: {exc!r}")
+            raise
+
+    def publish_host(self, name: str, ids: Any, timeout: float | None = None) -> None:
+        """Host-known ids (``name``'s table rows of the oldest armed step that has none
+        yet) for the table's worker to gather and fill. Call after :meth:`begin`, before
+        the launch (the gather overlaps it) or from any thread after it, never as a fill
+        on the launching thread (see :meth:`GatherWorker.publish_from_host`). The graph
+        must not publish ids of its own for that table. Deferred mode only; a failure
+        aborts the plan and is raised."""
+        self._check_open()
+        layer = self._layer(name)
+        if layer.worker is None:
+            raise StateError(
+                f"publish_host() needs the deferred path; this plan is {self._mode!r} "
+                f"({self._reason}): gather_now() before the launch"
+            )
+        # Host ids only: reading a CUDA tensor here would synchronise with the device.
+        host = np.asarray(_host_array(ids)).reshape(-1)
+        try:
+            layer.worker.publish_from_host(host, self.timeout if timeout is None else timeout)
+        except StateError as exc:
+            if "no armed step" in str(exc):
+                raise  # misuse: nothing was written and no step is left waiting for it
+            self.abort(f"publish_host({name!r}) failed: {exc!r}")
+            raise
+        except BaseException as exc:
+            self.abort(f"publish_host({name!r}) failed: {exc!r}")
             raise
 
     def complete(self, timeout: float | None = None) -> None:

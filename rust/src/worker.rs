@@ -145,6 +145,8 @@ pub struct WorkerStats {
     pub armed_to_ready_ns_last: u64,
     pub publishes_captured: u64,
     pub publishes_eager: u64,
+    /// Steps given host-known ids with [`GatherWorker::publish_from_host`].
+    pub publishes_host: u64,
     /// Replays that published ids with no step armed (each released with zero rows).
     pub unarmed_replays: u64,
 }
@@ -192,11 +194,19 @@ struct Ctl {
     published: bool,
     /// Captures that recorded a publish (one per capture: a second would publish twice a step).
     captures: Vec<u64>,
+    /// The newest step given ids by [`GatherWorker::publish_from_host`].
+    host_published: u64,
 }
 
 impl Ctl {
     fn next_to_fill(&self) -> Option<u64> {
         self.armed.iter().copied().find(|&s| s > self.handled)
+    }
+
+    /// The oldest armed step that has not been given host ids yet.
+    fn next_for_host_ids(&self) -> Option<u64> {
+        let after = self.handled.max(self.host_published);
+        self.armed.iter().copied().find(|&s| s > after)
     }
 }
 
@@ -213,6 +223,9 @@ struct Shared {
     /// The newest armed step, readable without the lock by the polling worker.
     armed_seq: AtomicU64,
     stop: AtomicBool,
+    /// Serialises host publishers: the mailbox holds one step's ids, and the ids must
+    /// enter it in step order.
+    host_publish: Mutex<()>,
 }
 
 /// See the module docs. Every method takes `&self`; the object is `Send + Sync`.
@@ -305,10 +318,12 @@ impl GatherWorker {
                 stats: WorkerStats::default(),
                 published: false,
                 captures: Vec::new(),
+                host_published: 0,
             }),
             cv: Condvar::new(),
             armed_seq: AtomicU64::new(0),
             stop: AtomicBool::new(false),
+            host_publish: Mutex::new(()),
         });
         let sh = shared.clone();
         let thread = std::thread::Builder::new()
@@ -508,21 +523,97 @@ impl GatherWorker {
         Ok(())
     }
 
-    /// Publish ids from the host, as the GPU would (host mode, and tests of the worker
-    /// without a GPU).
-    pub fn publish_from_host(&self, ids: &[i64]) -> Result<()> {
-        let mailbox = self.shared.mailbox();
-        if ids.len() > mailbox.max_ids() {
+    /// Give the oldest armed step that has no ids yet the ids the host knows; the worker
+    /// thread gathers and fills them. This is how host-known ids should reach a step's
+    /// rows: the call only copies the ids into the mailbox, so it may come before the
+    /// launch (the gather then overlaps it) or from any thread after it, and the thread
+    /// that launches the graph never has to fill. (Filling from the launching thread after
+    /// the launch can stall until the watchdog: with a copy-engine consumer and thousands
+    /// of nodes behind its wait, the launch itself may not return before the wait was
+    /// passed; measured on the H200, see BENCHMARKS.md.)
+    ///
+    /// One call per armed step, in step order. Refused (nothing written) when the worker
+    /// is closed or poisoned, when no armed step lacks ids, or when the previous ids are
+    /// still in the mailbox after `timeout` (the worker takes them as soon as it is done
+    /// with the step before). A graph of a step given host ids must not publish its own.
+    pub fn publish_from_host(&self, ids: &[i64], timeout: Duration) -> Result<()> {
+        let sh = &self.shared;
+        let max_ids = sh.mailbox().max_ids();
+        if ids.len() > max_ids {
             return Err(Error::rows(format!(
-                "{} ids: the mailbox holds at most {}",
-                ids.len(),
-                mailbox.max_ids()
+                "{} ids: the mailbox holds at most {max_ids}",
+                ids.len()
             )));
         }
-        mailbox.publish_from_host(ids);
-        drop(mailbox);
-        self.shared.ctl().published = true;
+        let id_bytes = sh.mailbox().id_bytes();
+        if id_bytes == 4 {
+            // The mailbox holds int32 ids: a wider one would be truncated into another row.
+            if let Some(position) = ids.iter().position(|&v| i32::try_from(v).is_err()) {
+                return Err(Error::RowId {
+                    id: ids[position],
+                    position,
+                    rows: sh.source.rows(),
+                    table: sh.source.name(),
+                });
+            }
+        }
+        let _order = sh.host_publish.lock().unwrap_or_else(|e| e.into_inner());
+        let step = {
+            let mut ctl = sh.ctl();
+            if sh.stop.load(Ordering::Acquire) {
+                return Err(Error::Closed);
+            }
+            if let Some(e) = ctl.failure.take() {
+                ctl.armed.clear();
+                return Err(e);
+            }
+            sh.rows
+                .poison_cause()
+                .map_or(Ok(()), |cause| Err(Error::Poisoned { cause }))?;
+            ctl.next_for_host_ids().ok_or_else(|| {
+                Error::state(
+                    Op::Fill,
+                    "no armed step is waiting for ids: call begin() first (one publish per begun step)",
+                )
+            })?
+        };
+        let deadline = Instant::now() + timeout;
+        let t0 = Instant::now();
+        loop {
+            {
+                let mailbox = sh.mailbox();
+                if !mailbox.is_ready() {
+                    mailbox.publish_from_host(ids);
+                    break;
+                }
+            }
+            if sh.stop.load(Ordering::Acquire) || sh.rows.is_released() {
+                return Err(sh
+                    .rows
+                    .poison_cause()
+                    .map_or(Error::Closed, |cause| Error::Poisoned { cause }));
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::state(
+                    Op::Fill,
+                    format!("the worker has not taken the previous step's ids within {timeout:?}; these ids were not published"),
+                ));
+            }
+            pause(t0.elapsed(), sh.opts.spin, NAP);
+        }
+        let mut ctl = sh.ctl();
+        ctl.host_published = ctl.host_published.max(step);
+        ctl.published = true;
+        ctl.stats.publishes_host += 1;
         Ok(())
+    }
+
+    /// Store ids and READY in the mailbox with no checks at all, as a graph replay would
+    /// (tests of the worker's own guards, e.g. a replay nobody armed it for).
+    #[doc(hidden)]
+    pub fn simulate_replay_publish(&self, ids: &[i64]) {
+        self.shared.mailbox().publish_from_host(ids);
+        self.shared.ctl().published = true;
     }
 
     /// Whether `close()` ran.
@@ -745,6 +836,8 @@ mod tests {
     use crate::deferred::{Config, CopyPath, Target};
     use crate::error::ErrorKind;
 
+    const T: Duration = Duration::from_secs(5);
+
     struct Counting {
         rows: u64,
         width: usize,
@@ -835,7 +928,7 @@ mod tests {
         for step in 0..50i64 {
             w.begin(8).unwrap();
             let ids: Vec<i64> = (0..(step % 8 + 1)).map(|i| (i * 7 + step) % 100).collect();
-            w.publish_from_host(&ids).unwrap();
+            w.publish_from_host(&ids, T).unwrap();
             w.complete(Duration::from_secs(5)).unwrap();
             for (i, id) in ids.iter().enumerate() {
                 assert!(staging[i * 4..i * 4 + 4]
@@ -847,7 +940,7 @@ mod tests {
         assert_eq!(w.stats().fills, 50);
         // A bad id from the "GPU": typed error at complete, then poisoned.
         w.begin(8).unwrap();
-        w.publish_from_host(&[1, 200]).unwrap();
+        w.publish_from_host(&[1, 200], T).unwrap();
         let e = w.complete(Duration::from_secs(5)).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::RowId, "{e}");
         assert_eq!(w.begin(8).unwrap_err().kind(), ErrorKind::Poisoned);
@@ -908,16 +1001,16 @@ mod tests {
         assert_eq!(w.begin(8).unwrap_err().kind(), ErrorKind::State);
         assert_eq!(w.in_flight(), 2);
         for round in 0..20i64 {
-            w.publish_from_host(&[round, round + 1]).unwrap();
+            w.publish_from_host(&[round, round + 1], T).unwrap();
             // The oldest step completes once its ids were gathered.
             w.complete(Duration::from_secs(5)).unwrap();
             assert_eq!(staging[0], (round % 251) as u8 + 1);
             assert_eq!(staging[4], ((round + 1) % 251) as u8 + 1);
             w.begin(8).unwrap();
         }
-        w.publish_from_host(&[7]).unwrap();
+        w.publish_from_host(&[7], T).unwrap();
         w.complete(Duration::from_secs(5)).unwrap();
-        w.publish_from_host(&[9]).unwrap();
+        w.publish_from_host(&[9], T).unwrap();
         w.complete(Duration::from_secs(5)).unwrap();
         assert_eq!(staging[0], 10);
         assert_eq!(w.in_flight(), 0);
@@ -925,7 +1018,7 @@ mod tests {
         // A host-fed step on the rows object while the worker has steps armed is refused.
         w.begin(8).unwrap();
         assert_eq!(rows.begin(8).unwrap_err().kind(), ErrorKind::State);
-        w.publish_from_host(&[1]).unwrap();
+        w.publish_from_host(&[1], T).unwrap();
         w.complete(Duration::from_secs(5)).unwrap();
         w.close();
     }
@@ -937,11 +1030,15 @@ mod tests {
         let src = Arc::new(Counting { rows: 10, width: 4 });
         let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8)).unwrap();
         w.begin(4).unwrap();
-        w.publish_from_host(&[3, 4]).unwrap();
+        w.publish_from_host(&[3, 4], T).unwrap();
         w.complete(Duration::from_secs(5)).unwrap();
         assert_eq!(staging[0], 4);
+        // A host publish for no armed step is refused, and writes nothing.
+        let e = w.publish_from_host(&[5, 6], T).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::State, "{e}");
+        assert_eq!(staging[0], 4);
         // A "replay" without begin(): the worker must not keep the ids for the next step.
-        w.publish_from_host(&[5, 6]).unwrap();
+        w.simulate_replay_publish(&[5, 6]);
         let t0 = Instant::now();
         while !rows.is_released() && t0.elapsed() < Duration::from_secs(5) {
             std::thread::sleep(Duration::from_millis(1));
@@ -966,7 +1063,7 @@ mod tests {
         let src = Arc::new(Counting { rows: 10, width: 4 });
         let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8)).unwrap();
         w.begin(4).unwrap();
-        w.publish_from_host(&[1]).unwrap();
+        w.publish_from_host(&[1], T).unwrap();
         w.complete(Duration::from_secs(5)).unwrap();
         assert!(!rows.is_released());
         w.close();
@@ -975,5 +1072,42 @@ mod tests {
             .poison_cause()
             .unwrap()
             .contains("can no longer be filled"));
+    }
+
+    #[test]
+    fn host_ids_go_to_armed_steps_in_order_once_each() {
+        let mut staging = vec![0u8; 4 * 4];
+        let rows = host_rows(4, 4, &mut staging);
+        let src = Arc::new(Counting {
+            rows: 1000,
+            width: 4,
+        });
+        let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 4)).unwrap();
+        // Two steps armed, two publishes back to back: the second waits for the worker to
+        // take the first ids, then goes to the second step.
+        w.begin(4).unwrap();
+        w.begin(4).unwrap();
+        w.publish_from_host(&[3], T).unwrap();
+        w.publish_from_host(&[7], T).unwrap();
+        // A third has no armed step to go to.
+        let e = w.publish_from_host(&[9], T).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::State, "{e}");
+        assert!(e.to_string().contains("no armed step"), "{e}");
+        w.complete(T).unwrap();
+        w.complete(T).unwrap();
+        assert_eq!(staging[0], 8, "the second step's row");
+        assert_eq!(w.stats().publishes_host, 2);
+        // int32 ids: a wider id is refused before anything is written, typed.
+        w.begin(4).unwrap();
+        let e = w.publish_from_host(&[1, 1 << 33], T).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::RowId, "{e}");
+        w.publish_from_host(&[5], T).unwrap();
+        w.complete(T).unwrap();
+        assert_eq!(staging[0], 6);
+        w.close();
+        assert_eq!(
+            w.publish_from_host(&[1], T).unwrap_err().kind(),
+            ErrorKind::Closed
+        );
     }
 }

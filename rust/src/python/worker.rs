@@ -117,11 +117,28 @@ impl PyGatherWorker {
         unsafe { self.inner.publish(s, ids_ptr, n_ids, count_ptr) }.py(py)
     }
 
-    fn publish_from_host(&self, py: Python<'_>, ids: PyReadonlyArray1<'_, i64>) -> PyResult<()> {
+    fn publish_from_host(
+        &self,
+        py: Python<'_>,
+        ids: PyReadonlyArray1<'_, i64>,
+        timeout_s: f64,
+    ) -> PyResult<()> {
         let v = ids
             .as_slice()
-            .map_err(|_| to_pyerr(py, Error::rows("ids must be contiguous")))?;
-        self.inner.publish_from_host(v).py(py)
+            .map_err(|_| to_pyerr(py, Error::rows("ids must be contiguous")))?
+            .to_vec();
+        let t: Duration = secs(timeout_s, "timeout").py(py)?;
+        let inner = &self.inner;
+        py.detach(|| inner.publish_from_host(&v, t)).py(py)
+    }
+
+    /// Store ids and READY with no checks, as a graph replay would (tests only).
+    fn _simulate_replay_publish(&self, ids: PyReadonlyArray1<'_, i64>) -> PyResult<()> {
+        let v = ids
+            .as_slice()
+            .map_err(|_| pyo3::exceptions::PyValueError::new_err("ids must be contiguous"))?;
+        self.inner.simulate_replay_publish(v);
+        Ok(())
     }
 
     fn close(&self, py: Python<'_>) {
@@ -144,6 +161,7 @@ impl PyGatherWorker {
                 ("armed_to_ready_ns_last", s.armed_to_ready_ns_last),
                 ("publishes_captured", s.publishes_captured),
                 ("publishes_eager", s.publishes_eager),
+                ("publishes_host", s.publishes_host),
                 ("unarmed_replays", s.unarmed_replays),
             ],
         )

@@ -1,0 +1,97 @@
+"""RowsPlan in deferred mode on a GPU: host-known ids handed to each table's worker with
+``publish_host`` feed a captured graph's consumers; misuse is typed and loses nothing.
+
+No test may hang: every wait for the GPU polls an event with a bound.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gpu_wait import done
+from safetensors.numpy import save_file
+
+import ple_memops as pm
+from ple_memops.plan import RowsPlan
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+ROWS = 5000
+
+
+@pytest.fixture
+def tables(tmp_path: Path) -> dict[str, pm.MmapTable]:
+    rng = np.random.default_rng(0)
+    out = {}
+    for i, width in ((2, 256), (5, 15360)):
+        data = rng.integers(0, 256, (ROWS, width), dtype=np.uint8)
+        path = tmp_path / f"layer{i}.safetensors"
+        save_file({"ple.weight": data.view(np.float16)}, str(path))
+        out[f"layer{i}"] = pm.MmapTable.open(path, "ple.weight")
+    yield out
+    for t in out.values():
+        t.close()
+
+
+def test_publish_host_feeds_captured_consumers(tables: dict[str, pm.MmapTable]) -> None:
+    # 8 rows of 15,360 B: layer5 takes the copy-engine path, layer2 (2 KiB) the kernel.
+    n = 8
+    plan = RowsPlan.build(tables, max_rows=n, device=0, watchdog=5.0, timeout=10.0)
+    assert plan.mode == "deferred", plan.reason
+    outs = {name: torch.zeros_like(plan.staging(name)) for name in plan.names}
+    x = torch.zeros(64, device="cuda")
+    with plan:
+        for name in plan.names:  # the eager warm-up of the captured code
+            plan.dummy_now(name, n)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            staged = [plan.layers[name].rows.stage(rows=n) for name in plan.names]
+            for _ in range(256):
+                x.add_(1)
+            for name, st in zip(plan.names, staged, strict=True):
+                st.join()
+                outs[name].copy_(plan.staging(name))
+        rng = np.random.default_rng(2)
+        end = torch.cuda.Event()
+        # Misuse before any step: typed, nothing written, the plan still usable.
+        with pytest.raises(pm.StateError, match="no armed step"):
+            plan.publish_host("layer2", [1])
+        plan.begin(n)
+        with pytest.raises(pm.RowShapeError, match="on the host"):
+            plan.publish_host("layer2", torch.zeros(2, dtype=torch.int64, device="cuda"))
+        for name in plan.names:  # nothing was lost: the step still takes its ids
+            plan.publish_host(name, [0])
+        graph.replay()
+        end.record()
+        plan.complete()
+        assert done(end)
+        for _ in range(40):
+            ids = {name: rng.integers(0, ROWS, int(rng.integers(1, n + 1))) for name in plan.names}
+            plan.begin(n)
+            for name in plan.names:
+                plan.publish_host(name, ids[name])
+            graph.replay()
+            end.record()
+            plan.complete()
+            assert done(end)
+            for name, table in tables.items():
+                got = outs[name].cpu().numpy()
+                k = len(ids[name])
+                np.testing.assert_array_equal(got[:k], table.gather(ids[name]))
+                assert not got[k:].any()
+        # A bad id: the step's error at complete(), the plan aborted, the GPU released.
+        plan.begin(n)
+        plan.publish_host("layer2", [1])
+        plan.publish_host("layer5", [ROWS + 3])
+        graph.replay()
+        end.record()
+        with pytest.raises(pm.RowIdError):
+            plan.complete()
+        assert done(end)
+        with pytest.raises(pm.PoisonedError):
+            plan.begin(n)
+    assert plan.closed
