@@ -1,5 +1,7 @@
-"""Diagnose the two failures of the Gemma 3n decode bench seen on the H200 (every wait
-bounded; each part says what it shows). Run from the repo root with the wheel installed.
+"""Diagnose the two failures the Gemma 3n decode bench once had on the H200 (every wait
+bounded; each part says what it shows; the findings are in BENCHMARKS.md: a launch that
+waits for the GPU, and cuDNN attention that does not repeat). Run from the repo root with
+the wheel installed.
 
 ``launch``: does ``graph.replay()`` itself block the host when the graph starts with a
 deferred consumer whose fill only the launching thread can make? A synthetic graph: one
@@ -10,9 +12,8 @@ thread started before the launch (``thread``). For each copy path it prints the 
 of the launch and of the fill; a launch that lasts the watchdog means the launch waited
 for the GPU, which waited for the fill (released by the watchdog, so nothing hangs).
 
-``hang``: the runner's deferred-host at E2B shapes, batch 8, with ``host_fill`` inline
-and thread (the failing case, and the fill handed to a filler thread). The error, if any,
-carries the host times of the launch and of the fill.
+``hang``: the runner's deferred-host at E2B shapes, batch 8 (it hung when the host filled
+on the launching thread; the ids now go to the gather worker), both scheduling styles.
 
 ``determinism``: the captured reference (gpu-table) replayed again and again with nothing
 between, then after the eager check, after the other scheduling style, after a deferred
@@ -175,10 +176,10 @@ def hang_part(served: Any, stock: Any, dev: Any, batch: int, steps: int) -> None
     from ple_memops.transformers import _report
     from ple_memops.transformers.runner import GemmaBench
 
-    for how in ("inline", "thread"):
-        print(f"== hang: deferred-host at batch {batch}, {steps} steps, host_fill={how}")
+    for attention in ("math",):
+        print(f"== hang: deferred-host at batch {batch}, {steps} steps ({attention} attention)")
         bench = GemmaBench(
-            served, stock, device=dev, watchdog=10.0, host_fill=how, track_arrival=True
+            served, stock, device=dev, watchdog=10.0, track_arrival=True, attention=attention
         )
         t0 = time.perf_counter()
         try:
@@ -223,7 +224,10 @@ def determinism_part(served: Any, stock: Any, dev: Any, batch: int, steps: int) 
 
     from ple_memops.transformers.runner import Decoder, GemmaBench, _Ops, _Record
 
-    bench = GemmaBench(served, stock, device=dev, track_arrival=bench_cuda(dev))
+    # torch's own SDPA choice (cuDNN on the H200): the backend this part was written to test.
+    bench = GemmaBench(
+        served, stock, device=dev, track_arrival=bench_cuda(dev), attention="default"
+    )
     dec = Decoder(served.model, batch=batch, steps=steps, device=dev)
     print(f"== determinism: gpu-table reference, batch {batch}, {steps} steps")
     differed: list[str] = []

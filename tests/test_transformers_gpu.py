@@ -91,15 +91,16 @@ def test_every_variant_captured_and_bit_identical(gemma_ckpt: Path) -> None:
 
 
 @pytest.mark.parametrize("copy_rows", [1, 520])
-def test_deferred_host_fill_on_a_filler_thread(gemma_ckpt: Path, copy_rows: int) -> None:
-    # host_fill="thread": deferred-host's fill is handed to a filler thread as the step is
-    # launched, in both styles and placements, on the kernel copy path (batch 1: 128 B a
-    # step) and the copy-engine one (batch 520: 66,560 B, above the 64 KiB switch).
+def test_deferred_host_ids_through_the_worker(gemma_ckpt: Path, copy_rows: int) -> None:
+    # deferred-host hands its ids to the gather worker (before the launch under sync
+    # scheduling, from a publisher thread under async), in both placements, on the kernel
+    # copy path (batch 1: 128 B a step) and the copy-engine one (batch 520: 66,560 B,
+    # above the 64 KiB switch).
     from ple_memops.transformers.cli import load_gemma
     from ple_memops.transformers.runner import GemmaBench
 
     served, stock = load_gemma(gemma_ckpt, torch.device("cuda", 0))
-    bench = GemmaBench(served, stock, device="cuda:0", track_arrival=True, host_fill="thread")
+    bench = GemmaBench(served, stock, device="cuda:0", track_arrival=True)
     results = bench.run_batch(
         copy_rows,
         12,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The two failures of the Gemma 3n decode bench on one H200 (the deferred-host hang at E2B
-# batch 8, the reference that does not repeat itself at batch 1), diagnosed; see
-# benchmarks/diagnose_hf.py for what each part shows. Run from the repo root with the
+# The two failures the Gemma 3n decode bench once had on one H200, kept reproducible: the
+# deferred-host hang at E2B batch 8 (a launch that waits for the GPU, which waited for a fill
+# only the launching thread could make) and the reference that did not repeat itself
+# (cuDNN attention); see benchmarks/diagnose_hf.py and BENCHMARKS.md for the findings. Run from the repo root with the
 # wheel installed (PYTHONPATH=/tmp/site:$PWD/tests). Every wait is bounded (watchdogs of
 # 3 and 10 s, timeouts below). Writes under $OUT: pytest.log launch.log e2b.log summary.txt
 # Wall time: about 8 minutes, 2-3 of them building and loading the E2B-shaped checkpoint
@@ -42,11 +43,11 @@ if [ "${QUICK:-0}" != 1 ]; then
         "$OUT/e2b.log" $PY benchmarks/diagnose_hf.py --parts determinism,hang
 fi
 
-# 3. The tiny model through the runner: every variant (now with the state check), and
-#    deferred-host with the filler thread on both copy paths.
-run "pytest (tiny Gemma 3n: every variant; filler-thread deferred-host)" 240 "$OUT/pytest.log" \
-    $PY -m pytest tests/test_transformers_gpu.py tests/test_async_gpu.py \
-    -k "every_variant or filler_thread or staged_host_fill" -q -rs -p no:cacheprovider
+# 3. The tiny model through the runner (every variant; deferred-host's ids through the worker
+#    on both copy paths) and the core tests of host ids behind thousands of kernels.
+run "pytest (tiny Gemma 3n: every variant; host ids through the worker)" 240 "$OUT/pytest.log" \
+    $PY -m pytest tests/test_transformers_gpu.py tests/test_async_gpu.py tests/test_worker_gpu.py \
+    -k "every_variant or through_the_worker or staged_host_fill or behind_thousands" -q -rs -p no:cacheprovider
 
 {
     echo "== launch (copy kernels where fill | launch ms | fill ms | result)"

@@ -16,7 +16,7 @@ from .checkpoints import (
     e2b_gemma3n_config,
     tiny_gemma3n_config,
 )
-from .runner import ALL_VARIANTS, DEFERRED_VARIANTS, HOST_FILLS, STYLES, GemmaBench, RunResult
+from .runner import ALL_VARIANTS, ATTENTIONS, DEFERRED_VARIANTS, STYLES, GemmaBench, RunResult
 
 __all__ = ["add_bench_args", "add_demo_args", "bench_main", "demo_main"]
 
@@ -70,11 +70,12 @@ def _common(ap: argparse.ArgumentParser, *, steps: int, batches: str, track: boo
         help="count the steps whose fill found the GPU waiting (one stream write a step)",
     )
     ap.add_argument(
-        "--host-fill",
-        choices=HOST_FILLS,
-        default="inline",
-        help="deferred-host: fill on the launching thread right after the launch (inline) "
-        "or on a filler thread handed each step as it is launched (thread)",
+        "--attention",
+        choices=ATTENTIONS,
+        default="math",
+        help="SDPA backend of every variant: math (bit-reproducible run to run, so logits "
+        "can be compared bit for bit) or default (torch's choice; on the H200 cuDNN, whose "
+        "replays differ from one run to the next)",
     )
     ap.add_argument(
         "--eager-check-steps",
@@ -209,7 +210,7 @@ def _run(
         device=device,
         eager_check_steps=args.eager_check_steps,
         track_arrival=args.track_arrival,
-        host_fill=getattr(args, "host_fill", "inline"),
+        attention=getattr(args, "attention", "math"),
     )
     avail, skipped = bench.available()
     variants = [v for v in args.variants if v in avail]

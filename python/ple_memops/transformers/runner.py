@@ -11,7 +11,8 @@ gpu-table         the stock module, table in GPU memory (the reference)
 pinned-uva        the stock module, table pinned in host memory and read by the GPU over PCIe
 sync-gather       mmap gather into a pinned buffer + copy to a GPU buffer *before* the launch
                   (vLLM PR #54129); under async scheduling the ids must first reach the host
-deferred-host     deferred rows; the host, knowing the ids, gathers *after* the launch
+deferred-host     deferred rows; the host hands the ids it knows to the gather worker, which
+                  fills while the graph runs
 deferred-device   deferred rows; the graph publishes the ids it computed, a native worker fills
 fallback          the library with the probe forced off (``deferred=False``): fill before launch
 ================  ==============================================================================
@@ -29,10 +30,11 @@ positions too), the cache counters, the first token and position, the prefill's 
 memoised constants and the weights (exact integer checksums; ``RunResult.state_diff`` names
 what differs), so a run that differs says whether it started from a different state.
 
-Host-known ids (``deferred-host``) are filled on the launching thread right after
-``graph.replay()`` (``host_fill="inline"``, the default) or by a filler thread handed the
-step as it is launched (``"thread"``): a launch that cannot return before the GPU has
-passed the rows' wait cannot then hold up the fill.
+Host-known ids (``deferred-host``) go to the table's gather worker
+(:meth:`~ple_memops.plan.RowsPlan.publish_host`): before the launch under ``sync``
+scheduling, from a publisher thread under ``async``. The launching thread never fills: at
+E2B shapes a launch does not return before the GPU has passed the rows' wait (measured;
+BENCHMARKS.md), so a fill it had to make after ``graph.replay()`` would come too late.
 
 Timing: a CUDA event after each step; a step's time is the interval between consecutive
 events, so it counts GPU work, any GPU wait at the rows' consumer and any gap where the GPU
@@ -74,7 +76,7 @@ ALL_VARIANTS = (
 )
 DEFERRED_VARIANTS = ("deferred-host", "deferred-device")
 STYLES = ("sync", "async")
-HOST_FILLS = ("inline", "thread")
+ATTENTIONS = ("math", "default")
 WARMUPS = 2
 
 
@@ -254,23 +256,17 @@ class _Ops:
     """Before the launch (deferred: begin the step)."""
     before: Callable[[int, Any], None] = lambda k, ids: None
     """Before the launch, with the step's ids on the host (synchronous paths)."""
-    after: Callable[[int, Any], None] = lambda k, ids: None
-    """After the launch, with the step's ids on the host (deferred-host fills here)."""
     after_launch: Callable[[int], None] = lambda k: None
-    """After the launch (deferred-host: end the step; deferred-device: complete the
-    oldest step beyond the scheduling depth)."""
+    """After the launch (deferred: complete the oldest step beyond the scheduling
+    depth)."""
     finish: Callable[[], None] = lambda: None
     launching: Callable[[int, Callable[[], Any]], None] | None = None
     """Right before the launch, with a callable that returns the step's ids (blocking
-    until they are known): hands the fill to another thread. When set, ``after`` is used
-    only by eager warm-ups (which fill before their consumer)."""
+    until they are known): hands them to another thread (deferred-host, async)."""
     close: Callable[[], None] = lambda: None
     """Always called when the ops are done with, after a failure too."""
     needs_ids_before: bool = False
-    needs_ids_after: bool = False
     host_ns: list[int] = field(default_factory=list)
-    launch_s: float = 0.0
-    """Host time of the last launch (set by the decode loop)."""
     stats: Callable[[], tuple[float | None, int | None]] = lambda: (None, None)
 
 
@@ -291,15 +287,15 @@ class GemmaBench:
         watchdog: float = 30.0,
         eager_check_steps: int = 4,
         track_arrival: bool = False,
-        host_fill: str = "inline",
+        attention: str = "math",
     ) -> None:
         import torch
 
         if served.kind != "gemma3n":
             raise InvalidArgumentError("GemmaBench runs Gemma 3n models")
-        if host_fill not in HOST_FILLS:
-            raise InvalidArgumentError(f"host_fill must be one of {HOST_FILLS}, got {host_fill!r}")
-        self.host_fill = host_fill
+        if attention not in ATTENTIONS:
+            raise InvalidArgumentError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        self.attention = attention
         self.served = served
         self.stock = stock
         self.device = torch.device(device)
@@ -316,6 +312,22 @@ class GemmaBench:
         """``time.perf_counter()`` past which no further variant starts (``None``: none)."""
         # GPU memory of the served model alone (no table), the base of every variant's figure.
         self.model_base = torch.cuda.memory_allocated(self.device) if self.cuda else 0
+
+    @contextlib.contextmanager
+    def attention_scope(self) -> Iterator[None]:
+        """SDPA's backend for everything run inside (eager prefill, capture): ``math``
+        pins the math backend, ``default`` leaves torch's choice. The H200 needs this for
+        bit-for-bit comparisons: cuDNN's attention (torch's choice there) gives
+        different logits from one replay of the same graph to the next (measured: the
+        stock model's captured step first differs from its own recording at steps 67,
+        170 or 208 of 256), while the math backend repeats exactly."""
+        if self.attention == "default":
+            yield
+            return
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
 
     # -- which variants can run here --------------------------------------------------------
 
@@ -403,6 +415,7 @@ class GemmaBench:
         dec = Decoder(self.served.model, batch=batch, steps=steps, device=self.device)
         results: list[RunResult] = []
         with contextlib.ExitStack() as stack:
+            stack.enter_context(self.attention_scope())
             ref, again = self._reference(dec, styles, results, stack)
             for variant in variants:
                 if variant == "gpu-table":
@@ -500,8 +513,6 @@ class GemmaBench:
             ids = _in_table(dec.tok.view(-1).cpu().numpy(), dec.vocab_rows)
             ops.arm(k)
             ops.before(k, ids)
-            if ops.needs_ids_after:
-                ops.after(k, ids)
             server.graph_path = True
             try:
                 out = step()
@@ -639,68 +650,87 @@ class GemmaBench:
         return ops_for
 
     def _deferred_host_ops(self, dec: Decoder) -> Callable[[str], _Ops]:
+        """Host-known ids handed to the table's worker (:meth:`RowsPlan.publish_host`),
+        which gathers and fills; the launching thread never fills. Under ``sync``
+        scheduling the ids are known before the launch and published then, so the gather
+        overlaps the launch. Under ``async`` the ids of step k are step k-1's tokens,
+        which reach the host only after step k was launched: a publisher thread waits for
+        them and publishes. (Filling on the launching thread after ``graph.replay()``
+        stalls at E2B shapes: with the copy-engine consumer and thousands of nodes behind
+        its wait, the launch itself does not return before the wait was passed.)"""
         plan = self.served.server.plan
-        rows = plan.layers[GEMMA3N_TABLE].rows
-        table = self.table
+        layer = plan.layers[GEMMA3N_TABLE]
         n = dec.batch
-        off_thread = self.host_fill == "thread"
+        bound = 2 * self.watchdog + 5.0
 
         def ops_for(style: str) -> _Ops:
-            ops = _Ops(needs_ids_after=True)
-            base = rows.stats()
+            ops = _Ops()
+            rbase = layer.rows.stats()
+            base = layer.worker.stats() if layer.worker is not None else None
             pending: dict[int, concurrent.futures.Future[None]] = {}
             pool: list[concurrent.futures.ThreadPoolExecutor] = []
 
             def arm(k: int) -> None:
-                rows.begin(n)
+                plan.begin(n)
 
-            def fill(k: int, ids: Any) -> None:
-                t0 = time.perf_counter()
-                try:
-                    rows.fill_from(table, ids, busy_wait=self.watchdog)
-                except BaseException as e:
-                    _explain_fill(e, k, ops.launch_s, time.perf_counter() - t0, off_thread)
-                    rows.abort(f"deferred-host step {k}: {e!r}")
-                    raise
+            def publish(k: int, ids: Any) -> None:
+                plan.publish_host(GEMMA3N_TABLE, ids)
 
             def launching(k: int, ids_of: Callable[[], Any]) -> None:
                 if not pool:
                     pool.append(
-                        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ple-fill")
+                        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ple-ids")
                     )
-                pending[k] = pool[0].submit(lambda: fill(k, ids_of()))
+                pending[k] = pool[0].submit(lambda: publish(k, ids_of()))
+
+            def published(k: int) -> None:
+                fut = pending.pop(k, None)
+                if fut is None:
+                    return
+                try:
+                    fut.result(timeout=bound)  # bounded: the worker's waits are
+                except concurrent.futures.TimeoutError:
+                    plan.abort(f"deferred-host step {k}: the publisher thread did not return")
+                    raise StateError(
+                        f"deferred-host step {k}: the publisher thread did not return within "
+                        f"{bound:.0f} s (the GPU was released)"
+                    ) from None
 
             def after_launch(k: int) -> None:
-                fut = pending.pop(k, None)
-                if fut is not None:
-                    # Bounded: the fill itself gives up after the watchdog.
-                    try:
-                        fut.result(timeout=2 * self.watchdog + 5.0)
-                    except concurrent.futures.TimeoutError:
-                        rows.abort(f"deferred-host step {k}: the filler thread did not return")
-                        raise StateError(
-                            f"deferred-host step {k}: the filler thread did not return within "
-                            f"{2 * self.watchdog + 5.0:.0f} s (the GPU was released)"
-                        ) from None
-                rows.complete()
+                # sync: the step completes before the next launch; async: one step stays
+                # armed ahead (depth 2) and the older one completes.
+                limit = 1 if style == "async" else 0
+                while plan.in_flight > limit:
+                    published(k + 1 - plan.in_flight)
+                    plan.complete(timeout=self.watchdog)
+
+            def finish() -> None:
+                for k in sorted(pending):
+                    published(k)
+                plan.drain(timeout=self.watchdog)
 
             def close() -> None:
-                # No step pending after a clean run; after a failure a fill still under
-                # way ends within its bounded wait (the plan is closed by then).
+                # No step pending after a clean run; after a failure a publish still under
+                # way ends within its bounded wait (the plan is aborted by then).
                 if pool:
                     pool[0].shutdown(wait=False, cancel_futures=True)
                     pool.clear()
 
             def stats() -> tuple[float | None, int | None]:
-                s = rows.stats()
+                waited = (layer.rows.stats().gpu_waited - rbase.gpu_waited) or None
+                if layer.worker is None or base is None:
+                    return None, waited
+                s = layer.worker.stats()
                 fills = s.fills - base.fills
-                us = (s.fill_ns_total - base.fill_ns_total) / 1e3 / fills if fills else None
-                return us, (s.gpu_waited - base.gpu_waited) or None
+                total = s.ready_to_filled_ns_total - base.ready_to_filled_ns_total
+                return (total / 1e3 / fills if fills else None), waited
 
-            ops.arm, ops.after, ops.after_launch, ops.stats = arm, fill, after_launch, stats
-            ops.close = close
-            if off_thread:
+            ops.arm, ops.after_launch, ops.finish, ops.close = arm, after_launch, finish, close
+            ops.stats = stats
+            if style == "async":
                 ops.launching = launching
+            else:
+                ops.before = publish
             return ops
 
         return ops_for
@@ -813,18 +843,7 @@ class GemmaBench:
                 t0 = time.perf_counter()
                 graph.replay()
                 ends[k + 1].record(stream)
-                ops.launch_s = time.perf_counter() - t0
-                launch_max = max(launch_max, ops.launch_s)
-                if ops.launching is None:
-                    # Host-known ids: fill right after the launch, before anything else
-                    # reaches the device queue. The replay waits for this fill, so any
-                    # implicit synchronisation in between (a reduction's first workspace
-                    # allocation, a lazily loaded kernel) would wait for a fill that cannot
-                    # come yet.
-                    if ops.needs_ids_after and style == "async" and k > 0:
-                        tok_ev[k - 1].synchronize()  # step k-1 only: never waits for step k
-                        ids_prev = _in_table(toks[k - 1].numpy(), dec.vocab_rows)
-                    ops.after(k, ids_prev)
+                launch_max = max(launch_max, time.perf_counter() - t0)
                 toks[k].copy_(dec.tok.view(-1), non_blocking=True)
                 tok_ev[k].record(stream)
                 if recording:
@@ -883,7 +902,6 @@ class GemmaBench:
                 logits = dec.step()
             finally:
                 server.graph_path = False
-            ops.after(k, ids)
             ops.after_launch(k)
             tokens[k] = dec.tok.view(-1).numpy()
             ids = _in_table(tokens[k], dec.vocab_rows)
@@ -1013,18 +1031,6 @@ def _checksum(tensors: list[Any]) -> tuple[int, int]:
 def _add(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
     wrap = 1 << 64
     return (a[0] + b[0]) % wrap, (a[1] + b[1]) % wrap
-
-
-def _explain_fill(e: BaseException, k: int, launch_s: float, fill_s: float, off: bool) -> None:
-    """Say where a deferred-host step's time went, on the error itself."""
-    e.add_note(
-        f"deferred-host step {k} ({'filler thread' if off else 'filled on the launching thread'}"
-        f"): the last launch (graph.replay() and its event record) held the host "
-        f"{launch_s:.3f} s, this fill call {fill_s:.3f} s. A launch as long as the watchdog "
-        "means the launch itself waited for the GPU, which waited for this fill (released "
-        "by the watchdog); a long fill call means the slot still held an earlier step's "
-        "rows (a FILLED never consumed)."
-    )
 
 
 class _Record:

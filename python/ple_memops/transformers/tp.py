@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .checkpoints import build_checkpoint, default_cache_dir
     from .cli import load_gemma
-    from .runner import GemmaBench, RunResult
+    from .runner import Decoder, GemmaBench, RunResult
 
     ap = argparse.ArgumentParser(prog="python -m ple_memops.transformers.tp")
     ap.add_argument("--model", default="e2b", help="e2b or small")
@@ -182,16 +182,55 @@ def main(argv: list[str] | None = None) -> int:
             )
         return out
 
+    def prefill_logits(bench: GemmaBench) -> dict[int, Any]:
+        # The prompt's logits, eagerly: how far TP moves them (rounding) against how close
+        # the top two are (what a greedy token flip needs).
+        out = {}
+        with bench.attention_scope():
+            for b in batches:
+                out[b] = Decoder(served.model, batch=b, steps=1, device=dev).prefill().float()
+        return out
+
     served, stock = load_gemma(ckpt, dev, dtype=dtype)
-    tp1 = run(GemmaBench(served, stock, device=dev, eager_check_steps=0))
+    bench1 = GemmaBench(served, stock, device=dev, eager_check_steps=0)
+    pre1 = prefill_logits(bench1)
+    # The model's own sensitivity, for scale: the same TP 1 prefill with every token
+    # embedding moved by about one unit in the last place of its dtype.
+    emb = served.model.get_input_embeddings().weight
+    saved = emb.detach().clone()
+    with torch.no_grad():
+        emb.mul_(1 + torch.finfo(emb.dtype).eps)
+    pre_ulp = prefill_logits(bench1)
+    with torch.no_grad():
+        emb.copy_(saved)
+    del saved
+    tp1 = run(bench1)
     counts = shard_gemma3n(served.model, rank, world)
     if cuda:
         torch.cuda.empty_cache()
     if rank == 0:
         say(f"sharded over {world} ranks: {counts}")
     bench = GemmaBench(served, stock, device=dev, eager_check_steps=0)
+    pre2 = prefill_logits(bench)
     tp2 = run(bench)
     ok = True
+    if rank == 0:
+        for b in batches:
+            l1, l2 = pre1[b], pre2[b]
+            top2 = l1.topk(2, dim=-1).values
+            gap = (top2[:, 0] - top2[:, 1]).min().item()
+            same = int((l1.argmax(-1) == l2.argmax(-1)).sum().item())
+            moved = (l1 - pre_ulp[b]).abs().max().item()
+            say(
+                f"batch {b} prefill logits TP1 with token embeddings moved by 1 ulp: max |diff| "
+                f"{moved:.3g}; argmax same in "
+                f"{int((l1.argmax(-1) == pre_ulp[b].argmax(-1)).sum().item())} of {b} rows"
+            )
+            say(
+                f"batch {b} prefill logits TP{world} vs TP1: max |diff| "
+                f"{(l1 - l2).abs().max().item():.3g} (logits up to {l1.abs().max().item():.3g}); "
+                f"smallest top-1/top-2 gap {gap:.3g}; argmax same in {same} of {b} rows"
+            )
     for r1, r2 in zip(tp1, tp2, strict=True):
         same_tokens = bool(np.array_equal(r1.tokens, r2.tokens))
         line = (
