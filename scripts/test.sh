@@ -39,7 +39,7 @@ $PY -m mypy
 echo "== pytest"
 (cd /tmp && $PY -m pytest "$OLDPWD/tests" -q -p no:cacheprovider "$@")
 
-echo "== vLLM 0.33.0 (CPU): the patch applies, the patched modules import, the integration runs"
+echo "== vLLM 0.33.0 (CPU): the wheel installed as a vLLM plugin, no other step; vLLM's files as released"
 # A separate environment (vLLM pins its own torch; about 9 GB, pip's cache serves reruns).
 # PLE_MEMOPS_VLLM_VENV points at an existing one instead of .venv-vllm/.
 VENV=${PLE_MEMOPS_VLLM_VENV:-$PWD/.venv-vllm}
@@ -52,5 +52,4 @@ fi
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps \
     dist/*.whl
 export VLLM_TARGET_DEVICE=cpu
-(cd /tmp && "$VENV/bin/python" -m ple_memops.vllm apply)
 (cd /tmp && "$VENV/bin/python" -m pytest "$OLDPWD/tests/test_vllm_real.py" -q -p no:cacheprovider)

@@ -1,6 +1,6 @@
 """The vLLM integration layer without vLLM: Qwen4Exp ids, table discovery, the runner
 hooks (against a real host-mode RowsPlan, and a recording plan for the step sequencing),
-the custom ops (eager and under torch.compile), and the patch engine on synthetic files.
+the custom ops (eager and under torch.compile), and the settings.
 
 The same layer against the real vLLM 0.33.0 is in ``test_vllm_real.py``; on a GPU, through
 Model Runner V2's sequence, in ``test_vllm_runner_gpu.py``.
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -26,18 +26,17 @@ from ple_memops.errors import (
     PoisonedError,
     StateError,
     TableError,
-    UnsupportedError,
 )
 
 torch = pytest.importorskip("torch")
 from safetensors.torch import save_file as save_torch  # noqa: E402
 
-from ple_memops.vllm import _patch, hooks, ops, runner  # noqa: E402
+from ple_memops.vllm import hooks, ops, settings  # noqa: E402
 from ple_memops.vllm.__main__ import main as cli  # noqa: E402
 from ple_memops.vllm.hooks import PleRunnerHooks, deferrable  # noqa: E402
 from ple_memops.vllm.ngram import NGramHasher, NGramLayout, _is_prime  # noqa: E402
 from ple_memops.vllm.tables import (  # noqa: E402
-    TableSpec,
+    LayerTable,
     checkpoint_tensor_names,
     find_layer_table,
     is_table_weight,
@@ -207,7 +206,7 @@ def test_table_discovery(ckpt: tuple[Path, dict[int, np.ndarray]]) -> None:
     (root / "saved.json").rename(index)
     spec = find_layer_table(names, 1)
     pattern = "model.layers.1.ple.ple_embedding.ngram_embedding.shard_{}.weight"
-    assert spec == TableSpec(1, pattern=pattern)
+    assert spec == LayerTable(1, pattern=pattern)
     with pytest.raises(TableError, match="no PLE table for layer 2"):
         find_layer_table(names, 2)
     both = [*names, "model.language_model.layers.1.ple.ple_embedding.ngram_embedding.weight"]
@@ -259,10 +258,9 @@ class Desc:
 
 
 class Manager:
-    """The runner protocol's graph manager: replays are recorded, not run."""
+    """The engine's graph manager: replays are recorded, not run."""
 
     def __init__(self) -> None:
-        self.ple_wait_descs: set[Any] = set()
         self.replays: list[Any] = []
 
     def run_fullgraph(self, desc: Any) -> str:
@@ -270,7 +268,15 @@ class Manager:
         return f"out{desc.num_tokens}"
 
 
-def _host_plan(root: Path) -> tuple[PleRunnerHooks, dict[str, Any]]:
+def _replay(hk: PleRunnerHooks, mgr: Manager, desc: Desc) -> Any:
+    return hk.replay(desc, lambda: mgr.run_fullgraph(desc))
+
+
+def _host_plan(root: Path) -> tuple[PleRunnerHooks, dict[str, Any], dict[str, Any]]:
+    """A host-mode plan, its tables, and the layers the ops find by name (what vLLM's
+    forward context holds: each carries the hooks)."""
+    from ple_memops.plan import RowsPlan
+
     names = checkpoint_tensor_names(root)
     tables = {
         f"model.layers.{i}.ple.ple_embedding.ngram_embedding": open_layer_table(
@@ -278,15 +284,24 @@ def _host_plan(root: Path) -> tuple[PleRunnerHooks, dict[str, Any]]:
         )
         for i in (1, 3)
     }
-    hk = runner.build_hooks(tables, rows_per_token=H, max_rows=64 * H, device="cpu")
-    return hk, tables
+    plan = RowsPlan.build(tables, max_rows=64 * H, device="cpu", log_fallback=False)
+    hk = PleRunnerHooks(plan, rows_per_token=H)
+    layers = {n: SimpleNamespace(ple_memops_hooks=hk) for n in tables}
+    return hk, tables, layers
 
 
 def test_eager_ops_gather_table_bytes_on_the_host(
     ckpt: tuple[Path, dict[int, np.ndarray]],
 ) -> None:
     root, data = ckpt
-    hk, tables = _host_plan(root)
+    hk, tables, layers = _host_plan(root)
+    with ops.layers(layers):
+        _eager_ops_gather(hk, tables, layers, data)
+
+
+def _eager_ops_gather(
+    hk: PleRunnerHooks, tables: dict[str, Any], layers: dict[str, Any], data: Any
+) -> None:
     try:
         assert hk.plan.mode == "host" and not hk.deferred
         assert "no CUDA device" in str(hk.plan.reason)
@@ -317,7 +332,9 @@ def test_eager_ops_gather_table_bytes_on_the_host(
                 ops.stage_rows(ids, out, name)
     finally:
         hk.shutdown()
-    with pytest.raises(StateError, match="no rows plan is bound"):
+        for layer in layers.values():  # as the runner's shutdown unbinds them
+            layer.ple_memops_hooks = None
+    with pytest.raises(StateError, match="has no rows plan bound"):
         ops.stage_rows(ids, out, name)
     with pytest.raises(ClosedError):
         hk.quiesce()
@@ -330,12 +347,12 @@ def test_op_output_must_be_the_staging_for_eager_copy(
     ckpt: tuple[Path, dict[int, np.ndarray]],
 ) -> None:
     root, data = ckpt
-    hk, tables = _host_plan(root)
+    hk, tables, layers = _host_plan(root)
     try:
         name = "model.layers.3.ple.ple_embedding.ngram_embedding"
         ids = torch.tensor([[0, 1, 2, 2047]], dtype=torch.int64)
         other = torch.zeros((H, HEAD_DIM), dtype=torch.uint8)
-        with hk.eager(dummy=False):
+        with hk.eager(dummy=False), ops.layers(layers):
             ops.stage_rows(ids, other, name)  # eagerly a separate output gets a copy
         assert np.array_equal(other.numpy(), data[3][[0, 1, 2, 2047]])
     finally:
@@ -346,7 +363,7 @@ def test_op_output_must_be_the_staging_for_eager_copy(
 
 def test_ops_compile_fullgraph(ckpt: tuple[Path, dict[int, np.ndarray]]) -> None:
     root, data = ckpt
-    hk, tables = _host_plan(root)
+    hk, tables, layers = _host_plan(root)
     name = "model.layers.1.ple.ple_embedding.ngram_embedding"
     out = hk.output(name, 3)
 
@@ -358,7 +375,7 @@ def test_ops_compile_fullgraph(ckpt: tuple[Path, dict[int, np.ndarray]]) -> None
     try:
         compiled = torch.compile(consumer, fullgraph=True, backend="aot_eager")
         ids = torch.randint(0, 4096, (3, H), dtype=torch.int64)
-        with hk.eager(dummy=False):
+        with hk.eager(dummy=False), ops.layers(layers):
             got = compiled(ids, out)
         want = (
             torch.from_numpy(data[1][ids.reshape(-1).numpy()])
@@ -371,7 +388,14 @@ def test_ops_compile_fullgraph(ckpt: tuple[Path, dict[int, np.ndarray]]) -> None
         hk.shutdown()
         for t in tables.values():
             t.close()
-    assert ops.registered_with() == "torch"
+
+
+def test_ops_without_a_forward_context_say_so() -> None:
+    out = torch.zeros((4, 8), dtype=torch.uint8)
+    with pytest.raises(StateError, match="no forward context names the PLE layer 'x'"):
+        ops.stage_rows(torch.zeros((2, 2), dtype=torch.int64), out, "x")
+    with ops.layers({}), pytest.raises(StateError, match="has no rows plan bound"):
+        ops.join_rows(out, "x")
 
 
 # -- hooks sequencing against a recording plan -------------------------------------------
@@ -468,7 +492,7 @@ def capturing(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 def _capture(hk: PleRunnerHooks, mgr: Manager, desc: Desc, cap: list[bool], run: Any) -> None:
     cap[0] = True
     try:
-        with hk.capture(mgr, desc):
+        with hk.capture(desc):
             run()
     finally:
         cap[0] = False
@@ -492,14 +516,14 @@ def test_capture_records_deferrable_graphs(capturing: list[bool]) -> None:
         with hk.warmup():
             _forward(hk, names, size)
         _capture(hk, mgr, Desc(FULL, size), capturing, lambda s=size: _forward(hk, names, s))
-    assert mgr.ple_wait_descs == {Desc(FULL, 1), Desc(FULL, 4), Desc(FULL, 8)}
+    assert hk.wait_descs == {Desc(FULL, 1), Desc(FULL, 4), Desc(FULL, 8)}
     assert plan.log[:6] == ["dummy a 2", "dummy b 2", "stage a 2", "stage b 2", "join a", "join b"]
     # A mixed FULL graph (cudagraph_mode=FULL) defers too: its ids come from the graph.
     _capture(hk, mgr, Desc(FULL, 8, None), capturing, lambda: _forward(hk, names, 8))
-    assert Desc(FULL, 8, None) in mgr.ple_wait_descs
+    assert Desc(FULL, 8, None) in hk.wait_descs
     # A graph without PLE work (another rank's layers) is not armed at replay.
     _capture(hk, mgr, Desc(FULL, 2), capturing, lambda: None)
-    assert Desc(FULL, 2) not in mgr.ple_wait_descs
+    assert Desc(FULL, 2) not in hk.wait_descs
 
 
 @pytest.mark.parametrize(
@@ -516,7 +540,7 @@ def test_capture_of_other_graphs_raises(capturing: list[bool], desc: Desc, match
     refusal = f"cannot be gathered inside this CUDA graph capture.*{match}"
     with pytest.raises(StateError, match=refusal):
         _capture(hk, mgr, desc, capturing, lambda: _forward(hk, ["a"], 4))
-    assert not mgr.ple_wait_descs and "stage a 8" not in plan.log
+    assert not hk.wait_descs and "stage a 8" not in plan.log
     # Captured without any scope (a runner without the hooks): the same refusal.
     capturing[0] = True
     with pytest.raises(StateError, match="opened no ple-memops capture scope"):
@@ -554,12 +578,12 @@ def test_capture_checks(capturing: list[bool]) -> None:
             capturing,
             lambda: hk.stage("a", ids, torch.zeros((8, 8), dtype=torch.uint8)),
         )
-    with pytest.raises(StateError, match="stream is not capturing"), hk.capture(mgr, Desc(FULL, 4)):
+    with pytest.raises(StateError, match="stream is not capturing"), hk.capture(Desc(FULL, 4)):
         _forward(hk, ["a", "b"], 4)
     with pytest.raises(StateError, match="already open"), hk.eager(dummy=True):
         with hk.warmup():
             pass
-    assert not mgr.ple_wait_descs
+    assert not hk.wait_descs
 
 
 def test_replays_keep_two_steps_armed(capturing: list[bool]) -> None:
@@ -571,13 +595,13 @@ def test_replays_keep_two_steps_armed(capturing: list[bool]) -> None:
         _capture(hk, mgr, Desc(FULL, size), capturing, lambda s=size: _forward(hk, names, s))
     plan.log.clear()
     # Async scheduling: the host launches step N+1 before completing step N.
-    assert hk.run_fullgraph(mgr, Desc(FULL, 2)) == "out2"
-    assert hk.run_fullgraph(mgr, Desc(FULL, 4)) == "out4"
+    assert _replay(hk, mgr, Desc(FULL, 2)) == "out2"
+    assert _replay(hk, mgr, Desc(FULL, 4)) == "out4"
     assert plan.log == ["begin 4", "begin 8"]
-    hk.run_fullgraph(mgr, Desc(FULL, 4))  # the third completes only the oldest
+    _replay(hk, mgr, Desc(FULL, 4))  # the third completes only the oldest
     assert plan.log[2:] == ["complete 4", "begin 8"] and plan.in_flight == 2
     # A FULL graph without PLE work replays unarmed and leaves the pending steps alone.
-    hk.run_fullgraph(mgr, Desc(FULL, 16))
+    _replay(hk, mgr, Desc(FULL, 16))
     assert plan.in_flight == 2 and mgr.replays[-1] == Desc(FULL, 16)
     # An eager step (prefill) completes everything first, then gathers.
     with hk.eager(dummy=False):
@@ -585,7 +609,7 @@ def test_replays_keep_two_steps_armed(capturing: list[bool]) -> None:
     assert plan.log[4:] == ["complete 8", "complete 8", "gather a 6", "gather b 6"]
     assert hk.armed_steps == 3 and hk.recorded_graphs == 2
     # Dummy replays after capture are armed like real steps.
-    hk.run_fullgraph(mgr, Desc(FULL, 2))
+    _replay(hk, mgr, Desc(FULL, 2))
     assert plan.log[-1] == "begin 4"
     hk.quiesce()
     assert plan.log[-1] == "complete 4" and plan.in_flight == 0
@@ -604,13 +628,13 @@ def test_exceptions_abort(capturing: list[bool], caplog: pytest.LogCaptureFixtur
 
     mgr.run_fullgraph = boom  # type: ignore[method-assign]
     with caplog.at_level(logging.ERROR, logger="ple_memops"), pytest.raises(KeyboardInterrupt):
-        hk.run_fullgraph(mgr, Desc(FULL, 4))
+        _replay(hk, mgr, Desc(FULL, 4))
     assert plan.log[-2:] == ["begin 8", "abort"]
     assert "exception around the replay" in caplog.text
     with pytest.raises(PoisonedError):
         hk.quiesce()
     with pytest.raises(PoisonedError):
-        hk.run_fullgraph(mgr, Desc(FULL, 4))
+        _replay(hk, mgr, Desc(FULL, 4))
     hk.shutdown()  # logs, closes, never raises
     assert plan.closed
 
@@ -620,13 +644,13 @@ def test_failed_completion_aborts_and_raises(capturing: list[bool]) -> None:
     hk = PleRunnerHooks(plan, rows_per_token=2)
     mgr = Manager()
     _capture(hk, mgr, Desc(FULL, 4), capturing, lambda: _forward(hk, ["a"], 4))
-    hk.run_fullgraph(mgr, Desc(FULL, 4))
+    _replay(hk, mgr, Desc(FULL, 4))
     plan.fail_complete = pm.RowIdError("row id 99 out of range")
     with pytest.raises(pm.RowIdError), hk.eager(dummy=False):
         pass
     assert plan.log[-1] == "abort"
     with pytest.raises(PoisonedError):
-        hk.run_fullgraph(mgr, Desc(FULL, 4))
+        _replay(hk, mgr, Desc(FULL, 4))
 
 
 def test_exception_in_eager_step_aborts() -> None:
@@ -646,142 +670,51 @@ def test_deferrable() -> None:
         PleRunnerHooks(RecordingPlan(["a"]), rows_per_token=0)
 
 
-# -- switches ------------------------------------------------------------------------------
+# -- settings ------------------------------------------------------------------------------
 
 
-def test_switches(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(runner.BACKEND_ENV, raising=False)
-    assert not runner.mmap_requested("default")
-    assert runner.mmap_requested("mmap")
-    monkeypatch.setenv(runner.BACKEND_ENV, "mmap")
-    assert runner.mmap_requested("default")
-    monkeypatch.setenv(runner.BACKEND_ENV, "pinned")
-    with pytest.raises(InvalidArgumentError, match="must be 'mmap' or 'default'"):
-        runner.mmap_requested("default")
-    with pytest.raises(InvalidArgumentError):
-        runner.mmap_requested("uva")
-    monkeypatch.delenv(runner.TIMEOUT_ENV, raising=False)
-    assert runner.timeout_seconds() == runner.DEFAULT_TIMEOUT
-    monkeypatch.setenv(runner.TIMEOUT_ENV, "120")
-    assert runner.timeout_seconds() == 120.0
-    monkeypatch.setenv(runner.TIMEOUT_ENV, "0")
-    with pytest.raises(InvalidArgumentError):
-        runner.timeout_seconds()
-
-
-class _Parallel:
-    def __init__(self, pp: int = 1, dbo: bool = False) -> None:
-        self.pipeline_parallel_size, self.use_ubatching = pp, dbo
-
-
-class _Engram:
-    def __init__(self, backend: str = "mmap", across_dp: bool = False) -> None:
-        self.table_backend, self.embedding_across_dp = backend, across_dp
-        self.dp_shared_memory: bool | None = None
-
-
-def test_config_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(runner.BACKEND_ENV, raising=False)
-    e = _Engram()
-    runner.resolve_engram_config(e, _Parallel())
-    assert e.dp_shared_memory is False
-    with pytest.raises(UnsupportedError, match="pipeline parallelism"):
-        runner.resolve_engram_config(_Engram(), _Parallel(pp=2))
-    with pytest.raises(UnsupportedError, match="embedding_across_dp"):
-        runner.resolve_engram_config(_Engram(across_dp=True), _Parallel())
-    with pytest.raises(UnsupportedError, match="DBO"):
-        runner.resolve_engram_config(_Engram(), _Parallel(dbo=True))
-    off = _Engram("default", across_dp=True)
-    runner.resolve_engram_config(off, _Parallel(pp=4))  # not requested: untouched
-    assert off.table_backend == "default" and off.dp_shared_memory is None
-    monkeypatch.setenv(runner.BACKEND_ENV, "mmap")
-    env = _Engram("default")
-    runner.resolve_engram_config(env, _Parallel())
-    assert env.table_backend == "mmap"
-
-
-# -- the patch engine on synthetic files -----------------------------------------------------
-
-ORIGINAL = "".join(f"line {i}\n" for i in range(1, 31))
-PATCHED = ORIGINAL.replace("line 5\n", "line 5\nadded a\n").replace("line 20\n", "line twenty\n")
-
-
-def _fake_site(root: Path, version: str = "0.33.0") -> Path:
-    pkg = root / "vllm"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "mod.py").write_text(ORIGINAL)
-    dist = root / f"vllm-{version}.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
-    return root
-
-
-def _make_patch(tmp: Path) -> Path:
-    import difflib
-
-    text = "".join(
-        difflib.unified_diff(
-            ORIGINAL.splitlines(True),
-            PATCHED.splitlines(True),
-            "a/vllm/mod.py",
-            "b/vllm/mod.py",
-        )
+def test_settings_from_the_environment() -> None:
+    assert settings.Settings.from_env({}) == settings.Settings("default", 30.0)
+    on = settings.Settings.from_env(
+        {"PLE_MEMOPS_TABLE_BACKEND": " MMAP ", "PLE_MEMOPS_TIMEOUT": "120"}
     )
-    path = tmp / "test.patch"
-    path.write_text(text)
-    return path
+    assert on.mmap and on.timeout == 120.0
+    assert not settings.Settings.from_env({"PLE_MEMOPS_TABLE_BACKEND": "default"}).mmap
+    assert not settings.Settings.from_env({"PLE_MEMOPS_TABLE_BACKEND": ""}).mmap
+    for bad in ("pinned", "uva", "1"):
+        with pytest.raises(InvalidArgumentError, match="PLE_MEMOPS_TABLE_BACKEND must be"):
+            settings.Settings.from_env({"PLE_MEMOPS_TABLE_BACKEND": bad})
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        with pytest.raises(InvalidArgumentError, match="PLE_MEMOPS_TIMEOUT must be a positive"):
+            settings.Settings.from_env({"PLE_MEMOPS_TIMEOUT": bad})
+    assert settings.installed_by_env({"PLE_MEMOPS_TABLE_BACKEND": "mmap"})
+    assert not settings.installed_by_env({})
 
 
-def test_patch_engine(tmp_path: Path) -> None:
-    site = _fake_site(tmp_path / "site")
-    patch = _make_patch(tmp_path)
-    mod = site / "vllm" / "mod.py"
-    os.chmod(mod, 0o640)
-    _, states, changed = _patch.apply(site=site, check=True, patch_file=patch)
-    assert changed and [s.state for s in states] == ["unpatched"] and states[0].delta == (2, 1)
-    assert mod.read_text() == ORIGINAL  # --check writes nothing
-    _patch.apply(site=site, patch_file=patch)
-    assert mod.read_text() == PATCHED and (mod.stat().st_mode & 0o777) == 0o640
-    _, states, changed = _patch.apply(site=site, patch_file=patch)  # idempotent
-    assert not changed and states[0].state == "patched" and mod.read_text() == PATCHED
-    _patch.apply(site=site, revert=True, patch_file=patch)
-    assert mod.read_text() == ORIGINAL
-    mod.write_text(ORIGINAL.replace("line 21\n", "line 21 edited\n"))
-    with pytest.raises(
-        _patch.PatchError, match=r"nothing was written.*line 21 is 'line 21 edited'"
-    ):
-        _patch.apply(site=site, patch_file=patch)
-    assert "line 21 edited" in mod.read_text() and "added a" not in mod.read_text()
+def test_settings_per_engine() -> None:
+    env = {"PLE_MEMOPS_TABLE_BACKEND": "mmap"}
+    S = settings.Settings
+    assert S.for_engine({}, env) == S("mmap", 30.0)
+    assert S.for_engine(None, env) == S("mmap", 30.0)
+    assert S.for_engine({"other": 1}, env) == S("mmap", 30.0)
+    assert S.for_engine({"ple_memops": {"table_backend": "default"}}, env) == S("default", 30.0)
+    assert S.for_engine({"ple_memops": {"timeout": 60}}, env) == S("mmap", 60.0)
+    assert S.for_engine({"ple_memops": {"table_backend": "mmap"}}, {}) == S("mmap", 30.0)
+    with pytest.raises(InvalidArgumentError, match=r"unknown keys \['timout'\]"):
+        S.for_engine({"ple_memops": {"timout": 60}}, env)
+    with pytest.raises(InvalidArgumentError, match=r"\['table_backend'\] must be 'mmap'"):
+        S.for_engine({"ple_memops": {"table_backend": "uva"}}, env)
+    with pytest.raises(InvalidArgumentError, match=r"\['timeout'\] must be a positive"):
+        S.for_engine({"ple_memops": {"timeout": True}}, env)
+    with pytest.raises(InvalidArgumentError, match="must be a mapping"):
+        S.for_engine({"ple_memops": "mmap"}, env)
 
 
-def test_patch_refuses_other_versions(tmp_path: Path) -> None:
-    site = _fake_site(tmp_path / "site", version="0.34.0")
-    with pytest.raises(
-        _patch.PatchError, match=r"is for vllm 0\.33\.0; the installed vllm is 0\.34\.0"
-    ):
-        _patch.apply(site=site, patch_file=_make_patch(tmp_path))
-    with pytest.raises(_patch.PatchError, match="no installed vllm"):
-        _patch.locate_vllm(tmp_path / "empty")
-    assert cli(["apply", "--site", str(site)]) == 2
-
-
-def test_shipped_patch_parses_and_is_explained() -> None:
-    files = _patch.parse(_patch.PATCH.read_text())
-    assert sorted(f.path for f in files) == sorted(_patch.WHY)
-    assert all(f.hunks and f.added for f in files)
-    # The file in integrations/vllm/ is the one the package ships.
-    repo = Path(__file__).resolve().parent.parent
-    shipped = repo / "integrations" / "vllm" / _patch.PATCH.name
-    if shipped.exists():
-        assert shipped.read_text() == _patch.PATCH.read_text()
-
-
-def test_cli_on_the_real_patch_without_vllm(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_check_without_vllm(capsys: pytest.CaptureFixture[str]) -> None:
     try:
         import vllm  # noqa: F401
     except ImportError:
-        assert cli(["apply", "--check"]) == 2
-        assert "vLLM is not installed" in capsys.readouterr().err
+        assert cli(["check"]) == 2
+        assert "vllm: not installed" in capsys.readouterr().out
     else:  # pragma: no cover - the vLLM environment tests this in test_vllm_real.py
         pytest.skip("vLLM is installed here: covered by test_vllm_real.py")

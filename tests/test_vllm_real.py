@@ -1,15 +1,18 @@
-"""The integration against the real vLLM 0.33.0 on the CPU (``VLLM_TARGET_DEVICE=cpu``),
-with ple-memops's patch applied: ``scripts/test.sh`` builds that environment and runs
-this file there. Skipped, with the reason, where vLLM is not installed.
+"""The plugin against the real vLLM 0.33.0 on the CPU (``VLLM_TARGET_DEVICE=cpu``), with
+ple-memops installed as a wheel and no other step: ``scripts/test.sh`` builds that
+environment and runs this file there. Skipped, with the reason, where vLLM is not
+installed.
 
-What runs here: the patch against the installed release files, the patched modules'
-imports, the custom ops through vLLM's registration helper and ``torch.compile``, our
-Qwen4Exp ids against vLLM's own ``compute_ngram_ids``, the whole Qwen4Exp model loaded by
-vLLM's default loader from a checkpoint transformers wrote (tables neither read nor
-allocated) with PLE rows byte-identical to the device table's, the switch and the
-refusals, and two tensor-parallel ranks (gloo) reading full rows without the all-reduce.
-The Triton kernels and Model Runner V2 need a GPU: ``test_vllm_runner_gpu.py`` drives the
-runner hooks through MRV2's sequence there.
+What runs here: vLLM's files against the hashes of its released RECORD; the entry point
+discovered by vLLM's own plugin loader, which installs nothing with the switch off and
+everything with it on; a vLLM whose names differ refused with one message; the custom
+ops under ``torch.compile``; our Qwen4Exp ids against vLLM's own ``compute_ngram_ids``;
+the whole Qwen4Exp model loaded by vLLM's default loader from a checkpoint transformers
+wrote (tables neither read nor allocated) with PLE rows byte-identical to the device
+table's, for BF16 and FP8; the per-engine switch and the refusals; and two
+tensor-parallel ranks (gloo) reading full rows without the all-reduce, agreeing on the
+fallback. The Triton kernels and Model Runner V2 need a GPU: ``test_vllm_engine_gpu.py``
+runs the real engine there.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import textwrap
 import types
 from pathlib import Path
 from typing import Any
@@ -32,9 +36,6 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-# The ops register through vLLM's helper when vLLM is imported first (as inside vLLM); a
-# session that imported them earlier (test_vllm_integration.py) registered them with torch.
-OPS_BEFORE_VLLM = "ple_memops.vllm.ops" in sys.modules
 vllm = pytest.importorskip(
     "vllm",
     reason="vLLM 0.33.0 is not installed here (scripts/test.sh runs this file in its "
@@ -45,14 +46,14 @@ import torch  # noqa: E402
 from vllm.config import (  # noqa: E402
     LoadConfig,
     ModelConfig,
-    ParallelConfig,
     VllmConfig,
     set_current_vllm_config,
 )
 from vllm.config.engram import EngramConfig  # noqa: E402
 
 import ple_memops as pm  # noqa: E402
-from ple_memops.vllm import _patch, ops, runner  # noqa: E402
+from ple_memops.vllm import _compat, ops, plugin, qwen4exp, runner  # noqa: E402
+from ple_memops.vllm.hooks import build_hooks  # noqa: E402
 from ple_memops.vllm.ngram import NGramHasher, NGramLayout  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -96,13 +97,27 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return ckpts.write_checkpoint(tmp_path_factory.mktemp("ckpt"), fp8=request.param == "fp8")
 
 
-def _config(ckpt: Path, engram: EngramConfig, **kw: Any) -> VllmConfig:
+MMAP = {"ple_memops": {"table_backend": "mmap"}}
+
+
+def _config(
+    ckpt: Path, engram: EngramConfig | None = None, *, mmap: bool = False, **kw: Any
+) -> VllmConfig:
     return VllmConfig(
         model_config=ModelConfig(model=str(ckpt), skip_tokenizer_init=True, dtype="bfloat16"),
         engram_config=engram,
         load_config=LoadConfig(load_format="safetensors"),
-        **kw,
+        **({"additional_config": MMAP if mmap else {}} | kw),
     )
+
+
+@pytest.fixture(scope="module")
+def installed() -> Any:
+    """The plugin installed in this process, as vLLM's loader does with the switch on (the
+    module puts vLLM back afterwards)."""
+    record = plugin.install()
+    yield record
+    record.undo()
 
 
 def _load(vc: VllmConfig) -> tuple[torch.nn.Module, Any]:
@@ -119,9 +134,7 @@ def _load(vc: VllmConfig) -> tuple[torch.nn.Module, Any]:
     return model, loader
 
 
-# -- the patch ------------------------------------------------------------------------------
-
-PATCHED = [f.path for f in _patch.parse(_patch.PATCH.read_text())]
+# -- the plugin, as vLLM loads it -----------------------------------------------------------
 
 
 def _sha(path: Path) -> str:
@@ -129,65 +142,144 @@ def _sha(path: Path) -> str:
     return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
-def test_installed_vllm_is_patched_and_the_patch_reverts_to_the_release(tmp_path: Path) -> None:
-    root, states, changes = _patch.apply(check=True)
-    assert not changes, (
-        "the vLLM here is not patched: run `python -m ple_memops.vllm apply` "
-        f"({[(s.path, s.state) for s in states]})"
+def test_vllms_files_are_as_released() -> None:
+    from importlib.metadata import distribution
+
+    dist = distribution("vllm")
+    assert dist.version == "0.33.0"
+    root = Path(str(dist.locate_file("")))
+    with open(root / f"vllm-{dist.version}.dist-info" / "RECORD", newline="") as f:
+        record = {row[0]: row[1] for row in csv.reader(f) if row[1]}
+    sources = [rel for rel in record if rel.startswith("vllm/") and rel.endswith(".py")]
+    assert len(sources) > 1000
+    changed = [rel for rel in sources if _sha(root / rel) != record[rel]]
+    assert not changed, f"vLLM's released files were changed: {changed[:10]}"
+
+
+def _run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    full.pop("PLE_MEMOPS_TABLE_BACKEND", None)
+    full.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=300,
+        cwd="/",
     )
-    assert {s.state for s in states} == {"patched"}
-    # On a copy: reverting gives the released files byte for byte (their RECORD hashes),
-    # applying again gives the installed ones.
-    dist = next(root.glob("vllm-0.33.0.dist-info"))
-    site = tmp_path / "site"
-    shutil.copytree(dist, site / dist.name)
-    for rel in PATCHED:
-        (site / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(root / rel, site / rel)
-    (site / "vllm" / "__init__.py").touch()
-    with open(dist / "RECORD", newline="") as f:
-        record = {row[0]: row[1] for row in csv.reader(f)}
-    _patch.apply(site=site, revert=True)
-    for rel in PATCHED:
-        assert _sha(site / rel) == record[rel], rel
-    _, states, changed = _patch.apply(site=site)
-    assert changed and {s.state for s in states} == {"unpatched"}
-    for rel in PATCHED:
-        assert (site / rel).read_bytes() == (root / rel).read_bytes(), rel
 
 
-def test_cli_check_reports_patched(capsys: pytest.CaptureFixture[str]) -> None:
+_PROBE = """
+    import json, sys
+    from vllm.plugins import load_general_plugins
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models import config as mc
+    before = {a: repr(ModelRegistry.models[a]) for a in ("Qwen4ExpForCausalLM",
+              "Qwen4ExpForConditionalGeneration")}
+    hooks_before = {a: mc.MODELS_CONFIG_MAP[a].__qualname__ for a in before}
+    load_general_plugins()
+    from vllm.v1.worker.gpu import model_runner as mr
+    print(json.dumps({
+        "runner": mr.GPUModelRunner.__module__ + "." + mr.GPUModelRunner.__qualname__,
+        "models_changed": [a for a in before if repr(ModelRegistry.models[a]) != before[a]],
+        "hooks": {a: mc.MODELS_CONFIG_MAP[a].__qualname__ for a in before},
+        "hooks_before": hooks_before,
+        "ours": sorted(m for m in sys.modules if m.startswith("ple_memops")),
+    }))
+"""
+
+
+def test_the_entry_point_is_discovered() -> None:
+    from importlib.metadata import entry_points
+
+    (ep,) = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "ple_memops"]
+    assert ep.value == "ple_memops.vllm.plugin:register"
+    assert ep.load() is plugin.register
+
+
+def test_switch_off_the_plugin_changes_nothing() -> None:
+    done = _run_python(_PROBE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["runner"] == "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
+    assert seen["models_changed"] == [] and seen["hooks"] == seen["hooks_before"]
+    # vLLM imported the entry point's module; nothing of ours that needs torch came along.
+    assert "ple_memops.vllm.plugin" in seen["ours"]
+    for heavy in ("ple_memops.vllm.ops", "ple_memops.vllm.qwen4exp", "ple_memops.vllm.runner"):
+        assert heavy not in seen["ours"]
+
+
+def test_switch_on_vllms_loader_installs_everything() -> None:
+    done = _run_python(_PROBE, PLE_MEMOPS_TABLE_BACKEND="mmap")
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["runner"] == "ple_memops.vllm.runner.PleGPUModelRunner"
+    assert sorted(seen["models_changed"]) == [
+        "Qwen4ExpForCausalLM",
+        "Qwen4ExpForConditionalGeneration",
+    ]
+    assert all(h.startswith("PleMemops") for h in seen["hooks"].values())
+
+
+def test_a_bad_switch_value_stops_the_engine_with_its_name() -> None:
+    done = _run_python(_PROBE, PLE_MEMOPS_TABLE_BACKEND="uva")
+    assert done.returncode != 0
+    assert "PLE_MEMOPS_TABLE_BACKEND must be 'mmap' or 'default', got 'uva'" in done.stderr
+
+
+def test_an_incompatible_vllm_is_refused_with_nothing_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.v1.worker.gpu import cudagraph_utils
+    from vllm.v1.worker.gpu import model_runner as mr
+
+    original = mr.GPUModelRunner
+    # A "renamed" method and a changed signature.
+    monkeypatch.delattr(mr.GPUModelRunner, "capture_model")
+    monkeypatch.setattr(
+        cudagraph_utils.CudaGraphManager, "run_fullgraph", lambda self, desc, extra: None
+    )
+    with pytest.raises(pm.UnsupportedError) as info:
+        plugin.install()
+    text = str(info.value)
+    assert "installed vLLM 0.33.0; nothing was installed" in text
+    assert "GPUModelRunner.capture_model" in text and "missing" in text
+    assert "CudaGraphManager.run_fullgraph" in text and "(self, desc, extra)" in text
+    assert mr.GPUModelRunner is original and plugin.installed() is None
+    monkeypatch.undo()
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    version, problems = _compat.check()
+    assert version == "0.34.0" and "not a tested version" in problems[0]
+    with pytest.raises(pm.UnsupportedError, match=r"vLLM 0\.34\.0 is not a tested version"):
+        plugin.install()
+
+
+def test_check_command_reports(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
     from ple_memops.vllm.__main__ import main
 
-    assert main(["apply", "--check"]) == 0
+    monkeypatch.delenv("PLE_MEMOPS_TABLE_BACKEND", raising=False)
+    assert main(["check"]) == 1
     out = capsys.readouterr().out
-    assert out.count("already patched") == len(PATCHED) and "nothing to do" in out
-
-
-def test_patched_modules_import() -> None:
-    import importlib
-
-    for rel in PATCHED:
-        module = importlib.import_module(rel[: -len(".py")].replace("/", "."))
-        assert module.__file__ is not None and module.__file__.endswith(rel)
-    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
-    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
-
-    assert EngramConfig().table_backend == "default"
-    assert "ple_wait_descs" in CudaGraphManager.__init__.__code__.co_names
-    assert "attach_runner" in GPUModelRunner.load_model.__code__.co_names
+    assert "vllm: 0.33.0" in out and "plugin: discovered" in out and "switch: off" in out
+    assert "compatible: yes" in out
+    monkeypatch.setenv("PLE_MEMOPS_TABLE_BACKEND", "mmap")
+    assert main(["check"]) == 0
+    assert "switch: on" in capsys.readouterr().out
+    monkeypatch.setenv("VLLM_PLUGINS", "someone_else")
+    assert main(["check"]) == 1
+    assert "does not name 'ple_memops'" in capsys.readouterr().out
 
 
 # -- the custom ops ---------------------------------------------------------------------------
 
 
-def test_ops_are_registered_through_vllm_and_compile(checkpoint: Path, dist: Any) -> None:
-    assert ops.registered_with() == ("torch" if OPS_BEFORE_VLLM else "vllm")
+def test_ops_compile(checkpoint: Path, dist: Any) -> None:
     from ple_memops.vllm.tables import checkpoint_tensor_names, find_layer_table, open_layer_table
 
     name = "model.layers.0.ple.ple_embedding.ngram_embedding"
     table = open_layer_table(checkpoint, find_layer_table(checkpoint_tensor_names(checkpoint), 0))
-    hooks = runner.build_hooks({name: table}, rows_per_token=4, max_rows=64, device="cpu")
+    hooks = build_hooks({name: table}, rows_per_token=4, max_rows=64, device="cpu", timeout=30.0)
 
     def consumer(ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         torch.ops.ple_memops.stage_rows(ids, out, name)
@@ -198,7 +290,8 @@ def test_ops_are_registered_through_vllm_and_compile(checkpoint: Path, dist: Any
         compiled = torch.compile(consumer, fullgraph=True, backend="aot_eager")
         ids = torch.randint(0, table.rows, (5, 4), dtype=torch.int64)
         out = hooks.output(name, 5)
-        with hooks.eager(dummy=False):
+        layer = types.SimpleNamespace(ple_memops_hooks=hooks)
+        with hooks.eager(dummy=False), ops.layers({name: layer}):
             got = compiled(ids, out)
         want = torch.from_numpy(table.gather(ids.reshape(-1).numpy())).to(torch.int32).sum(-1)
         assert torch.equal(got, want)
@@ -258,7 +351,11 @@ def test_our_ids_equal_vllms_compute_ngram_ids(checkpoint: Path, dist: Any) -> N
 
 
 def test_model_loads_without_its_tables_and_rows_match_the_device_table(
-    checkpoint: Path, dist: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    checkpoint: Path,
+    dist: Any,
+    installed: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     from vllm.config.compilation import CUDAGraphMode
     from vllm.model_executor.model_loader import default_loader
@@ -274,9 +371,13 @@ def test_model_loads_without_its_tables_and_rows_match_the_device_table(
         return result
 
     monkeypatch.setattr(default_loader, "filter_safetensors_files_by_weight_name", spy)
-    mmap_cfg = _config(checkpoint, EngramConfig(table_backend="mmap"))
+    mmap_cfg = _config(checkpoint, mmap=True)
     mmap_cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
-    model, loader = _load(mmap_cfg)
+    model, _ = _load(mmap_cfg)
+    assert isinstance(model, qwen4exp.Qwen4ExpMmapForCausalLM)
+    assert model.is_unused_checkpoint_weight(
+        "model.layers.2.ple.ple_embedding.ngram_embedding.shard_3.weight"
+    )
     # Files holding only table rows were not read; nothing of the tables was allocated.
     assert kept == [["model-rest.safetensors"]]
     tables = [m for m in model.modules() if isinstance(m, Qwen4ExpPLEMmapEmbedding)]
@@ -284,10 +385,13 @@ def test_model_loads_without_its_tables_and_rows_match_the_device_table(
     monkeypatch.undo()
     device_cfg = _config(checkpoint, EngramConfig(cpu_offload=False))
     device_model, _ = _load(device_cfg)
+    # An engine without the mmap settings builds vLLM's own tables, also with the plugin.
+    assert not qwen4exp.find_mmap_embeddings(device_model)
+    assert not hasattr(device_model, "is_unused_checkpoint_weight")
 
     fake = types.SimpleNamespace(model=model, vllm_config=mmap_cfg, device=torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="ple_memops"), set_current_vllm_config(mmap_cfg):
-        hooks = runner.attach_runner(fake, loader)
+        hooks = runner.attach_runner(fake)
     assert hooks is not None and hooks.plan.mode == "host"
     # What a user sees when the plan cannot defer: the reason and what changes.
     assert "deferred PLE rows are unavailable (no CUDA device" in caplog.text
@@ -302,7 +406,8 @@ def test_model_loads_without_its_tables_and_rows_match_the_device_table(
             ctx = torch.randint(0, 128, (3, 2), generator=g, dtype=torch.int32)
             hidden = torch.zeros(9, 256, dtype=torch.bfloat16)
             layer, ref = model.model.layers[i].ple, device_model.model.layers[i].ple
-            with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False):
+            layers = mmap_cfg.compilation_config.static_forward_context
+            with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
                 layer.start_prefetch(ids, qsl, ctx)
                 got = layer.ple_embedding(hidden, ids, qsl, ctx)
             with set_current_vllm_config(device_cfg):
@@ -318,9 +423,11 @@ def test_model_loads_without_its_tables_and_rows_match_the_device_table(
         hooks.shutdown()
 
 
-def test_a_missing_table_is_a_clear_error(checkpoint: Path, dist: Any, tmp_path: Path) -> None:
-    mmap_cfg = _config(checkpoint, EngramConfig(table_backend="mmap"))
-    model, loader = _load(mmap_cfg)
+def test_a_missing_table_is_a_clear_error(
+    checkpoint: Path, dist: Any, installed: Any, tmp_path: Path
+) -> None:
+    mmap_cfg = _config(checkpoint, mmap=True)
+    model, _ = _load(mmap_cfg)
     broken = tmp_path / "broken"
     shutil.copytree(checkpoint, broken)
     (broken / "ple-layer-2.safetensors").unlink()
@@ -332,43 +439,91 @@ def test_a_missing_table_is_a_clear_error(checkpoint: Path, dist: Any, tmp_path:
     mmap_cfg.model_config.model = str(broken)
     fake = types.SimpleNamespace(model=model, vllm_config=mmap_cfg, device=torch.device("cpu"))
     with pytest.raises(pm.TableError, match="no PLE table for layer 2"):
-        runner.attach_runner(fake, loader)
+        runner.attach_runner(fake)
+
+
+def test_a_table_that_does_not_match_the_model_is_refused_naming_it(
+    checkpoint: Path, dist: Any, installed: Any, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    mmap_cfg = _config(checkpoint, mmap=True)
+    model, _ = _load(mmap_cfg)
+    broken = tmp_path / "narrow"
+    shutil.copytree(checkpoint, broken)
+    f = broken / "ple-layer-2.safetensors"
+    tensors = load_file(str(f))
+    save_file({k: v[:, : v.shape[1] // 2].contiguous() for k, v in tensors.items()}, str(f))
+    mmap_cfg.model_config.model = str(broken)
+    fake = types.SimpleNamespace(model=model, vllm_config=mmap_cfg, device=torch.device("cpu"))
+    with pytest.raises(pm.TableError, match=r"layer 2 \(.*layers\.2\.ple\.ple_embedding.*rows of"):
+        runner.attach_runner(fake)
 
 
 # -- the switch and the refusals ---------------------------------------------------------------
 
 
-def test_switch_and_refusals(checkpoint: Path, dist: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(runner.BACKEND_ENV, raising=False)
-    assert _config(checkpoint, EngramConfig(cpu_offload=False)).engram_config.table_backend == (
-        "default"
+def test_switch_per_engine_and_refusals(
+    checkpoint: Path, dist: Any, installed: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PLE_MEMOPS_TABLE_BACKEND", raising=False)
+    # Through vLLM's own config resolution (our Qwen4Exp config hook): no data-parallel
+    # sharing of a pinned table that does not exist.
+    vc = _config(checkpoint, mmap=True)
+    assert qwen4exp.engine_settings(vc).mmap
+    assert vc.engram_config is not None and vc.engram_config.dp_shared_memory is False
+    assert not qwen4exp.engine_settings(_config(checkpoint)).mmap
+    monkeypatch.setenv("PLE_MEMOPS_TABLE_BACKEND", "mmap")
+    assert qwen4exp.engine_settings(_config(checkpoint)).mmap
+    off = {"ple_memops": {"table_backend": "default", "timeout": 5}}
+    assert qwen4exp.engine_settings(_config(checkpoint, additional_config=off)) == (
+        qwen4exp.Settings("default", 5.0)
     )
-    assert _config(checkpoint, EngramConfig(table_backend="mmap")).engram_config.table_backend == (
-        "mmap"
-    )
-    monkeypatch.setenv(runner.BACKEND_ENV, "mmap")
-    vc = VllmConfig(
-        model_config=ModelConfig(model=str(checkpoint), skip_tokenizer_init=True, dtype="bfloat16")
-    )
-    assert vc.engram_config is not None and vc.engram_config.table_backend == "mmap"
-    assert vc.engram_config.dp_shared_memory is False
-    monkeypatch.delenv(runner.BACKEND_ENV)
+    monkeypatch.delenv("PLE_MEMOPS_TABLE_BACKEND")
     with pytest.raises(pm.UnsupportedError, match="embedding_across_dp"):
-        _config(checkpoint, EngramConfig(table_backend="mmap", embedding_across_dp=True))
-    with pytest.raises(pm.UnsupportedError, match="pipeline parallelism"):
-        runner.resolve_engram_config(
-            EngramConfig(table_backend="mmap"), ParallelConfig(pipeline_parallel_size=2)
+        _config(checkpoint, EngramConfig(embedding_across_dp=True), mmap=True)
+    # vLLM turns breakable (PIECEWISE) graphs on for Qwen4Exp unless told otherwise: an
+    # mmap engine tells it otherwise, and one that asks for them is refused.
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
+    _config(checkpoint, mmap=True)
+    assert os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "0"
+    monkeypatch.setattr(qwen4exp, "_USER_BREAKABLE", "1")  # as if set before vLLM started
+    with pytest.raises(pm.UnsupportedError, match="breakable CUDA graphs"):
+        _config(checkpoint, mmap=True)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="unknown keys"):  # pydantic wraps ours
+        _config(checkpoint, additional_config={"ple_memops": {"backend": "mmap"}})
+    # Refusals vLLM's CPU config cannot reach, on the hook itself.
+    base = _config(checkpoint)
+    for change, match in (
+        (lambda v: setattr(v.parallel_config, "pipeline_parallel_size", 2), "pipeline"),
+        (lambda v: setattr(v.parallel_config, "enable_dbo", True), "DBO"),
+    ):
+        v = types.SimpleNamespace(
+            parallel_config=types.SimpleNamespace(pipeline_parallel_size=1, enable_dbo=False),
+            engram_config=None,
+            compilation_config=base.compilation_config,
+            additional_config=MMAP,
         )
+        change(v)
+        with pytest.raises(pm.UnsupportedError, match=match):
+            qwen4exp.verify_and_update_config(v)
     # NVFP4 tables (packed rows plus block scales) are refused when the layer is built.
-    from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
+    from vllm.models.qwen4_exp.nvidia import ngram_embedding
 
-    vc = _config(checkpoint, EngramConfig(table_backend="mmap"))
+    vc = _config(checkpoint, mmap=True)
     cfg = vc.model_config.hf_text_config
     monkeypatch.setattr(cfg, "ple_embedding_dtype", "nvfp4", raising=False)
-    with set_current_vllm_config(vc), pytest.raises(pm.UnsupportedError, match="NVFP4"):
-        Qwen4ExpNGramEmbedding(
+    with (
+        set_current_vllm_config(vc),
+        qwen4exp._mmap_table_class(),
+        pytest.raises(pm.UnsupportedError, match="NVFP4"),
+    ):
+        ngram_embedding.Qwen4ExpNGramEmbedding(
             cfg, 64, 0, 64, data_parallel_rank=0, prefix="nv", params_dtype=torch.bfloat16
         )
+    # The table classes are vLLM's again afterwards.
+    assert ngram_embedding.Qwen4ExpPLEDeviceEmbedding.__name__ == "Qwen4ExpPLEDeviceEmbedding"
 
 
 # -- tensor parallel ------------------------------------------------------------------------------
@@ -377,6 +532,7 @@ def test_switch_and_refusals(checkpoint: Path, dist: Any, monkeypatch: pytest.Mo
 def test_tensor_parallel_ranks_read_full_rows(checkpoint: Path, tmp_path: Path) -> None:
     port = _free_port()
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    env.pop("PLE_MEMOPS_TABLE_BACKEND", None)
     procs = [
         subprocess.Popen(
             [
@@ -409,6 +565,8 @@ def test_tensor_parallel_ranks_read_full_rows(checkpoint: Path, tmp_path: Path) 
     for rank in range(2):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert report["plan_mode"] == "host"
+        # Rank 1 alone could not defer: both ranks took the synchronous path.
+        assert report["agreed"] == [False, True]
         for layer, r in report["layers"].items():
             # The device table is split over the two ranks and combined by an all-reduce;
             # the mmap table holds nothing and reads full rows without one.

@@ -5,7 +5,7 @@ The stand-in is a small decoder (torch layers) with two PLE layers whose ids are
 Qwen4Exp n-gram ids (:class:`~ple_memops.vllm.ngram.NGramHasher`, checked against vLLM's
 own ``compute_ngram_ids`` in ``test_vllm_real.py``), computed in the graph from graph-static
 inputs, staged at the top of the forward and joined before each consumer, exactly as the
-patched Qwen4Exp model does through the same custom ops. The runner follows MRV2: load
+plugin's Qwen4Exp model does through the same custom ops. The runner follows MRV2: load
 (plan), profile run (eager dummy), CUDA graph memory profiling (a throwaway manager that
 captures the two largest graphs), warm-up (eager dummies and a real eager step), capture
 of several decode sizes (eager warm-up, then capture in runtime mode NONE on a capture
@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -32,8 +33,8 @@ import pytest
 from gpu_wait import done as wait_done
 
 import ple_memops as pm
-from ple_memops.vllm import ops, runner
-from ple_memops.vllm.hooks import PleRunnerHooks
+from ple_memops.vllm import ops
+from ple_memops.vllm.hooks import PleRunnerHooks, build_hooks
 from ple_memops.vllm.ngram import NGramHasher, NGramLayout
 from ple_memops.vllm.tables import checkpoint_tensor_names, find_layer_table, open_layer_table
 
@@ -122,6 +123,8 @@ class StandInModel(torch.nn.Module):
         dt = torch.bfloat16
         g = torch.Generator().manual_seed(1)
         self.hooks, self.device = hooks, torch.device(device)
+        # What vLLM's forward context holds for the ops: each layer carries the hooks.
+        self.layers = {name_of(i): SimpleNamespace(ple_memops_hooks=hooks) for i in PLE_AT}
         self.embed = torch.nn.Embedding(VOCAB, HIDDEN).to(device, dt)
         self.mlps = torch.nn.ModuleList(
             torch.nn.Linear(HIDDEN, HIDDEN, bias=False).to(device, dt) for _ in range(N_LAYERS)
@@ -156,6 +159,10 @@ class StandInModel(torch.nn.Module):
         self.pad_rows = torch.zeros((MAX_TOKENS * H, HEAD_DIM), dtype=torch.uint8, **z)
 
     def forward(self, input_ids: Any, qsl: Any, ctx: Any) -> Any:
+        with ops.layers(self.layers):
+            return self._forward(input_ids, qsl, ctx)
+
+    def _forward(self, input_ids: Any, qsl: Any, ctx: Any) -> Any:
         t = int(input_ids.shape[0])
         hooks = self.hooks
         self.counter.add_(1)
@@ -194,7 +201,6 @@ class GraphManager:
     def __init__(self, runner: StandInRunner) -> None:
         self.runner = runner
         self.graphs: dict[Desc, Any] = {}
-        self.ple_wait_descs: set[Any] = set()
         self.fail_next_replay = False
 
     def capture(self, descs: list[Desc], pool: Any) -> None:
@@ -207,7 +213,7 @@ class GraphManager:
                 with r.hooks.warmup():  # the eager warm-up in runtime mode NONE
                     r.forward(desc.num_tokens, kind="dummy")
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream), r.hooks.capture(self, desc):
+                with torch.cuda.graph(graph, pool=pool, stream=stream), r.hooks.capture(desc):
                     r.model(r.input_ids[: desc.num_tokens], r.qsl, r.ctx)
                 self.graphs[desc] = graph
         torch.cuda.current_stream().wait_stream(stream)
@@ -237,7 +243,7 @@ class StandInRunner:
                 dtype="F8_E4M3",
             )
         plan_device = 0 if self.device.type == "cuda" else "cpu"
-        self.hooks = runner.build_hooks(
+        self.hooks = build_hooks(
             self.tables,
             rows_per_token=H,
             max_rows=MAX_TOKENS * H,
@@ -305,8 +311,10 @@ class StandInRunner:
         self.hooks.quiesce()
         throwaway = GraphManager(self)
         throwaway.capture(self.descs()[:2], torch.cuda.graph_pool_handle())
-        assert throwaway.ple_wait_descs == set(self.descs()[:2])
+        assert self.hooks.wait_descs == set(self.descs()[:2])
         del throwaway
+        self.hooks.release_graphs()  # the plugin's runner does this for a new manager
+        assert not self.hooks.wait_descs
 
     def warm_up(self) -> None:
         for n in SIZES:  # compile_or_warm_up_model's _dummy_run(size)
@@ -329,7 +337,8 @@ class StandInRunner:
         assert self.manager is not None
         desc = self.dispatch(self.reqs)
         self.prepare_decode(self.reqs, desc.num_tokens)
-        self.hooks.run_fullgraph(self.manager, desc)
+        manager = self.manager
+        self.hooks.replay(desc, lambda: manager.run_fullgraph(desc))
         self.postprocess_decode(self.reqs)
         self.record_end()
 
@@ -338,7 +347,8 @@ class StandInRunner:
         assert self.manager is not None
         desc = self.dispatch(reqs)
         self.prepare_dummy(desc.num_tokens, desc.num_tokens)
-        self.hooks.run_fullgraph(self.manager, desc)
+        manager = self.manager
+        self.hooks.replay(desc, lambda: manager.run_fullgraph(desc))
         self.kinds[-1] = "dummy-replay"
         self.record_end()
 
@@ -472,7 +482,7 @@ def test_mrv2_sequence_every_step_checked(ckpt: tuple[Path, dict[str, np.ndarray
         r.reqs = 0
         r.capture_model(pool)
         assert r.manager is not None
-        assert r.manager.ple_wait_descs == set(r.descs())  # every captured size, not one
+        assert r.hooks.wait_descs == set(r.descs())  # every captured size, not one
         assert r.check_ring(0, tables) > 0  # the eager steps so far (dummies: ids only)
         checked = _serve(r, tables, np.random.default_rng(7))
         # 130 decode steps and 13 dummy replays (plus the mixed eager steps), two layers.

@@ -1,11 +1,12 @@
 """One tensor-parallel rank of ``test_vllm_real.py::test_tensor_parallel_ranks_read_full_rows``
 (run as ``python vllm_tp_rank.py RANK WORLD PORT CHECKPOINT OUT_JSON``, on the CPU, gloo).
 
-Loads the checkpoint twice through vLLM's default loader: with the device table (each
-rank holds its vocabulary slice; lookups are combined by an all-reduce) and with the mmap
-table (no slice: every rank reads full rows from the shared page cache). Writes what it
-saw: both backends' PLE rows for the same ids, the table rows each rank holds, and how
-many all-reduces each backend's lookup ran.
+With the plugin installed, loads the checkpoint twice through vLLM's default loader: with
+the device table (each rank holds its vocabulary slice; lookups are combined by an
+all-reduce) and with the mmap table (no slice: every rank reads full rows from the shared
+page cache). Writes what it saw: both backends' PLE rows for the same ids, the table rows
+each rank holds, how many all-reduces each backend's lookup ran, and what the ranks agreed
+when only rank 1 could not defer (over vLLM's world group, gloo).
 """
 
 from __future__ import annotations
@@ -40,14 +41,17 @@ def main() -> None:
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    from ple_memops.vllm import runner
+    from ple_memops.vllm import ops, plugin, runner
 
-    def config(engram: EngramConfig) -> VllmConfig:
+    plugin.install()
+
+    def config(engram: EngramConfig, backend: str = "default") -> VllmConfig:
         return VllmConfig(
             model_config=ModelConfig(model=ckpt, skip_tokenizer_init=True, dtype="bfloat16"),
             parallel_config=ParallelConfig(tensor_parallel_size=world),
             engram_config=engram,
             load_config=LoadConfig(load_format="safetensors"),
+            additional_config={"ple_memops": {"table_backend": backend}},
         )
 
     def load(vc: VllmConfig) -> tuple[torch.nn.Module, object]:
@@ -69,14 +73,16 @@ def main() -> None:
         )
         initialize_model_parallel(world, 1)
     device_model, _ = load(device_cfg)
-    mmap_cfg = config(EngramConfig(table_backend="mmap"))
-    mmap_model, loader = load(mmap_cfg)
+    mmap_cfg = config(EngramConfig(), "mmap")
+    mmap_model, _ = load(mmap_cfg)
     fake_runner = types.SimpleNamespace(
         model=mmap_model, vllm_config=mmap_cfg, device=torch.device("cpu")
     )
     with set_current_vllm_config(mmap_cfg):
-        hooks = runner.attach_runner(fake_runner, loader)
+        hooks = runner.attach_runner(fake_runner)
     assert hooks is not None
+    # One rank that cannot defer makes every rank synchronous (over vLLM's world group).
+    agreed = [runner.agree_on_deferral(rank != 1), runner.agree_on_deferral(True)]
 
     reduces = {"n": 0}
     original = GroupCoordinator.all_reduce
@@ -100,7 +106,8 @@ def main() -> None:
         device_reduces = reduces["n"]
         mlayer = mmap_model.model.layers[i].ple
         reduces["n"] = 0
-        with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False):
+        layers = mmap_cfg.compilation_config.static_forward_context
+        with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
             mlayer.start_prefetch(ids, qsl, ctx)
             got = mlayer.ple_embedding(hidden, ids, qsl, ctx)
         report["layers"][str(i)] = {  # type: ignore[index]
@@ -113,6 +120,7 @@ def main() -> None:
         }
     GroupCoordinator.all_reduce = original  # type: ignore[method-assign]
     report["plan_mode"] = hooks.plan.mode
+    report["agreed"] = agreed
     hooks.shutdown()
     with open(out, "w") as f:
         json.dump(report, f)

@@ -1,57 +1,74 @@
-"""``python -m ple_memops.vllm apply [--check] | revert [--check]``: patch the installed
-vLLM 0.33.0 for memory-mapped PLE tables, and say what changed."""
+"""``python -m ple_memops.vllm check``: is the plugin discovered by vLLM, switched on, and
+compatible with the installed vLLM? Exit 0 when it would serve mmap PLE tables, 1 when
+it is off or vLLM's names differ, 2 when vLLM or the plugin's entry point is missing."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from importlib.metadata import PackageNotFoundError, entry_points, version
 
-from ._patch import VLLM_VERSION, WHY, PatchError, apply
+from ..errors import InvalidArgumentError
+from .settings import BACKEND_ENV, TIMEOUT_ENV, Settings
+
+GROUP = "vllm.general_plugins"
+NAME = "ple_memops"
+TARGET = "ple_memops.vllm.plugin:register"
+
+
+def check() -> int:
+    try:
+        vllm_version = version("vllm")
+    except PackageNotFoundError:
+        print("vllm: not installed")
+        return 2
+    print(f"vllm: {vllm_version}")
+    found = [ep for ep in entry_points(group=GROUP) if ep.name == NAME]
+    if not found:
+        print(
+            f"plugin: not discovered (no entry point {NAME!r} in {GROUP!r}; reinstall ple-memops)"
+        )
+        return 2
+    print(f"plugin: discovered ({GROUP}: {found[0].name} = {found[0].value})")
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and NAME not in [p.strip() for p in allowed.split(",")]:
+        print(f"plugin: not loaded, VLLM_PLUGINS={allowed!r} does not name {NAME!r}")
+        return 1
+    try:
+        settings = Settings.from_env()
+    except InvalidArgumentError as exc:
+        print(f"switch: {exc}")
+        return 1
+    state = "on" if settings.mmap else "off"
+    print(
+        f"switch: {state} ({BACKEND_ENV}={os.environ.get(BACKEND_ENV, '')!r}; "
+        f"timeout {settings.timeout:g} s, {TIMEOUT_ENV})"
+    )
+    from . import _compat
+
+    vllm_seen, problems = _compat.check()
+    if problems:
+        print(f"compatible: no, vLLM {vllm_seen} differs from what the plugin was tested with:")
+        for p in problems:
+            print(f"  - {p}")
+        return 1
+    print(f"compatible: yes (vLLM {vllm_seen}: every name the plugin relies on is there)")
+    if not settings.mmap:
+        print(f"set {BACKEND_ENV}=mmap to serve Qwen4Exp PLE tables from the checkpoint")
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ple_memops.vllm",
-        description=f"Apply ple-memops's patch to the installed vllm {VLLM_VERSION} "
-        "(Qwen4Exp PLE tables memory-mapped from the checkpoint, FULL CUDA graphs that "
-        "wait for rows gathered after launch). Idempotent; writes nothing when any file "
-        "differs from what the patch expects.",
+        description="ple-memops's vLLM plugin: memory-mapped Qwen4Exp PLE tables whose FULL "
+        "CUDA graphs wait for rows gathered after launch.",
     )
-    parser.add_argument("command", choices=["apply", "revert"])
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help="report what would change without writing; exit 0 when nothing would, 1 otherwise",
-    )
-    parser.add_argument(
-        "--site", help="a site-packages directory holding vllm (default: the importable one)"
-    )
-    args = parser.parse_args(argv)
-    revert = args.command == "revert"
-    try:
-        root, states, changes = apply(site=args.site, check=args.check, revert=revert)
-    except PatchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"vllm {VLLM_VERSION} at {root / 'vllm'}")
-    done_state = "unpatched" if revert else "patched"
-    for s in states:
-        plus, minus = s.delta
-        if s.state == done_state:
-            what = "already reverted" if revert else "already patched"
-        elif args.check:
-            what = "would revert" if revert else "would patch"
-        else:
-            what = "reverted" if revert else "patched"
-        print(f"  {what:16} {s.path} (+{plus} -{minus}): {WHY.get(s.path, '')}")
-    if not changes:
-        print("nothing to do")
-    elif not revert and not args.check:
-        print(
-            'enable it with --engram-config \'{"table_backend": "mmap"}\' or '
-            "PLE_MEMOPS_TABLE_BACKEND=mmap"
-        )
-    return 1 if args.check and changes else 0
+    parser.add_argument("command", choices=["check"])
+    parser.parse_args(argv)
+    return check()
 
 
 if __name__ == "__main__":

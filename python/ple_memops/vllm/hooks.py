@@ -2,21 +2,27 @@
 replays and eager steps so every graph that consumes deferred rows is armed exactly once
 per replay, and nothing else ever waits for a fill.
 
-Pure Python against two small protocols (a rows plan, see :class:`PlanLike`, and a graph
-manager, see :class:`GraphManagerLike`), so the same code runs in the patched vLLM Model
-Runner V2 and in the stand-in runner of ``tests/test_vllm_runner_gpu.py``.
+Pure Python against a small protocol (a rows plan, see :class:`PlanLike`), so the same
+code runs in the plugin's Model Runner V2 (:mod:`ple_memops.vllm.runner`) and in the
+stand-in runner of ``tests/test_vllm_runner_gpu.py``. The hooks keep the set of graphs
+that wait for rows themselves (nothing is stored on the engine's graph manager).
 
 The runner calls, in the order Model Runner V2 reaches them::
 
     hooks = PleRunnerHooks(plan, rows_per_token=H)     # load time, outside any capture
-    with hooks.eager(dummy=True): model(...)            # profile run, dummy runs
+    with hooks.step(dummy=True): model(...)             # profile run, dummy runs
     hooks.quiesce()                                     # before capturing
     for desc in descs:                                  # capture loop
         with hooks.warmup(): forward(desc)              #   eager warm-up, no data
-        with torch.cuda.graph(g), hooks.capture(manager, desc): forward(desc)
-    out = hooks.run_fullgraph(manager, desc)            # FULL replays (real or dummy)
-    with hooks.eager(dummy=False): model(...)           # eager steps: synchronous gather
+        with torch.cuda.graph(g), hooks.capture(desc): forward(desc)
+    out = hooks.replay(desc, graphs[desc].replay)       # FULL replays (real or dummy)
+    with hooks.step(dummy=False): model(...)            # eager steps: synchronous gather
+    hooks.release_graphs()                              # graphs dropped (elastic EP)
     hooks.shutdown()
+
+An engine step that may be a FULL replay or an eager forward opens ``step`` around
+both: a replay never waits for pending steps, while the first PLE op of an eager forward
+completes them (its synchronous gather reuses the rows objects).
 
 The model's PLE op calls :meth:`PleRunnerHooks.stage` and :meth:`PleRunnerHooks.join`
 (through the custom ops in :mod:`ple_memops.vllm.ops`); what they do depends on the scope
@@ -31,8 +37,8 @@ scope, stream                         stage / join
 capturing                             (``plan.stage``) / join it before the consumer
 any other capture                     :class:`~ple_memops.StateError`: a host gather
                                       cannot be captured
-``eager(dummy=True)``, ``warmup``     ``plan.dummy_now``: no data, no host sync
-``eager(dummy=False)`` or none        ``plan.gather_now``: ids to the host, gather, copy
+``step(dummy=True)``, ``warmup``      ``plan.dummy_now``: no data, no host sync
+``step(dummy=False)`` or none         ``plan.gather_now``: ids to the host, gather, copy
 ====================================  ====================================================
 """
 
@@ -40,26 +46,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping, MutableSet
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from ..errors import InvalidArgumentError, StateError
+from ..errors import ClosedError, InvalidArgumentError, StateError
+from .settings import DEFAULT_TIMEOUT, DEPTH
 
 __all__ = [
     "DEPTH",
-    "GraphManagerLike",
     "PlanLike",
     "PleRunnerHooks",
     "StagedLike",
+    "build_hooks",
     "deferrable",
 ]
 
 logger = logging.getLogger("ple_memops")
 
-DEPTH = 2
-"""Steps armed at once: the host runs one step ahead under async scheduling, so the
-step launched now may be armed while the previous one has not been completed."""
+T = TypeVar("T")
 
 
 class StagedLike(Protocol):
@@ -86,14 +91,6 @@ class PlanLike(Protocol):
     def staging(self, name: str, n: int) -> Any: ...
     def abort(self, reason: str) -> None: ...
     def close(self) -> None: ...
-
-
-class GraphManagerLike(Protocol):
-    """What the hooks use of vLLM's ``CudaGraphManager`` (the patch adds the set)."""
-
-    ple_wait_descs: MutableSet[Any]
-
-    def run_fullgraph(self, desc: Any) -> Any: ...
 
 
 def _mode_name(mode: Any) -> str:
@@ -132,8 +129,9 @@ class _NoDefer:
 
 
 @dataclass
-class _Eager:
+class _Step:
     dummy: bool
+    quiesced: bool = False
 
 
 def _capturing(tensor: Any) -> bool:
@@ -162,7 +160,7 @@ class PleRunnerHooks:
         plan: PlanLike,
         *,
         rows_per_token: int,
-        timeout: float = 60.0,
+        timeout: float = DEFAULT_TIMEOUT,
         depth: int = DEPTH,
     ) -> None:
         if rows_per_token < 1 or depth < 1 or not timeout > 0:
@@ -171,8 +169,9 @@ class PleRunnerHooks:
         self.rows_per_token = int(rows_per_token)
         self.timeout = float(timeout)
         self.depth = int(depth)
-        self._scope: _Capture | _NoDefer | _Eager | None = None
+        self._scope: _Capture | _NoDefer | _Step | None = None
         self._closed = False
+        self._wait_descs: set[Any] = set()
         self.armed_steps = 0
         self.recorded_graphs = 0
 
@@ -187,6 +186,15 @@ class PleRunnerHooks:
     def layer_names(self) -> list[str]:
         return list(self.plan.layers)
 
+    @property
+    def wait_descs(self) -> frozenset[Any]:
+        """The descriptors whose captured graph waits for deferred rows (armed before
+        each replay)."""
+        return frozenset(self._wait_descs)
+
+    def waits_for_rows(self, desc: Any) -> bool:
+        return desc in self._wait_descs
+
     def output(self, name: str, tokens: int) -> Any:
         """The buffer the consumer of ``name`` reads for a step of ``tokens`` tokens:
         ``uint8 [tokens * rows_per_token, row_bytes]`` (the plan's stable staging)."""
@@ -195,10 +203,10 @@ class PleRunnerHooks:
     # -- runner hooks -----------------------------------------------------------------
 
     @contextlib.contextmanager
-    def capture(self, manager: GraphManagerLike, desc: Any) -> Iterator[None]:
+    def capture(self, desc: Any) -> Iterator[None]:
         """Open around the forward inside ``torch.cuda.graph`` for ``desc``. On success,
-        records ``desc`` in ``manager.ple_wait_descs`` when the graph consumes deferred
-        rows (every PLE layer staged and joined), so its replays get armed."""
+        records ``desc`` among :attr:`wait_descs` when the graph consumes deferred rows
+        (every PLE layer staged and joined), so its replays get armed."""
         self._check_usable()
         why = deferrable(desc)
         if why is None and not self.deferred:
@@ -218,47 +226,63 @@ class PleRunnerHooks:
             unjoined = sorted(set(scope.staged) - scope.joined)
             if unjoined:
                 raise StateError(f"ple-memops: staged rows of {unjoined} were never joined")
-            manager.ple_wait_descs.add(desc)
+            self._wait_descs.add(desc)
             self.recorded_graphs += 1
 
     @contextlib.contextmanager
     def warmup(self) -> Iterator[None]:
         """The eager pass before each capture: no data, after completing pending steps."""
-        with self.eager(dummy=True):
+        self.quiesce()
+        with self.step(dummy=True):
             yield
 
     @contextlib.contextmanager
-    def eager(self, *, dummy: bool) -> Iterator[None]:
-        """Around an eager (or PIECEWISE) forward: completes every pending step first
-        (the synchronous gather reuses the rows objects), then the PLE op gathers on the
-        host before its consumer (``dummy=False``) or publishes no data (``dummy=True``:
-        profile, warm-up and dummy runs). Any exception aborts the plan."""
-        self.quiesce()
+    def step(self, *, dummy: bool) -> Iterator[None]:
+        """Around one engine step, a FULL replay or an eager (or PIECEWISE) forward. In an
+        eager forward the first PLE op completes every pending step (the synchronous
+        gather reuses the rows objects), then each PLE op gathers on the host before its
+        consumer (``dummy=False``) or publishes no data (``dummy=True``: profile, warm-up
+        and dummy runs). A replay inside it is armed as :meth:`replay` says. Any
+        exception aborts the plan, so no GPU wait outlives a failed step."""
         try:
-            with self._scoped(_Eager(bool(dummy))):
+            with self._scoped(_Step(bool(dummy))):
                 yield
         except BaseException as exc:
-            self.abort(f"exception in an eager step: {exc!r}")
+            if not self._closed:
+                self.abort(f"exception in an engine step: {exc!r}")
             raise
 
-    def run_fullgraph(self, manager: GraphManagerLike, desc: Any) -> Any:
-        """Replay the FULL graph of ``desc`` (``manager.run_fullgraph``), armed first when
-        it consumes deferred rows. Completes the oldest pending step only when ``depth``
-        are armed (so under async scheduling the host never waits for a fill here). Any
-        exception between arming and the launch aborts the plan (the GPU is released,
-        later calls raise :class:`~ple_memops.PoisonedError`)."""
-        if desc not in manager.ple_wait_descs:
-            return manager.run_fullgraph(desc)
+    @contextlib.contextmanager
+    def eager(self, *, dummy: bool) -> Iterator[None]:
+        """:meth:`step` for a forward known to be eager: pending steps are completed first."""
+        self.quiesce()
+        with self.step(dummy=dummy):
+            yield
+
+    def replay(self, desc: Any, launch: Callable[[], T]) -> T:
+        """Launch the FULL graph of ``desc`` (``launch()``), armed first when it consumes
+        deferred rows. Completes the oldest pending step only when ``depth`` are armed
+        (so under async scheduling the host never waits for a fill here). Any exception
+        between arming and the launch aborts the plan (the GPU is released, later calls
+        raise :class:`~ple_memops.PoisonedError`)."""
+        if desc not in self._wait_descs:
+            return launch()
         self._check_usable()
         try:
             while self.plan.in_flight >= self.depth:
                 self.plan.complete(timeout=self.timeout)
             self.plan.begin(int(desc.num_tokens) * self.rows_per_token)
             self.armed_steps += 1
-            return manager.run_fullgraph(desc)
+            return launch()
         except BaseException as exc:
             self.abort(f"exception around the replay of {desc}: {exc!r}")
             raise
+
+    def release_graphs(self) -> None:
+        """The engine drops its captured graphs: complete pending steps, forget which
+        graphs wait for rows (a later capture records them again)."""
+        self.quiesce()
+        self._wait_descs.clear()
 
     def quiesce(self) -> None:
         """Complete every pending step (before captures, eager steps, dummy runs and
@@ -277,23 +301,29 @@ class PleRunnerHooks:
         logger.error("ple-memops: aborting deferred PLE rows: %s", reason)
         self.plan.abort(reason)
 
-    def shutdown(self) -> None:
-        """Complete pending steps (bounded; a failure is logged and aborts), then close
-        the plan. Idempotent."""
+    def drain_for_shutdown(self) -> None:
+        """Complete pending steps (bounded; a failure is logged and aborts the plan, so
+        no captured wait can hold the device): before the engine synchronises the device
+        at shutdown. Idempotent; the plan stays open until :meth:`shutdown`."""
         if self._closed:
             return
-        self._closed = True
         try:
             if self.plan.in_flight:
                 self.plan.drain(timeout=self.timeout)
         except BaseException as exc:
             logger.error("ple-memops: pending PLE rows failed at shutdown: %r", exc)
             self.plan.abort(f"shutdown: {exc!r}")
-        finally:
-            from . import ops
 
-            ops.unbind_all(self)
-            self.plan.close()
+    def shutdown(self) -> None:
+        """:meth:`drain_for_shutdown`, then close the plan. Idempotent. A caller that
+        synchronises the device drains first, synchronises, then calls this, so nothing
+        the GPU may still read is freed."""
+        if self._closed:
+            return
+        self.drain_for_shutdown()
+        self._closed = True
+        self._wait_descs.clear()
+        self.plan.close()
 
     # -- the PLE op -------------------------------------------------------------------
 
@@ -321,7 +351,14 @@ class PleRunnerHooks:
                 f"ple-memops: a capture scope is open for {scope.desc} but the current "
                 "stream is not capturing"
             )
-        if isinstance(scope, _NoDefer) or (isinstance(scope, _Eager) and scope.dummy):
+        if scope is None:
+            # A forward outside any step (a runner calling the model directly): real
+            # rows, after completing pending steps.
+            self.quiesce()
+        elif isinstance(scope, _Step) and not scope.quiesced:
+            self.quiesce()
+            scope.quiesced = True
+        if isinstance(scope, _NoDefer) or (isinstance(scope, _Step) and scope.dummy):
             self.plan.dummy_now(name, n)
             return
         rows = self.plan.gather_now(name, ids.reshape(-1), rows=n)
@@ -370,12 +407,10 @@ class PleRunnerHooks:
 
     def _check_usable(self) -> None:
         if self._closed:
-            from ..errors import ClosedError
-
             raise ClosedError("ple-memops runner hooks are shut down")
 
     @contextlib.contextmanager
-    def _scoped(self, scope: _Capture | _NoDefer | _Eager) -> Iterator[None]:
+    def _scoped(self, scope: _Capture | _NoDefer | _Step) -> Iterator[None]:
         if self._scope is not None:
             raise StateError(f"ple-memops: a {type(self._scope).__name__} scope is already open")
         self._scope = scope
@@ -383,3 +418,35 @@ class PleRunnerHooks:
             yield
         finally:
             self._scope = None
+
+
+def build_hooks(
+    tables: Mapping[str, Any],
+    *,
+    rows_per_token: int,
+    max_rows: int,
+    device: Any,
+    timeout: float = DEFAULT_TIMEOUT,
+    deferred: bool = True,
+) -> PleRunnerHooks:
+    """Build the all-or-none rows plan for ``tables`` (name -> :class:`~ple_memops.MmapTable`,
+    outside any capture) and the runner hooks around it. ``timeout`` bounds both the
+    watchdog of a waiting graph and the completion of a pending step."""
+    from ..plan import RowsPlan
+
+    plan = RowsPlan.build(
+        dict(tables),
+        max_rows=max_rows,
+        device=device,
+        id_dtype="int64",
+        deferred=deferred,
+        watchdog=timeout,
+        timeout=timeout,
+        depth=DEPTH,
+        log_fallback=False,  # the engine's integration says it once, with what it changes
+    )
+    try:
+        return PleRunnerHooks(plan, rows_per_token=rows_per_token, timeout=timeout, depth=DEPTH)
+    except BaseException:
+        plan.close()
+        raise

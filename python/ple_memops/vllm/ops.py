@@ -1,10 +1,13 @@
 """The PLE rows custom ops: ``torch.ops.ple_memops.stage_rows`` and ``join_rows``.
 
-Both mutate a caller-provided output (the plan's staging view a consumer reads) and return
-nothing, so Dynamo keeps them and their order; the layer travels as a string and resolves
-to the runner hooks bound to it (:func:`bind`). Inside vLLM they are registered with
-vLLM's own ``direct_register_custom_op`` (on the platform's dispatch key); without vLLM,
-with ``torch.library`` (any device). Either way a fake implementation is registered for
+A leaf module: it imports torch only and knows nothing of the runner. Both ops mutate a
+caller-provided output (the plan's staging view a consumer reads) and return nothing, so
+Dynamo keeps them and their order; the layer travels as a string and is looked up where
+the engine keeps its layers, vLLM's idiom for attention: the forward context's
+``no_compile_layers[layer_name]`` (the mmap table registers itself there), or, for a
+runner without a vLLM forward context, the mapping of :func:`layers`. The layer found
+must carry its runner hooks as ``ple_memops_hooks``. Registered with ``torch.library``
+once, the same way whatever was imported first, with fake implementations for
 ``torch.compile``.
 
 The model calls::
@@ -18,54 +21,64 @@ The model calls::
 # No ``from __future__ import annotations``: the op schemas are inferred from these
 # functions' annotations, which must be real types.
 
+import contextlib
+import contextvars
 import sys
-import threading
-import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
 from ..errors import StateError
 
-if TYPE_CHECKING:
-    from .hooks import PleRunnerHooks
-
-__all__ = ["bind", "join_rows", "register", "registered_with", "stage_rows", "unbind_all"]
+__all__ = ["join_rows", "layers", "stage_rows"]
 
 _LIB = torch.library.Library("ple_memops", "FRAGMENT")  # type: ignore[no-untyped-call]
-_LOCK = threading.Lock()
-_REGISTERED: str | None = None
-_BOUND: "weakref.WeakValueDictionary[str, PleRunnerHooks]" = weakref.WeakValueDictionary()
+_LAYERS: "contextvars.ContextVar[Mapping[str, Any] | None]" = contextvars.ContextVar(
+    "ple_memops_layers", default=None
+)
 
 
-def bind(name: str, hooks: "PleRunnerHooks") -> None:
-    """Route the ops for layer ``name`` to ``hooks`` (replacing a previous binding)."""
-    _BOUND[name] = hooks
+@contextlib.contextmanager
+def layers(mapping: Mapping[str, Any]) -> Iterator[None]:
+    """The layers the ops resolve by name while the block runs, for runners without a
+    vLLM forward context (each value carries ``ple_memops_hooks``)."""
+    token = _LAYERS.set(mapping)
+    try:
+        yield
+    finally:
+        _LAYERS.reset(token)
 
 
-def unbind_all(hooks: "PleRunnerHooks") -> None:
-    for name, bound in list(_BOUND.items()):
-        if bound is hooks:
-            del _BOUND[name]
+def _layer(name: str) -> Any:
+    mapping = _LAYERS.get()
+    if mapping is None and "vllm.forward_context" in sys.modules:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
 
-
-def _hooks_for(name: str) -> "PleRunnerHooks":
-    hooks = _BOUND.get(name)
+        if is_forward_context_available():
+            mapping = get_forward_context().no_compile_layers
+    if mapping is None:
+        raise StateError(
+            f"ple-memops: no forward context names the PLE layer {name!r} (the ops run "
+            "inside a vLLM forward, or inside ple_memops.vllm.ops.layers(...))"
+        )
+    layer = mapping.get(name)
+    hooks = getattr(layer, "ple_memops_hooks", None)
     if hooks is None:
         raise StateError(
-            f"ple-memops: no rows plan is bound to the PLE layer {name!r}: the runner "
-            "builds it at load time (vLLM: Model Runner V2's load_model with the ple-memops "
-            "patch applied; `python -m ple_memops.vllm apply --check` tells)"
+            f"ple-memops: the PLE layer {name!r} has no rows plan bound (the plugin's "
+            "Model Runner V2 binds it at load time; `python -m ple_memops.vllm check` "
+            "tells whether the plugin is installed)"
         )
     return hooks
 
 
 def _stage_rows(ids: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
-    _hooks_for(layer_name).stage(layer_name, ids, output)
+    _layer(layer_name).stage(layer_name, ids, output)
 
 
 def _join_rows(output: torch.Tensor, layer_name: str) -> None:
-    _hooks_for(layer_name).join(layer_name, output)
+    _layer(layer_name).join(layer_name, output)
 
 
 def _stage_rows_fake(ids: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
@@ -76,52 +89,12 @@ def _join_rows_fake(output: torch.Tensor, layer_name: str) -> None:
     return None
 
 
-def register() -> str:
-    """Register both ops once per process (done when this module is imported); returns
-    ``"vllm"`` or ``"torch"``: vLLM's helper is used when vLLM is already imported (this
-    never imports it), as it is when the patched vLLM imports this module."""
-    global _REGISTERED
-    with _LOCK:
-        if _REGISTERED is not None:
-            return _REGISTERED
-        helper = None
-        if "vllm" in sys.modules:
-            try:
-                from vllm.utils.torch_utils import direct_register_custom_op
-
-                helper = direct_register_custom_op
-            except ImportError:  # pragma: no cover - a vLLM without the helper
-                helper = None
-        if helper is not None:
-            helper(
-                op_name="stage_rows",
-                op_func=_stage_rows,
-                mutates_args=["output"],
-                fake_impl=_stage_rows_fake,
-                target_lib=_LIB,
-            )
-            helper(
-                op_name="join_rows",
-                op_func=_join_rows,
-                mutates_args=["output"],
-                fake_impl=_join_rows_fake,
-                target_lib=_LIB,
-            )
-            _REGISTERED = "vllm"
-        else:
-            _LIB.define("stage_rows(Tensor ids, Tensor(a!) output, str layer_name) -> ()")  # type: ignore[no-untyped-call]
-            _LIB.define("join_rows(Tensor(a!) output, str layer_name) -> ()")  # type: ignore[no-untyped-call]
-            _LIB.impl("stage_rows", _stage_rows, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
-            _LIB.impl("join_rows", _join_rows, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
-            torch.library.register_fake("ple_memops::stage_rows", _stage_rows_fake, lib=_LIB)
-            torch.library.register_fake("ple_memops::join_rows", _join_rows_fake, lib=_LIB)
-            _REGISTERED = "torch"
-        return _REGISTERED
-
-
-def registered_with() -> str | None:
-    """``"vllm"``, ``"torch"``, or ``None`` before :func:`register`."""
-    return _REGISTERED
+_LIB.define("stage_rows(Tensor ids, Tensor(a!) output, str layer_name) -> ()")  # type: ignore[no-untyped-call]
+_LIB.define("join_rows(Tensor(a!) output, str layer_name) -> ()")  # type: ignore[no-untyped-call]
+_LIB.impl("stage_rows", _stage_rows, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+_LIB.impl("join_rows", _join_rows, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+torch.library.register_fake("ple_memops::stage_rows", _stage_rows_fake, lib=_LIB)
+torch.library.register_fake("ple_memops::join_rows", _join_rows_fake, lib=_LIB)
 
 
 def stage_rows(ids: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
@@ -132,6 +105,3 @@ def stage_rows(ids: torch.Tensor, output: torch.Tensor, layer_name: str) -> None
 def join_rows(output: torch.Tensor, layer_name: str) -> None:
     """Make ``output`` ready for its consumer (see the module)."""
     torch.ops.ple_memops.join_rows(output, layer_name)
-
-
-register()

@@ -1,37 +1,68 @@
-"""The mmap table backend of vLLM 0.33.0's NVIDIA Qwen4Exp PLE embedding.
+"""vLLM 0.33.0's NVIDIA Qwen4Exp with its n-gram PLE tables served from the checkpoint.
 
-Imported only by the patched vLLM (and its tests): it subclasses vLLM's
-``Qwen4ExpPLEEmbedding``. The table is never allocated (a 0-row placeholder keeps the
-parameter and its quantization scale); rows come from the checkpoint through the runner's
-rows plan, staged one layer ahead by the model's existing prefetch calls:
+Imported only once the plugin is switched on (it subclasses vLLM's classes):
 
-* ``start_prefetch(ids)`` -> ``torch.ops.ple_memops.stage_rows``: under FULL capture
-  the graph publishes the ids and waits for the host's fill on a side stream; eagerly
-  the host gathers them before the consumer;
-* ``finalize_prefetch(tokens)`` -> ``torch.ops.ple_memops.join_rows`` and the staging
-  rows viewed as the table's dtype, ``[tokens, heads * head_dim]``.
-
-Every tensor-parallel rank reads full rows (the page cache is shared), so the vocabulary
-split and its all-reduce are skipped.
+* :class:`Qwen4ExpPLEMmapEmbedding`, the table class: never allocated (a 0-row
+  placeholder keeps the parameter and its FP8 scale), rows staged by the runner's rows
+  plan through the custom ops of :mod:`ple_memops.vllm.ops`, every tensor-parallel rank
+  reading full rows (the page cache is shared), so no vocabulary split or all-reduce;
+* :class:`Qwen4ExpMmapForCausalLM` and :class:`Qwen4ExpMmapForConditionalGeneration`,
+  registered under vLLM's own architecture names: for an engine whose settings say
+  ``mmap`` they build the model with that table class, stage every PLE layer's rows at
+  the top of the forward (each host gather then overlaps all the GPU work before its
+  consumer) and tell vLLM's loader that files holding only table rows need not be read;
+  for any other engine they are vLLM's classes unchanged;
+* :func:`verify_and_update_config`, the refusals at config time.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
+from vllm.model_executor.models import config as model_configs
 from vllm.models.qwen4_exp.common.ngram_embedding import (
     Qwen4ExpPLEEmbedding,
     Qwen4ExpPLEEmbeddingMethod,
     Qwen4ExpPLENvFp4EmbeddingMethod,
 )
+from vllm.models.qwen4_exp.nvidia import ngram_embedding as nvidia_ngram
+from vllm.models.qwen4_exp.nvidia.model import (
+    Qwen4ExpForCausalLM,
+    Qwen4ExpForConditionalGeneration,
+)
 
 from ..errors import StateError, UnsupportedError
 from . import ops
-from .hooks import PleRunnerHooks
-from .tables import TABLE_DTYPES
+from .settings import BACKEND_ENV, CONFIG_KEY, Settings
+from .tables import TABLE_DTYPES, is_table_weight
 
-__all__ = ["Qwen4ExpPLEMmapEmbedding", "find_mmap_embeddings"]
+__all__ = [
+    "ARCHITECTURES",
+    "Qwen4ExpMmapForCausalLM",
+    "Qwen4ExpMmapForConditionalGeneration",
+    "Qwen4ExpPLEMmapEmbedding",
+    "engine_settings",
+    "find_mmap_embeddings",
+    "layer_weight_scale",
+    "verify_and_update_config",
+]
+
+logger = logging.getLogger("ple_memops")
+
+_TABLE_CLASSES = ("Qwen4ExpPLEDeviceEmbedding", "Qwen4ExpPLEPinnedHostEmbedding")
+_BREAKABLE = "VLLM_USE_BREAKABLE_CUDAGRAPH"
+# What the user asked for, read when the plugin installs (before vLLM's config can set it).
+_USER_BREAKABLE = os.environ.get(_BREAKABLE)
+
+
+def engine_settings(vllm_config: Any) -> Settings:
+    """This engine's settings (the environment, then ``additional_config``)."""
+    return Settings.for_engine(getattr(vllm_config, "additional_config", None))
 
 
 class Qwen4ExpPLEMmapEmbedding(Qwen4ExpPLEEmbedding):
@@ -56,8 +87,9 @@ class Qwen4ExpPLEMmapEmbedding(Qwen4ExpPLEEmbedding):
         if isinstance(embedding_method, Qwen4ExpPLENvFp4EmbeddingMethod):
             raise UnsupportedError(
                 f"ple-memops mmap PLE tables: {prefix} is NVFP4 (packed rows plus per-block "
-                "scales in a second table); only FP8 and BF16/F16/F32 tables are served. Use "
-                '--engram-config \'{"table_backend": "default"}\' for this checkpoint'
+                "scales in a second table); only FP8 and BF16/F16/F32 tables are served. "
+                f"Serve this checkpoint without {BACKEND_ENV}=mmap (or with "
+                f'additional_config {{"{CONFIG_KEY}": {{"table_backend": "default"}}}})'
             )
         super().__init__(
             num_embeddings,
@@ -78,7 +110,24 @@ class Qwen4ExpPLEMmapEmbedding(Qwen4ExpPLEEmbedding):
             )
         self.ple_memops_name = prefix
         self.ple_memops_heads = int(num_ngram_heads)
-        self.ple_memops_hooks: PleRunnerHooks | None = None
+        self.ple_memops_hooks: Any = None
+        # The rows never come through the loader: a shard or the whole table arriving
+        # from a file that also holds other weights is checked and dropped.
+        self.weight.weight_loader = self._drop_rows
+        # The custom ops find the layer through vLLM's forward context, like attention.
+        from vllm.config import get_current_vllm_config
+
+        layers = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in layers:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        layers[prefix] = self
+
+    def _drop_rows(self, param: torch.Tensor, loaded: torch.Tensor, **_: Any) -> None:
+        if loaded.dim() != 2 or loaded.shape[1] != self.embedding_dim:
+            raise ValueError(
+                f"{self.ple_memops_name}: a table tensor of shape {tuple(loaded.shape)}, "
+                f"rows of {self.embedding_dim} expected"
+            )
 
     @property
     def table_dtype(self) -> str:
@@ -96,25 +145,26 @@ class Qwen4ExpPLEMmapEmbedding(Qwen4ExpPLEEmbedding):
         del num_embeddings
         return torch.empty((0, embedding_dim), dtype=dtype)
 
-    def _hooks(self) -> PleRunnerHooks:
+    def hooks(self) -> Any:
         hooks = self.ple_memops_hooks
         if hooks is None:
             raise StateError(
                 f"ple-memops: the mmap PLE table {self.ple_memops_name} has no rows plan; "
-                "Model Runner V2's load_model attaches it (is the ple-memops patch applied, "
-                "and Model Runner V2 in use?)"
+                "the plugin's Model Runner V2 attaches one at load time (is the engine on "
+                "Model Runner V2, and was the plugin installed before the runner was built? "
+                "`python -m ple_memops.vllm check` tells)"
             )
         return hooks
 
     def start_prefetch(self, ngram_ids: torch.Tensor) -> None:
         """Stage the rows of ``ngram_ids`` (``int64 [tokens, heads]``)."""
-        out = self._hooks().output(self.ple_memops_name, ngram_ids.shape[0])
+        out = self.hooks().output(self.ple_memops_name, ngram_ids.shape[0])
         ops.stage_rows(ngram_ids, out, self.ple_memops_name)
 
     def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
         """The staged rows, ready for the consumer: ``[tokens, heads * head_dim]`` in the
         table's dtype (dequantised by the embedding method as usual)."""
-        out = self._hooks().output(self.ple_memops_name, total_tokens)
+        out = self.hooks().output(self.ple_memops_name, total_tokens)
         ops.join_rows(out, self.ple_memops_name)
         rows: torch.Tensor = out.view(self.weight.dtype)
         return rows.view(total_tokens, self.ple_memops_heads * int(self.embedding_dim))
@@ -124,6 +174,160 @@ class Qwen4ExpPLEMmapEmbedding(Qwen4ExpPLEEmbedding):
             "mmap PLE embedding: rows are staged by start_prefetch() and read by "
             "finalize_prefetch()"
         )
+
+
+@contextlib.contextmanager
+def _mmap_table_class() -> Iterator[None]:
+    """While a model is built, the NVIDIA n-gram embedding picks the mmap table class
+    (it chooses between two module-level names by ``cpu_offload``)."""
+    saved = {name: getattr(nvidia_ngram, name) for name in _TABLE_CLASSES}
+    try:
+        for name in _TABLE_CLASSES:
+            setattr(nvidia_ngram, name, Qwen4ExpPLEMmapEmbedding)
+        yield
+    finally:
+        for name, cls in saved.items():
+            setattr(nvidia_ngram, name, cls)
+
+
+def _stage_all_at_top(model: Any) -> None:
+    """Replace the model's one-layer-ahead PLE prefetch by one that stages every PLE
+    layer when the forward starts the first one (``Qwen4ExpModel.forward`` calls it for
+    its first layer before the loop, then for each next layer inside it)."""
+    layers = model.layers
+    first = layers[model.start_layer] if model.start_layer < model.end_layer else None
+    later = [layers[i] for i in range(model.start_layer + 1, model.end_layer)]
+    original = type(model)._start_layer_ple_prefetch
+
+    def start(
+        layer: torch.nn.Module,
+        input_ids: torch.Tensor | None,
+        query_start_loc: torch.Tensor | None,
+        ngram_context: torch.Tensor | None,
+    ) -> None:
+        if layer is not first:
+            return  # staged with the first
+        original(layer, input_ids, query_start_loc, ngram_context)
+        for other in later:
+            original(other, input_ids, query_start_loc, ngram_context)
+
+    model._start_layer_ple_prefetch = start
+
+
+def _finish_mmap_model(language_model: Any) -> int:
+    """What the mmap tables change after the model is built; returns how many."""
+    tables = 0
+    module: Any
+    for module in language_model.modules():
+        if isinstance(getattr(module, "ngram_embedding", None), Qwen4ExpPLEMmapEmbedding):
+            # Every rank holds full rows: nothing to reduce-scatter over the vocabulary.
+            module.use_reduce_scatter = False
+            tables += 1
+    _stage_all_at_top(language_model.model)
+    return tables
+
+
+class Qwen4ExpMmapForCausalLM(Qwen4ExpForCausalLM):
+    """vLLM's NVIDIA ``Qwen4ExpForCausalLM``; with ``mmap`` settings, its PLE tables stay
+    in the checkpoint (see the module)."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        mmap = engine_settings(vllm_config).mmap
+        with _mmap_table_class() if mmap else contextlib.nullcontext():
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        if mmap and _finish_mmap_model(self):
+            self.is_unused_checkpoint_weight = is_table_weight
+
+
+class Qwen4ExpMmapForConditionalGeneration(Qwen4ExpForConditionalGeneration):
+    """vLLM's NVIDIA ``Qwen4ExpForConditionalGeneration``, as above."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "model") -> None:
+        mmap = engine_settings(vllm_config).mmap
+        with _mmap_table_class() if mmap else contextlib.nullcontext():
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        if mmap and _finish_mmap_model(self.language_model):
+            self.is_unused_checkpoint_weight = is_table_weight
+
+
+ARCHITECTURES = {
+    "Qwen4ExpForCausalLM": Qwen4ExpMmapForCausalLM,
+    "Qwen4ExpForConditionalGeneration": Qwen4ExpMmapForConditionalGeneration,
+}
+
+
+def verify_and_update_config(vllm_config: Any) -> None:
+    """The config-time refusals of an engine whose settings say ``mmap`` (called after
+    vLLM's own Qwen4Exp hook): a clear error before any weight is read."""
+    settings = engine_settings(vllm_config)
+    if not settings.mmap:
+        return
+    refused = []
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        refused.append(
+            f"pipeline parallelism (pipeline_parallel_size={parallel.pipeline_parallel_size})"
+        )
+    if getattr(parallel, "enable_dbo", False) or getattr(parallel, "ubatch_size", 1) > 1:
+        refused.append("microbatching / DBO (--enable-dbo)")
+    engram = vllm_config.engram_config
+    if engram is not None and engram.embedding_across_dp:
+        refused.append("embedding_across_dp=True (each rank reads full rows itself)")
+    if engram is not None and engram.dp_shared_memory:
+        refused.append("dp_shared_memory=True (there is no pinned table to share)")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_rocm():
+        refused.append("ROCm (the AMD Qwen4Exp model is not served)")
+    if _USER_BREAKABLE == "1":
+        refused.append(
+            f"breakable CUDA graphs ({_BREAKABLE}=1): a PIECEWISE piece cannot wait for "
+            "rows gathered after its launch, and a host gather cannot be captured; unset it "
+            "(FULL decode graphs are used instead)"
+        )
+    elif os.environ.get(_BREAKABLE) != "0" and not refused:
+        # vLLM 0.33.0 turns breakable graphs on by default for Qwen4Exp (right after this
+        # hook, unless the variable is set; an earlier engine in this process may have set
+        # it): opt out the way its own message says, so the NVIDIA model, which is not
+        # torch-compiled, gets FULL decode graphs.
+        os.environ[_BREAKABLE] = "0"
+        logger.info(
+            "ple-memops: %s=0 (mmap PLE tables need FULL CUDA graphs, not breakable "
+            "PIECEWISE ones)",
+            _BREAKABLE,
+        )
+    if refused:
+        raise UnsupportedError(
+            "ple-memops mmap PLE tables do not support " + "; ".join(refused) + f". Unset "
+            f"{BACKEND_ENV}=mmap (or set additional_config "
+            f'{{"{CONFIG_KEY}": {{"table_backend": "default"}}}}), or change the configuration'
+        )
+    if engram is None:
+        # vLLM makes a default one right after this hook; sharing a pinned table between
+        # data-parallel replicas has nothing to share here.
+        from vllm.config.engram import EngramConfig
+
+        vllm_config.engram_config = EngramConfig(dp_shared_memory=False)
+    else:
+        engram.dp_shared_memory = False
+
+
+def config_hooks() -> dict[str, type]:
+    """vLLM's Qwen4Exp config hooks with :func:`verify_and_update_config` after each."""
+    hooks: dict[str, type] = {}
+    for arch in ARCHITECTURES:
+        base: Any = model_configs.MODELS_CONFIG_MAP[arch]
+
+        def verify(vllm_config: Any, _base: Any = base) -> None:
+            _base.verify_and_update_config(vllm_config)
+            verify_and_update_config(vllm_config)
+
+        hooks[arch] = type(
+            f"PleMemops{base.__name__}",
+            (base,),
+            {"verify_and_update_config": staticmethod(verify), "__module__": __name__},
+        )
+    return hooks
 
 
 def find_mmap_embeddings(model: torch.nn.Module) -> list[Qwen4ExpPLEMmapEmbedding]:

@@ -1,7 +1,26 @@
-"""Glue the patched vLLM 0.33.0 calls: config resolution and the load-time plan.
+"""Model Runner V2 with mmap PLE tables: the runner and CUDA graph manager the plugin
+installs, and the load-time plan.
 
-Nothing here imports vLLM at module level; the functions that need it are only called
-from inside vLLM.
+Imported only once the plugin is switched on (it subclasses vLLM's classes). For an
+engine whose settings do not say ``mmap`` (or a model without mmap PLE tables) both
+classes are vLLM's own, unchanged: every override first asks whether rows hooks exist.
+
+What each override adds (see :class:`~ple_memops.vllm.hooks.PleRunnerHooks`):
+
+=====================================  ==================================================
+``GPUModelRunner.load_model``          after vLLM loaded the model: open each PLE layer's
+                                       table in the checkpoint, build the all-or-none rows
+                                       plan, agree across ranks whether it defers
+``GPUModelRunner.initialize_kv_cache`` the graph manager made our subclass (below)
+``GPUModelRunner.execute_model``       one ``hooks.step``: an eager forward gathers before
+                                       each consumer, a FULL replay is armed
+``GPUModelRunner.capture_model``       pending steps completed first
+``GPUModelRunner.shutdown``            drain, synchronise the device, close the plan
+``CudaGraphManager.capture``           each descriptor's warm-up without data, its capture
+                                       recorded when the graph waits for rows
+``CudaGraphManager.run_fullgraph``     armed first when the graph waits for rows
+``CudaGraphManager.release_graphs``    pending steps completed, the record dropped
+=====================================  ==================================================
 """
 
 from __future__ import annotations
@@ -9,140 +28,58 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Any
 
-from ..errors import InvalidArgumentError, UnsupportedError
+import torch
+from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.worker.gpu import cudagraph_utils
+from vllm.v1.worker.gpu import model_runner as vllm_model_runner
+
+from ..errors import UnsupportedError
 from ..table import MmapTable
-from . import ops
-from .hooks import DEPTH, PleRunnerHooks
+from .hooks import PleRunnerHooks, build_hooks
+from .qwen4exp import engine_settings, find_mmap_embeddings, layer_weight_scale
 from .tables import checkpoint_tensor_names, find_layer_table, open_layer_table
 
 __all__ = [
-    "BACKEND_ENV",
-    "TIMEOUT_ENV",
+    "FORCE_SYNC_ENV",
+    "PleCudaGraphManager",
+    "PleGPUModelRunner",
+    "agree_on_deferral",
     "attach_runner",
     "build_hooks",
-    "mmap_requested",
-    "resolve_engram_config",
+    "checkpoint_dir",
 ]
 
 logger = logging.getLogger("ple_memops")
 
-BACKEND_ENV = "PLE_MEMOPS_TABLE_BACKEND"
-"""``PLE_MEMOPS_TABLE_BACKEND=mmap`` selects the mmap backend like
-``--engram-config '{"table_backend": "mmap"}'``."""
-TIMEOUT_ENV = "PLE_MEMOPS_TIMEOUT"
-"""Seconds a step may wait for its rows (watchdog and completion), default 30."""
-DEFAULT_TIMEOUT = 30.0
+FORCE_SYNC_ENV = "PLE_MEMOPS_FORCE_SYNC"
+"""``1`` makes this process's plan synchronous as if its probe had failed (for tests of
+the ranks' agreement and the fallback; a user has no reason to set it)."""
 
 _LAYER = re.compile(r"layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding$")
 
-
-def mmap_requested(table_backend: str) -> bool:
-    """Whether the mmap backend is on: the config field, or the environment variable
-    when the field is left at ``"default"``."""
-    if table_backend not in ("default", "mmap"):
-        raise InvalidArgumentError(
-            f"table_backend must be 'default' or 'mmap', got {table_backend!r}"
-        )
-    env = os.environ.get(BACKEND_ENV, "").strip().lower()
-    if env not in ("", "default", "mmap"):
-        raise InvalidArgumentError(f"{BACKEND_ENV} must be 'mmap' or 'default', got {env!r}")
-    return table_backend == "mmap" or env == "mmap"
+_BaseRunner: Any = vllm_model_runner.GPUModelRunner
+_BaseManager: Any = cudagraph_utils.ModelCudaGraphManager
 
 
-def timeout_seconds() -> float:
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise InvalidArgumentError(
-            f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}"
-        )
-    return value
+# -- the load-time plan ------------------------------------------------------------------
 
 
-def resolve_engram_config(engram: Any, parallel_config: Any) -> None:
-    """Called by the patched ``EngramConfig`` while vLLM resolves its config: applies the
-    environment switch and refuses what the mmap backend does not support."""
-    if not mmap_requested(engram.table_backend):
-        return
-    engram.table_backend = "mmap"
-    refused = []
-    pp = parallel_config.pipeline_parallel_size
-    if pp > 1:
-        refused.append(f"pipeline parallelism (pipeline_parallel_size={pp})")
-    if engram.embedding_across_dp:
-        refused.append("embedding_across_dp=True (each rank reads full rows itself)")
-    if engram.dp_shared_memory:
-        refused.append("dp_shared_memory=True (there is no pinned table to share)")
-    if getattr(parallel_config, "use_ubatching", False):
-        refused.append("microbatching / DBO (--enable-dbo)")
-    try:
-        from vllm.platforms import current_platform
-
-        if current_platform.is_rocm():
-            refused.append("ROCm (the AMD Qwen4Exp model is not patched)")
-    except ImportError:  # pragma: no cover - called from inside vLLM
-        pass
-    if refused:
-        raise UnsupportedError(
-            "ple-memops mmap PLE tables do not support " + "; ".join(refused) + f". Unset "
-            f"{BACKEND_ENV} / table_backend=mmap, or change the configuration"
-        )
-    # Pinned-table sharing between DP replicas has nothing to share here.
-    engram.dp_shared_memory = False
-
-
-def build_hooks(
-    tables: Mapping[str, MmapTable],
-    *,
-    rows_per_token: int,
-    max_rows: int,
-    device: Any,
-    timeout: float = DEFAULT_TIMEOUT,
-    deferred: bool = True,
-) -> PleRunnerHooks:
-    """Build the all-or-none rows plan for ``tables`` (outside any capture) and the runner
-    hooks around it, and bind the PLE ops of every layer to them."""
-    from ..plan import RowsPlan
-
-    plan = RowsPlan.build(
-        dict(tables),
-        max_rows=max_rows,
-        device=device,
-        id_dtype="int64",
-        deferred=deferred,
-        watchdog=timeout,
-        timeout=timeout,
-        depth=DEPTH,
-        log_fallback=False,  # attach_runner logs the reason once, with what it changes
-    )
-    try:
-        hooks = PleRunnerHooks(plan, rows_per_token=rows_per_token, timeout=timeout, depth=DEPTH)
-    except BaseException:
-        plan.close()
-        raise
-    for name in tables:
-        ops.bind(name, hooks)
-    return hooks
-
-
-def checkpoint_dir(vllm_config: Any, model_loader: Any) -> str:
+def checkpoint_dir(vllm_config: Any) -> str:
     """The local checkpoint directory, resolved the way vLLM's default loader does."""
     model_config = vllm_config.model_config
     if os.path.isdir(model_config.model):
         return str(model_config.model)
-    prepare = getattr(model_loader, "_prepare_weights", None)
+    from vllm.model_executor.model_loader import get_model_loader
+
+    loader = get_model_loader(vllm_config.load_config)
+    prepare = getattr(loader, "_prepare_weights", None)
     if prepare is None:
         raise UnsupportedError(
             "ple-memops mmap PLE tables read the checkpoint's safetensors files; load format "
-            f"{vllm_config.load_config.load_format!r} ({type(model_loader).__name__}) has none"
+            f"{vllm_config.load_config.load_format!r} ({type(loader).__name__}) has none"
         )
     folder = prepare(model_config.model, None, model_config.revision, False, None)[0]
     return str(folder)
@@ -155,26 +92,49 @@ def _plan_device(device: Any) -> Any:
     return "cpu"
 
 
-def attach_runner(runner: Any, model_loader: Any) -> PleRunnerHooks | None:
-    """Called by the patched ``GPUModelRunner.load_model`` right after the model loaded
-    (outside any capture, before the profile run): opens every mmap PLE table, builds
-    the plan and binds the layers. When the plan cannot defer (the probe says ``sync``),
-    all layers gather synchronously before their consumer and FULL CUDA graphs are
-    turned off, with one warning naming the reason. ``None`` when the model (on this
-    rank) has no mmap PLE table."""
-    from vllm.config.compilation import CUDAGraphMode
+def agree_on_deferral(local: bool, group: Any = None) -> bool:
+    """Whether every rank of the engine's world can defer (``local`` is this rank's
+    verdict): a rank that falls back must not skip the captures its peers make (their
+    collectives would wait for it), so one rank's ``False`` makes every rank's plan
+    synchronous. ``group``: a torch process group (default: vLLM's world group on the
+    CPU); one rank, or no distributed world, is its own verdict."""
+    import torch.distributed as dist
 
-    from .qwen4exp import find_mmap_embeddings, layer_weight_scale
+    if group is None:
+        if not dist.is_available() or not dist.is_initialized():
+            return local
+        from vllm.distributed.parallel_state import get_world_group
 
+        world = get_world_group()
+        if world.world_size == 1:
+            return local
+        group = world.cpu_group
+    verdict = torch.tensor([1 if local else 0], dtype=torch.int32)
+    dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
+    return bool(verdict.item())
+
+
+def attach_runner(runner: Any) -> PleRunnerHooks | None:
+    """Open every mmap PLE table of ``runner.model`` (right after vLLM loaded it, outside
+    any capture, before the profile run), build the plan and bind the layers. When the
+    plan cannot defer (the probe or a worker fails on any rank), every rank's layers
+    gather synchronously before their consumer and FULL CUDA graphs are turned off, with
+    one warning naming the reason. ``None`` when the model has no mmap PLE table."""
     layers = find_mmap_embeddings(runner.model)
     if not layers:
         return None
+    settings = engine_settings(runner.vllm_config)
     heads = {m.ple_memops_heads for m in layers}
     if len(heads) != 1:
         raise UnsupportedError(f"PLE layers disagree on row ids per token: {sorted(heads)}")
     (rows_per_token,) = heads
-    ckpt = checkpoint_dir(runner.vllm_config, model_loader)
+    ckpt = checkpoint_dir(runner.vllm_config)
     names = checkpoint_tensor_names(ckpt)
+    compilation = runner.vllm_config.compilation_config
+    max_tokens = max(
+        int(runner.vllm_config.scheduler_config.max_num_batched_tokens),
+        int(compilation.max_cudagraph_capture_size or 0),
+    )
     tables: dict[str, MmapTable] = {}
     try:
         for module in layers:
@@ -190,19 +150,23 @@ def attach_runner(runner: Any, model_loader: Any) -> PleRunnerHooks | None:
                 dtype=module.table_dtype,
                 scale=layer_weight_scale(module),
             )
-        compilation = runner.vllm_config.compilation_config
-        max_tokens = max(
-            int(runner.vllm_config.scheduler_config.max_num_batched_tokens),
-            int(compilation.max_cudagraph_capture_size or 0),
-        )
-        timeout = timeout_seconds()
-        hooks = build_hooks(
-            tables,
+        build: dict[str, Any] = dict(
             rows_per_token=rows_per_token,
             max_rows=max_tokens * rows_per_token,
             device=_plan_device(runner.device),
-            timeout=timeout,
+            timeout=settings.timeout,
         )
+        forced = os.environ.get(FORCE_SYNC_ENV, "") == "1"
+        hooks = build_hooks(tables, deferred=not forced, **build)
+        reason: str | None
+        if forced:
+            reason = f"{FORCE_SYNC_ENV}=1 on this rank"
+        else:
+            reason = hooks.plan.reason
+        if not agree_on_deferral(hooks.deferred) and hooks.deferred:
+            hooks.shutdown()
+            reason = "another rank of this engine cannot defer (its log says why)"
+            hooks = build_hooks(tables, deferred=False, **build)
     except BaseException:
         for t in tables.values():
             t.close()
@@ -216,7 +180,7 @@ def attach_runner(runner: Any, model_loader: Any) -> PleRunnerHooks | None:
             len(tables),
             ckpt,
             max_tokens * rows_per_token,
-            timeout,
+            settings.timeout,
         )
     else:
         mode = compilation.cudagraph_mode
@@ -228,8 +192,110 @@ def attach_runner(runner: Any, model_loader: Any) -> PleRunnerHooks | None:
         logger.warning(
             "ple-memops: deferred PLE rows are unavailable (%s); the %d mmap PLE tables "
             "are gathered on the host before each step's consumer and %s",
-            hooks.plan.reason,
+            reason,
             len(tables),
             graphs,
         )
     return hooks
+
+
+# -- the classes the plugin installs -----------------------------------------------------
+
+
+class _CaptureScopes(cudagraph_utils.CudaGraphManager):
+    """Between ``ModelCudaGraphManager`` and ``CudaGraphManager`` in the MRO: the former's
+    ``capture(model, ...)`` hands its forward factory to the latter's ``capture``, which
+    passes here first. Each descriptor's eager warm-up runs without data, and its capture
+    inside the rows hooks' capture scope."""
+
+    ple_rows: PleRunnerHooks | None = None
+
+    def capture(self, create_forward_fn: Any, *args: Any, **kwargs: Any) -> None:
+        hooks = self.ple_rows
+        if hooks is None:
+            return super().capture(create_forward_fn, *args, **kwargs)  # type: ignore[no-any-return]
+
+        def scoped_factory(desc: Any, warmup: bool) -> Callable[[Any], None]:
+            forward_fn = create_forward_fn(desc, warmup=warmup)
+
+            def forward(cg_mode: Any) -> None:
+                if warmup or not torch.cuda.is_current_stream_capturing():
+                    # The eager warm-up (and a compiled PIECEWISE pass): no data.
+                    with hooks.warmup():
+                        return forward_fn(cg_mode)  # type: ignore[no-any-return]
+                with hooks.capture(desc):
+                    return forward_fn(cg_mode)  # type: ignore[no-any-return]
+
+            return forward
+
+        return super().capture(scoped_factory, *args, **kwargs)  # type: ignore[no-any-return]
+
+
+class PleCudaGraphManager(_BaseManager, _CaptureScopes):
+    """vLLM's ``ModelCudaGraphManager`` that arms the replays of graphs waiting for
+    rows (``ple_rows``: the runner hooks, ``None`` for an engine without them)."""
+
+    def run_fullgraph(self, desc: Any) -> Any:
+        hooks = self.ple_rows
+        if hooks is None:
+            return super().run_fullgraph(desc)
+        return hooks.replay(desc, lambda: super(PleCudaGraphManager, self).run_fullgraph(desc))
+
+    def release_graphs(self) -> None:
+        if self.ple_rows is not None:
+            self.ple_rows.release_graphs()
+        super().release_graphs()
+
+
+class PleGPUModelRunner(_BaseRunner):
+    """vLLM's Model Runner V2 with the rows hooks of an mmap engine (see the module)."""
+
+    ple_rows: PleRunnerHooks | None = None
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        if engine_settings(self.vllm_config).mmap:
+            self.ple_rows = attach_runner(self)
+
+    def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
+        super().initialize_kv_cache(*args, **kwargs)
+        manager: Any = getattr(self, "cudagraph_manager", None)
+        if self.ple_rows is None or manager is None:
+            return
+        if type(manager) is not _BaseManager:
+            raise UnsupportedError(
+                f"ple-memops: the runner built a {type(manager).__qualname__}, not vLLM's "
+                f"{_BaseManager.__qualname__}; the plugin arms only the latter's replays"
+            )
+        # A new manager (the profiling one is dropped): forget what the last one captured.
+        self.ple_rows.release_graphs()
+        # Same layout, one class more in its MRO: the graphs it captures are armed.
+        manager.__class__ = PleCudaGraphManager
+        manager.ple_rows = self.ple_rows
+
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        hooks = self.ple_rows
+        if hooks is None:
+            return super().execute_model(*args, **kwargs)
+        dummy = bool(kwargs.get("dummy_run", args[2] if len(args) > 2 else False))
+        with hooks.step(dummy=dummy):
+            return super().execute_model(*args, **kwargs)
+
+    def capture_model(self, *args: Any, **kwargs: Any) -> int:
+        if self.ple_rows is not None:
+            self.ple_rows.quiesce()
+        return super().capture_model(*args, **kwargs)  # type: ignore[no-any-return]
+
+    def shutdown(self) -> None:
+        hooks = self.ple_rows
+        if hooks is not None:
+            # Drain (bounded; a failure releases every wait), then let the device finish
+            # what it has, then free the rows it might have read.
+            hooks.drain_for_shutdown()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            hooks.shutdown()
+            for module in find_mmap_embeddings(self.model):
+                module.ple_memops_hooks = None
+            self.ple_rows = None
+        super().shutdown()

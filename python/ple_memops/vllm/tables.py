@@ -20,7 +20,7 @@ from ..errors import TableError
 from ..table import MmapTable
 
 __all__ = [
-    "TableSpec",
+    "LayerTable",
     "checkpoint_tensor_names",
     "find_layer_table",
     "is_table_weight",
@@ -82,7 +82,7 @@ def checkpoint_tensor_names(checkpoint: str | os.PathLike[str]) -> list[str]:
 
 
 @dataclass(frozen=True)
-class TableSpec:
+class LayerTable:
     """How to open one layer's table: exactly one of ``name`` and ``pattern``."""
 
     layer_index: int
@@ -90,7 +90,7 @@ class TableSpec:
     pattern: str | None = None
 
 
-def find_layer_table(names: Iterable[str], layer_index: int) -> TableSpec:
+def find_layer_table(names: Iterable[str], layer_index: int) -> LayerTable:
     """The tensor(s) holding the n-gram table of decoder layer ``layer_index`` (0-based)."""
     stem = rf"layers\.{layer_index}\.ple\.ple_embedding\.ngram_embedding"
     shard = re.compile(rf"^(.*?){stem}\.shard_\d+\.weight$")
@@ -109,9 +109,9 @@ def find_layer_table(names: Iterable[str], layer_index: int) -> TableSpec:
         )
     if shard_prefixes:
         (prefix,) = shard_prefixes
-        return TableSpec(layer_index, pattern=f"{prefix}{tail}.shard_{{}}.weight")
+        return LayerTable(layer_index, pattern=f"{prefix}{tail}.shard_{{}}.weight")
     if whole_names:
-        return TableSpec(layer_index, name=whole_names[0])
+        return LayerTable(layer_index, name=whole_names[0])
     raise TableError(
         f"the checkpoint holds no PLE table for layer {layer_index} "
         f"(no '...{tail}.shard_<k>.weight' or '...{tail}.weight')"
@@ -120,7 +120,7 @@ def find_layer_table(names: Iterable[str], layer_index: int) -> TableSpec:
 
 def open_layer_table(
     checkpoint: str | os.PathLike[str],
-    spec: TableSpec,
+    spec: LayerTable,
     *,
     rows: int | None = None,
     row_bytes: int | None = None,

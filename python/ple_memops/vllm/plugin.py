@@ -1,0 +1,157 @@
+"""The vLLM general plugin (entry point ``ple_memops`` in the group
+``vllm.general_plugins``), loaded by vLLM in each of its processes before a model runner
+is built.
+
+Off (``PLE_MEMOPS_TABLE_BACKEND`` unset or ``default``) it does nothing: no class of
+vLLM's is rebound and nothing of ours that needs torch is imported. On
+(``PLE_MEMOPS_TABLE_BACKEND=mmap``) it first checks every name of vLLM's it relies on
+(:mod:`._compat`; any difference refuses to start, naming the version and what differs,
+with nothing installed), then installs, all or nothing:
+
+* Model Runner V2's runner class (where the GPU worker imports it when it builds one):
+  :class:`~ple_memops.vllm.runner.PleGPUModelRunner`;
+* the Qwen4Exp architectures (``ModelRegistry.register_model`` replaces vLLM's entries):
+  :mod:`~ple_memops.vllm.qwen4exp`'s subclasses;
+* the Qwen4Exp config hooks, extended with the mmap backend's refusals.
+
+Each engine then chooses with ``additional_config={"ple_memops": {...}}`` (see
+:mod:`.settings`); one that says ``"table_backend": "default"`` runs vLLM's code paths.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .settings import BACKEND_ENV, Settings
+
+__all__ = ["Installed", "install", "installed", "register"]
+
+logger = logging.getLogger("ple_memops")
+
+_LOCK = threading.Lock()
+_INSTALLED: Installed | None = None
+
+
+@dataclass
+class Installed:
+    """What :func:`install` changed, and how to put it back (tests use :meth:`undo`)."""
+
+    vllm_version: str
+    changes: list[str] = field(default_factory=list)
+    _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def undo(self) -> None:
+        global _INSTALLED
+        with _LOCK:
+            while self._undo:
+                self._undo.pop()()
+            self.changes.clear()
+            if _INSTALLED is self:
+                _INSTALLED = None
+
+
+def _set(record: Installed, owner: Any, name: str, value: Any, what: str) -> None:
+    had = name in vars(owner) if isinstance(owner, type) else hasattr(owner, name)
+    old = getattr(owner, name, None)
+
+    def restore() -> None:
+        if had:
+            setattr(owner, name, old)
+        else:
+            delattr(owner, name)
+
+    setattr(owner, name, value)
+    record._undo.append(restore)
+    record.changes.append(what)
+
+
+def _set_item(record: Installed, mapping: Any, key: str, value: Any, what: str) -> None:
+    had = key in mapping
+    old = mapping.get(key)
+
+    def restore() -> None:
+        if had:
+            mapping[key] = old
+        else:
+            del mapping[key]
+
+    mapping[key] = value
+    record._undo.append(restore)
+    record.changes.append(what)
+
+
+def install() -> Installed:
+    """Check the installed vLLM, then install the runner, the models and the config
+    hooks (idempotent). Raises :class:`~ple_memops.UnsupportedError` with every
+    difference, installing nothing, when vLLM is not one this plugin was tested with."""
+    global _INSTALLED
+    from . import _compat
+
+    with _LOCK:
+        if _INSTALLED is not None:
+            return _INSTALLED
+        version = _compat.require()
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.model_executor.models import config as model_configs
+        from vllm.v1.worker.gpu import model_runner as vllm_model_runner
+
+        from . import qwen4exp, runner
+
+        record = Installed(version)
+        try:
+            _set(
+                record,
+                vllm_model_runner,
+                "GPUModelRunner",
+                runner.PleGPUModelRunner,
+                "vllm.v1.worker.gpu.model_runner.GPUModelRunner -> PleGPUModelRunner",
+            )
+            for arch, cls in qwen4exp.ARCHITECTURES.items():
+                previous = ModelRegistry.models.get(arch)
+
+                def restore(arch: str = arch, previous: Any = previous) -> None:
+                    if previous is None:
+                        ModelRegistry.models.pop(arch, None)
+                    else:
+                        ModelRegistry.models[arch] = previous
+
+                ModelRegistry.register_model(arch, cls)
+                record._undo.append(restore)
+                record.changes.append(f"model {arch} -> {cls.__qualname__}")
+            for arch, hook in qwen4exp.config_hooks().items():
+                _set_item(
+                    record,
+                    model_configs.MODELS_CONFIG_MAP,
+                    arch,
+                    hook,
+                    f"config hook {arch} -> {hook.__qualname__}",
+                )
+        except BaseException:
+            while record._undo:
+                record._undo.pop()()
+            raise
+        _INSTALLED = record
+        logger.info(
+            "ple-memops: vLLM %s plugin installed (%s=mmap): %s",
+            version,
+            BACKEND_ENV,
+            "; ".join(record.changes),
+        )
+        return record
+
+
+def installed() -> Installed | None:
+    """What is installed in this process, or ``None``."""
+    return _INSTALLED
+
+
+def register() -> None:
+    """The entry point vLLM calls in each of its processes: installs when the
+    environment switches the mmap backend on, else does nothing."""
+    if not Settings.from_env().mmap:
+        return
+    install()
