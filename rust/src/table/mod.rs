@@ -20,6 +20,7 @@ pub mod floor;
 pub mod gather;
 pub mod pagecache;
 mod residency;
+mod sigbus;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -486,10 +487,33 @@ impl MmapTable {
             )));
         }
         self.check_ids(ids)?;
-        match ids {
+        let r = match ids {
             RowIds::I32(v) => self.gather_checked(v, dst),
             RowIds::I64(v) => self.gather_checked(v, dst),
+        };
+        if r.is_err() {
+            // An I/O error: nothing in `dst` that could pass for rows.
+            dst.fill(0);
         }
+        r
+    }
+
+    /// `Err` (naming the file and offset) if a row of `ids` lies in a range of a file that
+    /// a SIGBUS on the mapping lost (see `sigbus`). Run after every copy: a row the copy
+    /// read as zeros is caught here. While nothing is lost, one atomic load per file.
+    #[inline]
+    fn check_lost<T: Id>(&self, ids: &[T]) -> Result<()> {
+        let files = &self.inner.layout.files;
+        if files.iter().all(|f| f.lost().is_none()) {
+            return Ok(());
+        }
+        let src = self.source();
+        for &id in ids {
+            let (si, off) = src.locate(id.as_i64() as u64);
+            let f = &files[src.segments[si].file];
+            f.check_range(off, src.row_bytes, &format!("row {}", id.as_i64()))?;
+        }
+        Ok(())
     }
 
     fn gather_checked<T: Id>(&self, ids: &[T], dst: &mut [u8]) -> Result<()> {
@@ -517,7 +541,7 @@ impl MmapTable {
                 .counters
                 .row_hits
                 .fetch_add(ids.len() as u64, Ordering::Relaxed);
-            return Ok(());
+            return self.check_lost(ids);
         }
         // Some row is cold: start over with the cold path (rows already copied are copied
         // again, for nothing next to the reads; their access counts are counted twice).
@@ -551,15 +575,21 @@ impl MmapTable {
             }
         }
         let (n_hits, n_cold) = (hits.len() as u64, cold.len() as u64);
+        // Every copy out of the mapping is guarded (a SIGBUS becomes lost rows, checked
+        // below).
         let copy_hits = move || {
-            for (out, row) in hits {
-                out.copy_from_slice(row);
-            }
+            sigbus::guarded(|| {
+                for (out, row) in hits {
+                    out.copy_from_slice(row);
+                }
+            })
         };
         let from_map = |cold: &mut [ColdRow<'_>]| {
-            for r in cold {
-                r.out.copy_from_slice(&r.file.map[r.off..r.off + rb]);
-            }
+            sigbus::guarded(|| {
+                for r in cold {
+                    r.out.copy_from_slice(&r.file.map[r.off..r.off + rb]);
+                }
+            })
         };
         let mut copy_hits = Some(copy_hits);
         let res = match self.inner.cold {
@@ -600,6 +630,7 @@ impl MmapTable {
         let c = &self.inner.counters;
         c.row_hits.fetch_add(n_hits, Ordering::Relaxed);
         c.row_misses.fetch_add(n_cold, Ordering::Relaxed);
+        let res = res.and_then(|()| self.check_lost(ids));
         if res.is_ok() {
             let new: usize = spans.iter().map(|&s| pm.mark(s)).sum();
             c.pages_read.fetch_add(new as u64, Ordering::Relaxed);
@@ -674,9 +705,19 @@ impl MmapTable {
         };
         let pm = &self.inner.pages;
         let segs = &self.inner.layout.segments;
-        let warmed = pagecache::prewarm(&self.inner.layout.files, segs, budget, |si, off, len| {
-            pm.mark(pm.span(si, segs[si].start + off, len));
+        let files = &self.inner.layout.files;
+        let warmed = sigbus::guarded(|| {
+            pagecache::prewarm(files, segs, budget, |si, off, len| {
+                let f = &files[segs[si].file];
+                // A page lost while warming is not known resident (the gather of it fails).
+                if f.check_range(segs[si].start + off, len, "prewarm").is_ok() {
+                    pm.mark(pm.span(si, segs[si].start + off, len));
+                }
+            })
         })?;
+        for f in files {
+            f.check_range(0, f.map.len(), "prewarm")?;
+        }
         self.enforce_limit();
         Ok(warmed)
     }
