@@ -578,6 +578,7 @@ if sys.argv[2] == "python-handler":
     signal.signal(signal.SIGBUS, lambda s, f: print("chained", flush=True))
 t = pm.MmapTable.open(sys.argv[1], "w")
 t.gather(np.array([1, 2]))  # the handler is installed by now
+assert pm.sigbus_guard_active()
 os.kill(os.getpid(), signal.SIGBUS)  # not a fault in a table: not ours to absorb
 print("survived", flush=True)
 """
@@ -625,3 +626,20 @@ def test_a_shrinking_file_with_faulthandler_enabled_first(tmp_path: Path) -> Non
     assert r.returncode == 0, _child_failure(r)
     assert r.stdout.startswith("typed"), r.stdout
     assert "Fatal Python error" not in r.stderr, r.stderr
+
+
+def test_sigbus_guard_active_says_whether_faults_are_caught(tmp_path: Path) -> None:
+    path = _table(tmp_path, 64, 8, torch.float32)
+    code = (
+        "import faulthandler, sys, ple_memops as pm\n"
+        "a = pm.sigbus_guard_active()\n"
+        "t = pm.MmapTable.open(sys.argv[1], 'w')\n"
+        "b = pm.sigbus_guard_active()\n"
+        "faulthandler.enable()\n"
+        "print(a, b, pm.sigbus_guard_active())\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, _child_failure(r)
+    assert r.stdout.split() == ["False", "True", "False"], r.stdout

@@ -29,6 +29,9 @@ use std::sync::{Arc, Mutex};
 pub use discover::{scale_candidates, supported_dtype, Selector, INDEX_FILE, SHARD_PLACEHOLDER};
 pub use gather::PARALLEL_MIN_BYTES;
 pub use safetensors::Dtype;
+/// Whether tables' SIGBUS faults are caught now (see `sigbus`): a table has opened and the
+/// process's SIGBUS action is still the table's handler.
+pub use sigbus::handler_is_current as sigbus_guard_active;
 
 use crate::error::{Error, Result};
 use coldread::{ColdRow, Uring};
@@ -284,8 +287,9 @@ impl MmapTable {
     /// Open the table `selector` names in the checkpoint at `path`: a `.safetensors` file,
     /// a `model.safetensors.index.json`, or a directory holding either (the index wins).
     ///
-    /// The checkpoint's files must not be modified or truncated while the table is open
-    /// (the usual contract of a memory map: a truncated file faults the reader).
+    /// The checkpoint's files should not be modified while the table is open. A file that
+    /// shrinks (or fails) under it makes the lost rows [`Error::Io`] (see `sigbus`); a
+    /// file rewritten in place serves the new bytes. Replace files by rename instead.
     pub fn open(
         path: impl AsRef<Path>,
         selector: &Selector,
@@ -471,11 +475,10 @@ impl MmapTable {
     /// Rows whose pages the table has read before are copied straight from the mapping
     /// (no allocation, no system call; inline below [`TableOptions::parallel_min_bytes`],
     /// on the gather pool above). The other rows are read together (see [`ColdReads`])
-    /// while the known ones are copied. A cold read's I/O error returns [`Error::Io`]
-    /// (`dst` then holds some rows and not others); with `willneed` or `fault`, or for a
-    /// known page the kernel dropped since, the copy reads through the mapping, where an
-    /// I/O error or a file truncated under the table raises SIGBUS (the contract of any
-    /// memory map).
+    /// while the known ones are copied. A cold read's I/O error returns [`Error::Io`];
+    /// so does a row in a range a SIGBUS on the mapping lost (a file that shrank under
+    /// the table, an I/O error on a mapped page: see `sigbus`), on every way. On any
+    /// [`Error::Io`] `dst` is zeroed.
     pub fn gather_into(&self, ids: RowIds<'_>, dst: &mut [u8]) -> Result<()> {
         let rb = self.row_bytes();
         if Some(dst.len()) != ids.len().checked_mul(rb) {

@@ -264,9 +264,9 @@ fn install() -> bool {
     INSTALLED.load(Ordering::Acquire) != 0
 }
 
-/// Whether this process's SIGBUS action is ours now.
-#[cfg(test)]
-fn handler_is_current() -> bool {
+/// Whether this process's SIGBUS action is ours now (false before the first table
+/// opened, and after something replaced it).
+pub fn handler_is_current() -> bool {
     // SAFETY: as in `install`: a zeroed out-parameter, and a query that writes only it.
     let mut cur: libc::sigaction = unsafe { std::mem::zeroed() };
     // SAFETY: see above.
