@@ -231,9 +231,11 @@ fn parse_index(index: &Path, bytes: &[u8]) -> Result<Source> {
 fn map_file(path: &Path) -> Result<MappedFile> {
     let file = File::open(path).map_err(|e| io_err(path, &e))?;
     // SAFETY: a read-only mapping of a checkpoint file. Rust sees it as `&[u8]`, which is
-    // sound as long as nobody modifies or truncates the file while it is mapped; that is
-    // the documented contract of MmapTable (checkpoints are immutable while served).
-    // Every access is bounds-checked against the mapping's length.
+    // sound as long as nobody modifies the file while it is mapped; that is the
+    // documented contract of MmapTable (checkpoints are immutable while served). A file
+    // that shrinks or fails under the mapping faults the reader: every read of the map
+    // is a guarded copy whose faults read zeros and are reported (`sigbus`). Every
+    // access is bounds-checked against the mapping's length.
     let map = unsafe { MmapOptions::new().map(&file) }.map_err(|e| io_err(path, &e))?;
     // Read the header without the kernel's read-around: with its default advice, the
     // first fault on a cold file pulled megabytes of tensor data in (the whole of a 16 MiB
