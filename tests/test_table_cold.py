@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import save_file as save_np
 from safetensors.torch import load_file, save_file
 
 import ple_memops as pm
@@ -469,3 +470,176 @@ def test_rss_budget_under_a_cgroup_memory_limit(tmp_path: Path) -> None:
     assert capped["resident"] <= budget + 4 * PAGE, capped
     hot_share = 0.5
     assert capped["hits"] / (capped["hits"] + capped["misses"]) > 0.8 * hot_share, capped
+
+
+# A table file that shrinks under an open table (issue 17): every cold-read way, the rows'
+# pages resident (and known) or evicted before the cut, through gather, gather_into,
+# fill_from and the worker thread. Each cell runs in a fresh interpreter so that a SIGBUS
+# fails that cell (with the signal named) instead of killing the suite.
+
+_SHRINK_ROWS, _SHRINK_COLS, _SHRINK_TO = 65536, 64, 16 << 10  # 8 MiB of F16, cut to 16 KiB
+
+_SHRINK_CHILD = """
+import os, sys
+import numpy as np
+import ple_memops as pm
+
+way, evict, paths = sys.argv[1], sys.argv[2] == "1", sys.argv[3:]
+ids = np.array([10, 60000])
+
+
+def expect_io(f, path):
+    try:
+        f()
+    except pm.TableIoError as e:
+        msg = str(e)
+        assert path in msg and "offset" in msg, msg
+        return msg
+    raise AssertionError("no TableIoError")
+
+
+for api, path in zip(["gather", "gather_into", "fill_from", "worker"], paths):
+    t = pm.MmapTable.open(path, "w", cold_reads=way)
+    before = t.gather(ids)  # both rows' pages resident, and known to the table
+    if evict:
+        t.drop_pages()
+        assert t.resident_bytes() == 0, "not evicted"
+    os.truncate(path, int(os.environ["SHRINK_TO"]))
+    rb = t.row_bytes
+    for attempt in range(2):  # the lost range keeps failing
+        if api == "gather":
+            msg = expect_io(lambda: t.gather(ids), path)
+        elif api == "gather_into":
+            out = np.full((2, rb), 0xAB, np.uint8)
+            msg = expect_io(lambda: t.gather_into(ids, out), path)
+            assert not out.any(), "rows left in the destination"
+        elif api == "fill_from":
+            rows = pm.DeferredRows(2, rb, device="cpu")
+            rows.begin(2)
+            msg = expect_io(lambda: rows.fill_from(t, ids), path)
+            rows.abort("test")
+            rows.close()
+        else:
+            rows = pm.DeferredRows(2, rb, device="cpu")
+            with pm.GatherWorker(rows, t) as w:
+                w.begin(2)
+                w.publish_from_host(ids)
+                msg = expect_io(lambda: w.complete(timeout=30.0), path)
+                assert rows.phase == "poisoned", rows.phase
+    # Rows still inside the file: the bytes they had.
+    np.testing.assert_array_equal(t.gather(ids[:1]), before[:1])
+    print("OK", api, "|", msg)
+    t.close()
+"""
+
+
+def _child_failure(r: subprocess.CompletedProcess[str]) -> str:
+    import signal
+
+    rc = r.returncode
+    how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit {rc}"
+    return f"child {how}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+
+
+@pytest.mark.parametrize("evict", [False, True], ids=["resident", "evicted"])
+@pytest.mark.parametrize("way", WAYS)
+def test_a_file_shrinking_under_the_table_is_a_typed_error(
+    tmp_path: Path, way: str, evict: bool, uring: bool
+) -> None:
+    if way == "uring" and not uring:
+        pytest.skip("io_uring is not available here")
+    g = np.random.default_rng(17)
+    data = g.integers(0, 1 << 16, (_SHRINK_ROWS, _SHRINK_COLS), dtype=np.uint16)
+    paths = []
+    for api in ["gather", "gather_into", "fill_from", "worker"]:
+        p = tmp_path / f"{api}.safetensors"
+        save_np({"w": data.view(np.float16)}, str(p))
+        _sync(p)
+        paths.append(str(p))
+    r = subprocess.run(
+        [sys.executable, "-c", _SHRINK_CHILD, way, "1" if evict else "0", *paths],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "SHRINK_TO": str(_SHRINK_TO)},
+    )
+    assert r.returncode == 0, _child_failure(r)
+    lines = r.stdout.strip().splitlines()
+    apis = [ln.split()[1] for ln in lines]
+    assert apis == ["gather", "gather_into", "fill_from", "worker"], lines
+
+
+_FOREIGN_SIGBUS_CHILD = """
+import os, signal, sys
+import numpy as np
+import ple_memops as pm
+
+if sys.argv[2] == "python-handler":
+    signal.signal(signal.SIGBUS, lambda s, f: print("chained", flush=True))
+t = pm.MmapTable.open(sys.argv[1], "w")
+t.gather(np.array([1, 2]))  # the handler is installed by now
+assert pm.sigbus_guard_active()
+os.kill(os.getpid(), signal.SIGBUS)  # not a fault in a table: not ours to absorb
+print("survived", flush=True)
+"""
+
+
+@pytest.mark.parametrize("before", ["default", "python-handler"])
+def test_a_sigbus_that_is_not_the_tables_goes_where_it_went(tmp_path: Path, before: str) -> None:
+    """The table's handler chains: a SIGBUS sent to the process still kills it by default,
+    and still reaches a handler installed before the first table opened."""
+    import signal
+
+    path = _table(tmp_path, 64, 8, torch.float32)
+    r = subprocess.run(
+        [sys.executable, "-c", _FOREIGN_SIGBUS_CHILD, str(path), before],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if before == "default":
+        assert r.returncode == -signal.SIGBUS, _child_failure(r)
+        assert "survived" not in r.stdout
+    else:
+        assert r.returncode == 0, _child_failure(r)
+        assert r.stdout.split() == ["chained", "survived"], r.stdout
+
+
+def test_a_shrinking_file_with_faulthandler_enabled_first(tmp_path: Path) -> None:
+    """faulthandler (pytest, many servers) installed before the table: the fault is still
+    the table's, reported typed, and faulthandler prints nothing."""
+    path = _table(tmp_path, 65536, 64, torch.float16)
+    code = (
+        "import os, sys, numpy as np, ple_memops as pm\n"
+        "t = pm.MmapTable.open(sys.argv[1], 'w')\n"
+        "t.gather(np.array([10, 60000]))\n"
+        "os.truncate(sys.argv[1], 16384)\n"
+        "try:\n    t.gather(np.array([10, 60000]))\n"
+        "except pm.TableIoError as e:\n    print('typed', e)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", code, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, _child_failure(r)
+    assert r.stdout.startswith("typed"), r.stdout
+    assert "Fatal Python error" not in r.stderr, r.stderr
+
+
+def test_sigbus_guard_active_says_whether_faults_are_caught(tmp_path: Path) -> None:
+    path = _table(tmp_path, 64, 8, torch.float32)
+    code = (
+        "import faulthandler, sys, ple_memops as pm\n"
+        "a = pm.sigbus_guard_active()\n"
+        "t = pm.MmapTable.open(sys.argv[1], 'w')\n"
+        "b = pm.sigbus_guard_active()\n"
+        "faulthandler.enable()\n"
+        "print(a, b, pm.sigbus_guard_active())\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, _child_failure(r)
+    assert r.stdout.split() == ["False", "True", "False"], r.stdout

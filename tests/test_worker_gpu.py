@@ -181,6 +181,59 @@ def test_abort_mid_step_releases(torch, table: pm.MmapTable) -> None:  # type: i
     w.close()
 
 
+def test_a_table_truncated_under_a_waiting_graph_releases_and_raises(  # type: ignore[no-untyped-def]
+    torch, tmp_path, publish: str
+) -> None:
+    """Issue 17: the table's file is cut to 16 KiB while a replayed graph waits for rows
+    the worker must gather from it (their pages resident after earlier replays). The
+    worker's copy hits SIGBUS on the mapping: the process lives, the GPU is released (the
+    consumer reads zeros), the next call raises TableIoError naming the file and offset,
+    and the device stays usable."""
+    import os
+
+    data = np.random.default_rng(17).integers(0, 256, (TABLE_ROWS, WIDTH), dtype=np.uint8)
+    path = tmp_path / "model.safetensors"
+    save_file({"embed_tokens_per_layer.weight": data.view(np.float16)}, str(path))
+    t = pm.MmapTable.open(path, "embed_tokens_per_layer.weight")
+    rows = pm.DeferredRows(16, WIDTH, device=0, watchdog=10.0)
+    w = pm.GatherWorker(rows, t, publish=publish)
+    g = IdGraph(torch, w, 16, pre_sleep_cycles=200_000_000)  # GPU busy before the publish
+    for i in (1, 2):  # warm: the rows' pages are resident and known to the table
+        w.begin(16)
+        g.replay()
+        w.complete(timeout=10.0)
+        assert done(g.end), f"replay {i} never finished"
+        np.testing.assert_array_equal(g.out.cpu().numpy(), data[g.ids_for(i)])
+    w.begin(16)
+    g.replay()  # the graph now sleeps, then publishes and waits for the fill
+    os.truncate(path, 16 << 10)
+    with pytest.raises(pm.TableIoError, match="offset") as e:
+        w.complete(timeout=10.0)
+    assert str(path) in str(e.value)
+    assert done(g.end), "the truncated table left the GPU waiting"
+    assert not g.out.cpu().numpy().any()  # the consumer read zeros, not stale rows
+    assert rows.phase == "poisoned"
+    with pytest.raises(pm.PoisonedError):
+        w.begin(16)
+    w.close()
+    # The device is fine, and so are the rows still inside the file (row 1 is at offset
+    # < 16 KiB), gathered onto it through new rows from the same table.
+    rows2 = pm.DeferredRows(16, WIDTH, device=0, watchdog=10.0)
+    rows2.begin(1)
+    rows2.fill_from(t, [1])
+    rows2.enqueue()
+    out = rows2.staging[:1].clone()
+    end = torch.cuda.Event()
+    end.record()
+    rows2.complete()
+    assert done(end), "the GPU is not usable after the truncated table"
+    np.testing.assert_array_equal(out.cpu().numpy(), data[[1]])
+    with pytest.raises(pm.TableIoError):
+        t.gather(g.ids_for(3))  # the lost rows stay lost
+    rows2.close()
+    t.close()
+
+
 def test_watchdog_releases_when_ids_come_too_late(torch, table: pm.MmapTable) -> None:  # type: ignore[no-untyped-def]
     rows = pm.DeferredRows(16, WIDTH, device=0, watchdog=0.05)
     w = pm.GatherWorker(rows, table)

@@ -33,7 +33,7 @@ from .errors import (
     UnarmedReplayError,
     UnsupportedError,
 )
-from .table import MmapTable
+from .table import MmapTable, sigbus_guard_active
 
 __all__ = [
     "Capability",
@@ -60,6 +60,7 @@ __all__ = [
     "create_group",
     "probe",
     "retained_bytes",
+    "sigbus_guard_active",
 ]
 
 __version__ = "0.1.0"

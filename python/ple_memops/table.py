@@ -22,6 +22,15 @@ ColdReads = Literal["auto", "uring", "willneed", "pool", "fault"]
 _NATIVE_ID_NUMS = frozenset(np.dtype(t).num for t in (np.int64, np.int32, np.intp, np.longlong))
 
 
+def sigbus_guard_active() -> bool:
+    """Whether a SIGBUS on a table's mapping (its file shrank or failed under it) becomes a
+    :class:`~ple_memops.TableIoError` now: true once a table has opened, while the
+    process's SIGBUS handler is still the one it installed (a handler installed later
+    that does not chain, e.g. ``faulthandler.enable()`` after the first open, makes it
+    false: such a fault then kills the process)."""
+    return _native.sigbus_guard_active()
+
+
 def _as_ids(ids: Any) -> Any:
     """``ids`` as a 1-D int64/int32 numpy array (no copy when it already is one)."""
     if type(ids) is np.ndarray and ids.dtype.num in _NATIVE_ID_NUMS:
@@ -248,11 +257,11 @@ class MmapTable:
         is checked first: on an id or argument error ``out`` is left untouched.
 
         Rows whose pages the table has read before are copied straight from the mapping;
-        the others are read together first (see ``cold_reads``). A read error raises
-        :class:`~ple_memops.TableIoError` (``out`` then holds some rows and not others);
-        through the mapping (``"willneed"``, ``"fault"``, or a page the kernel dropped
-        since) an I/O error or a truncated file raises SIGBUS instead, as with any
-        memory map."""
+        the others are read together first (see ``cold_reads``). A read error, or a row
+        past the end of a file that shrank under the table, or on a page the kernel
+        could not read through the mapping (SIGBUS, caught), raises
+        :class:`~ple_memops.TableIoError` naming the file and offset; ``out`` is then
+        zeroed."""
         self._live().gather_into(_as_ids(ids), _as_out(out))
 
     def check_ids(self, ids: Any) -> None:

@@ -388,6 +388,12 @@ fn retained_bytes() -> u64 {
     crate::cuda::retained_bytes()
 }
 
+/// Whether tables' SIGBUS faults are caught now.
+#[pyfunction]
+fn sigbus_guard_active() -> bool {
+    crate::table::sigbus_guard_active()
+}
+
 /// `[(kind, python class name)]`: pins the error mapping in tests.
 #[pyfunction]
 fn error_kinds() -> Vec<(String, &'static str)> {
@@ -444,6 +450,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(probe, m)?)?;
     m.add_function(wrap_pyfunction!(driver_info, m)?)?;
     m.add_function(wrap_pyfunction!(retained_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(sigbus_guard_active, m)?)?;
     m.add_function(wrap_pyfunction!(error_kinds, m)?)?;
     m.add_function(wrap_pyfunction!(_raise_kind, m)?)?;
     table::register(m)?;

@@ -9,12 +9,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
+use std::os::fd::AsRawFd;
 use std::path::{Component, Path, PathBuf};
 
 use memmap2::{Mmap, MmapOptions};
 use safetensors::tensor::{Metadata, SafeTensorError, TensorInfo};
 use safetensors::{Dtype, SafeTensors};
 
+use super::sigbus::{self, Lost, Registration};
 use crate::error::{Error, Result};
 
 /// The index file a sharded checkpoint directory carries (Hugging Face convention).
@@ -58,10 +60,51 @@ pub fn supported_dtype(d: Dtype) -> Option<usize> {
 
 /// A file of the checkpoint, mapped read-only for the life of the table.
 pub(crate) struct MappedFile {
+    /// The mapping's place in the SIGBUS guard (`None`: unguarded). First field: dropped
+    /// before the descriptor and the mapping it names.
+    pub guard: Option<Registration>,
     pub path: PathBuf,
     /// Kept open for `posix_fadvise` (dropping the file's cached pages).
     pub file: File,
     pub map: Mmap,
+}
+
+impl MappedFile {
+    /// What a SIGBUS on the mapping lost (see `sigbus`); `None` while nothing is.
+    #[inline(always)]
+    pub fn lost(&self) -> Option<Lost> {
+        self.guard.as_ref().and_then(Registration::lost)
+    }
+
+    /// `Err` if `off..off + len` touches a lost byte of the file (naming it and the offset).
+    pub fn check_range(&self, off: usize, len: usize, what: &str) -> Result<()> {
+        let Some(lost) = self.lost() else {
+            return Ok(());
+        };
+        let Some(at) = lost.hits(off, len.max(1), super::pagecache::page_size()) else {
+            return Ok(());
+        };
+        let why = match lost.from {
+            Some(from) if at >= from => format!(
+                "the file shrank to {from} bytes while the table was open (a read through \
+                 its mapping raised SIGBUS); everything from offset {from} stays lost until \
+                 the table is reopened"
+            ),
+            _ => format!(
+                "the kernel could not read the page at offset {at} (a read through the \
+                 mapping raised SIGBUS: an I/O error); it stays lost until the table is reopened"
+            ),
+        };
+        Err(Error::Io {
+            path: self.path.display().to_string(),
+            detail: format!("{what} at offset {off} ({len} bytes): {why}"),
+        })
+    }
+
+    /// `Err` if anything of the file was lost (the reads of opening it).
+    fn check_whole(&self) -> Result<()> {
+        self.check_range(0, self.map.len().max(1), "reading the header and tensors")
+    }
 }
 
 /// One shard: a contiguous run of the table's rows inside one mapped file.
@@ -188,9 +231,11 @@ fn parse_index(index: &Path, bytes: &[u8]) -> Result<Source> {
 fn map_file(path: &Path) -> Result<MappedFile> {
     let file = File::open(path).map_err(|e| io_err(path, &e))?;
     // SAFETY: a read-only mapping of a checkpoint file. Rust sees it as `&[u8]`, which is
-    // sound as long as nobody modifies or truncates the file while it is mapped; that is
-    // the documented contract of MmapTable (checkpoints are immutable while served).
-    // Every access is bounds-checked against the mapping's length.
+    // sound as long as nobody modifies the file while it is mapped; that is the
+    // documented contract of MmapTable (checkpoints are immutable while served). A file
+    // that shrinks or fails under the mapping faults the reader: every read of the map
+    // is a guarded copy whose faults read zeros and are reported (`sigbus`). Every
+    // access is bounds-checked against the mapping's length.
     let map = unsafe { MmapOptions::new().map(&file) }.map_err(|e| io_err(path, &e))?;
     // Read the header without the kernel's read-around: with its default advice, the
     // first fault on a cold file pulled megabytes of tensor data in (the whole of a 16 MiB
@@ -206,7 +251,9 @@ fn map_file(path: &Path) -> Result<MappedFile> {
             );
         }
     }
+    let guard = sigbus::register(map.as_ptr(), map.len(), file.as_raw_fd());
     Ok(MappedFile {
+        guard,
         path: path.to_path_buf(),
         file,
         map,
@@ -415,7 +462,9 @@ pub(crate) fn discover(path: &Path, selector: &Selector) -> Result<Layout> {
                 return Ok(i);
             }
             let f = map_file(p)?;
-            let h = read_header(p, &f.map)?;
+            let h = sigbus::guarded(|| read_header(p, &f.map));
+            f.check_whole()?;
+            let h = h?;
             files.push(f);
             headers.push(h);
             by_path.insert(key, files.len() - 1);
@@ -613,7 +662,9 @@ fn find_scale(
                 )
             })?;
             let data = files[fi].map.get(h.data_start..).unwrap_or(&[]);
-            hit = Some((cand.clone(), read_scale(path, &cand, info, data)?));
+            let scale = sigbus::guarded(|| read_scale(path, &cand, info, data));
+            files[fi].check_whole()?;
+            hit = Some((cand.clone(), scale?));
             break;
         }
         found.push(hit);

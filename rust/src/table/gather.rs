@@ -167,8 +167,21 @@ impl RowSource<'_> {
     /// it does not and return `false` (rows before it are copied, the rest are not). The
     /// check is fused into the copy loop so that it overlaps the rows' cache misses; with
     /// a constant `true` it compiles away.
+    ///
+    /// The copy is guarded (see `sigbus`): a SIGBUS on the mapping reads zeros and marks
+    /// the file's range lost; the caller checks for lost rows afterwards.
     #[inline]
     pub fn copy_if<T: Id, K: Fn(usize, usize) -> bool>(
+        &self,
+        ids: &[T],
+        dst: &mut [u8],
+        known: &K,
+    ) -> bool {
+        super::sigbus::guarded(|| self.copy_if_unguarded(ids, dst, known))
+    }
+
+    #[inline(always)]
+    fn copy_if_unguarded<T: Id, K: Fn(usize, usize) -> bool>(
         &self,
         ids: &[T],
         dst: &mut [u8],

@@ -20,6 +20,7 @@ pub mod floor;
 pub mod gather;
 pub mod pagecache;
 mod residency;
+mod sigbus;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,6 +29,9 @@ use std::sync::{Arc, Mutex};
 pub use discover::{scale_candidates, supported_dtype, Selector, INDEX_FILE, SHARD_PLACEHOLDER};
 pub use gather::PARALLEL_MIN_BYTES;
 pub use safetensors::Dtype;
+/// Whether tables' SIGBUS faults are caught now (see `sigbus`): a table has opened and the
+/// process's SIGBUS action is still the table's handler.
+pub use sigbus::handler_is_current as sigbus_guard_active;
 
 use crate::error::{Error, Result};
 use coldread::{ColdRow, Uring};
@@ -283,8 +287,9 @@ impl MmapTable {
     /// Open the table `selector` names in the checkpoint at `path`: a `.safetensors` file,
     /// a `model.safetensors.index.json`, or a directory holding either (the index wins).
     ///
-    /// The checkpoint's files must not be modified or truncated while the table is open
-    /// (the usual contract of a memory map: a truncated file faults the reader).
+    /// The checkpoint's files should not be modified while the table is open. A file that
+    /// shrinks (or fails) under it makes the lost rows [`Error::Io`] (see `sigbus`); a
+    /// file rewritten in place serves the new bytes. Replace files by rename instead.
     pub fn open(
         path: impl AsRef<Path>,
         selector: &Selector,
@@ -470,11 +475,10 @@ impl MmapTable {
     /// Rows whose pages the table has read before are copied straight from the mapping
     /// (no allocation, no system call; inline below [`TableOptions::parallel_min_bytes`],
     /// on the gather pool above). The other rows are read together (see [`ColdReads`])
-    /// while the known ones are copied. A cold read's I/O error returns [`Error::Io`]
-    /// (`dst` then holds some rows and not others); with `willneed` or `fault`, or for a
-    /// known page the kernel dropped since, the copy reads through the mapping, where an
-    /// I/O error or a file truncated under the table raises SIGBUS (the contract of any
-    /// memory map).
+    /// while the known ones are copied. A cold read's I/O error returns [`Error::Io`];
+    /// so does a row in a range a SIGBUS on the mapping lost (a file that shrank under
+    /// the table, an I/O error on a mapped page: see `sigbus`), on every way. On any
+    /// [`Error::Io`] `dst` is zeroed.
     pub fn gather_into(&self, ids: RowIds<'_>, dst: &mut [u8]) -> Result<()> {
         let rb = self.row_bytes();
         if Some(dst.len()) != ids.len().checked_mul(rb) {
@@ -486,10 +490,33 @@ impl MmapTable {
             )));
         }
         self.check_ids(ids)?;
-        match ids {
+        let r = match ids {
             RowIds::I32(v) => self.gather_checked(v, dst),
             RowIds::I64(v) => self.gather_checked(v, dst),
+        };
+        if r.is_err() {
+            // An I/O error: nothing in `dst` that could pass for rows.
+            dst.fill(0);
         }
+        r
+    }
+
+    /// `Err` (naming the file and offset) if a row of `ids` lies in a range of a file that
+    /// a SIGBUS on the mapping lost (see `sigbus`). Run after every copy: a row the copy
+    /// read as zeros is caught here. While nothing is lost, one atomic load per file.
+    #[inline]
+    fn check_lost<T: Id>(&self, ids: &[T]) -> Result<()> {
+        let files = &self.inner.layout.files;
+        if files.iter().all(|f| f.lost().is_none()) {
+            return Ok(());
+        }
+        let src = self.source();
+        for &id in ids {
+            let (si, off) = src.locate(id.as_i64() as u64);
+            let f = &files[src.segments[si].file];
+            f.check_range(off, src.row_bytes, &format!("row {}", id.as_i64()))?;
+        }
+        Ok(())
     }
 
     fn gather_checked<T: Id>(&self, ids: &[T], dst: &mut [u8]) -> Result<()> {
@@ -517,7 +544,7 @@ impl MmapTable {
                 .counters
                 .row_hits
                 .fetch_add(ids.len() as u64, Ordering::Relaxed);
-            return Ok(());
+            return self.check_lost(ids);
         }
         // Some row is cold: start over with the cold path (rows already copied are copied
         // again, for nothing next to the reads; their access counts are counted twice).
@@ -551,15 +578,21 @@ impl MmapTable {
             }
         }
         let (n_hits, n_cold) = (hits.len() as u64, cold.len() as u64);
+        // Every copy out of the mapping is guarded (a SIGBUS becomes lost rows, checked
+        // below).
         let copy_hits = move || {
-            for (out, row) in hits {
-                out.copy_from_slice(row);
-            }
+            sigbus::guarded(|| {
+                for (out, row) in hits {
+                    out.copy_from_slice(row);
+                }
+            })
         };
         let from_map = |cold: &mut [ColdRow<'_>]| {
-            for r in cold {
-                r.out.copy_from_slice(&r.file.map[r.off..r.off + rb]);
-            }
+            sigbus::guarded(|| {
+                for r in cold {
+                    r.out.copy_from_slice(&r.file.map[r.off..r.off + rb]);
+                }
+            })
         };
         let mut copy_hits = Some(copy_hits);
         let res = match self.inner.cold {
@@ -600,6 +633,7 @@ impl MmapTable {
         let c = &self.inner.counters;
         c.row_hits.fetch_add(n_hits, Ordering::Relaxed);
         c.row_misses.fetch_add(n_cold, Ordering::Relaxed);
+        let res = res.and_then(|()| self.check_lost(ids));
         if res.is_ok() {
             let new: usize = spans.iter().map(|&s| pm.mark(s)).sum();
             c.pages_read.fetch_add(new as u64, Ordering::Relaxed);
@@ -674,9 +708,19 @@ impl MmapTable {
         };
         let pm = &self.inner.pages;
         let segs = &self.inner.layout.segments;
-        let warmed = pagecache::prewarm(&self.inner.layout.files, segs, budget, |si, off, len| {
-            pm.mark(pm.span(si, segs[si].start + off, len));
+        let files = &self.inner.layout.files;
+        let warmed = sigbus::guarded(|| {
+            pagecache::prewarm(files, segs, budget, |si, off, len| {
+                let f = &files[segs[si].file];
+                // A page lost while warming is not known resident (the gather of it fails).
+                if f.check_range(segs[si].start + off, len, "prewarm").is_ok() {
+                    pm.mark(pm.span(si, segs[si].start + off, len));
+                }
+            })
         })?;
+        for f in files {
+            f.check_range(0, f.map.len(), "prewarm")?;
+        }
         self.enforce_limit();
         Ok(warmed)
     }

@@ -848,6 +848,85 @@ fn cold_read_errors_are_typed() {
     }
 }
 
+/// A file cut short under the table, read through the mapping (issue 17): every way,
+/// with the rows' pages known resident or evicted, inline and on the gather pool. The
+/// lost rows are a typed error naming the file and offset, the destination is zeroed,
+/// rows still inside the file keep reading, and the lost ones keep failing.
+#[test]
+fn a_file_truncated_under_the_table_is_a_typed_error_on_every_way() {
+    for way in ways() {
+        for evict in [false, true] {
+            for parallel in [usize::MAX, 0] {
+                let d = TempDir::new();
+                let p = big_table(&d, 16384); // 4 MiB, 256 B rows
+                let bytes = std::fs::read(&p).unwrap();
+                let t = with(
+                    TableOptions {
+                        cold_reads: way,
+                        parallel_min_bytes: parallel,
+                        ..Default::default()
+                    },
+                    &p,
+                    &name("w"),
+                );
+                let ids: Vec<i64> = vec![10, 16000, 11, 15000];
+                let mut dst = vec![0u8; ids.len() * 256];
+                t.gather_into(RowIds::I64(&ids), &mut dst).unwrap();
+                let want = t.gather(RowIds::I64(&[10, 11])).unwrap();
+                if evict {
+                    t.drop_pages().unwrap();
+                }
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&p)
+                    .and_then(|f| f.set_len(16 << 10))
+                    .unwrap();
+                let case = format!("{way:?} evict={evict} parallel_min={parallel}");
+                for _ in 0..2 {
+                    dst.fill(0xAB);
+                    let e = t.gather_into(RowIds::I64(&ids), &mut dst).unwrap_err();
+                    assert_eq!(e.kind(), ErrorKind::Io, "{case}: {e}");
+                    let msg = e.to_string();
+                    assert!(
+                        msg.contains("offset") && msg.contains(&p.display().to_string()),
+                        "{case}: {msg}"
+                    );
+                    assert!(dst.iter().all(|&b| b == 0), "{case}: rows left in dst");
+                    let e = t.gather(RowIds::I32(&[16000])).unwrap_err();
+                    assert_eq!(e.kind(), ErrorKind::Io, "{case}: {e}");
+                }
+                // Rows inside what is left of the file: the bytes they had.
+                let got = t.gather(RowIds::I64(&[10, 11])).unwrap();
+                assert_eq!(got, want, "{case}");
+                assert_eq!(
+                    &got[..256],
+                    &bytes[bytes.len() - 16384 * 256 + 10 * 256..][..256]
+                );
+            }
+        }
+    }
+}
+
+/// Prewarming a table whose file was cut short fails typed instead of SIGBUS.
+#[test]
+fn prewarm_of_a_truncated_file_is_a_typed_error() {
+    let d = TempDir::new();
+    let p = big_table(&d, 16384);
+    let t = open(&p, &name("w")).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .and_then(|f| f.set_len(64 << 10))
+        .unwrap();
+    let e = t.prewarm(u64::MAX).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Io, "{e}");
+    t.gather(RowIds::I64(&[1])).unwrap();
+    assert_eq!(
+        t.gather(RowIds::I64(&[16383])).unwrap_err().kind(),
+        ErrorKind::Io
+    );
+}
+
 /// Mutate a valid checkpoint at random; opening must return a typed error or a valid
 /// table, never panic, and any table it opens must gather in bounds.
 fn open_any(bytes: &[u8], d: &TempDir, sel: &Selector) {
