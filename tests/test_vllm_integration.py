@@ -700,6 +700,10 @@ def test_settings_per_engine() -> None:
     assert S.for_engine({"ple_memops": {"table_backend": "default"}}, env) == S("default", 30.0)
     assert S.for_engine({"ple_memops": {"timeout": 60}}, env) == S("mmap", 60.0)
     assert S.for_engine({"ple_memops": {"table_backend": "mmap"}}, {}) == S("mmap", 30.0)
+    assert S.for_engine({"ple_memops": {"copy": "MEMOP"}}, env).copy == "memop"
+    assert S.for_engine({}, env | {"PLE_MEMOPS_COPY": "kernel"}).copy == "kernel"
+    with pytest.raises(InvalidArgumentError, match="PLE_MEMOPS_COPY must be one of auto"):
+        S.for_engine({}, {"PLE_MEMOPS_COPY": "dma"})
     with pytest.raises(InvalidArgumentError, match=r"unknown keys \['timout'\]"):
         S.for_engine({"ple_memops": {"timout": 60}}, env)
     with pytest.raises(InvalidArgumentError, match=r"\['table_backend'\] must be 'mmap'"):

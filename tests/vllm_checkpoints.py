@@ -45,8 +45,11 @@ HEADS = 4
 HEAD_DIM = 16
 
 
-def write_checkpoint(root: Path, *, fp8: bool, separate_tables: bool = True) -> Path:
-    """Write the checkpoint under ``root`` and return its directory."""
+def write_checkpoint(
+    root: Path, *, fp8: bool, separate_tables: bool = True, **overrides: Any
+) -> Path:
+    """Write the checkpoint under ``root`` and return its directory (``overrides``: config
+    keys that differ from :data:`CONFIG`, e.g. ``max_position_embeddings``)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -56,7 +59,7 @@ def write_checkpoint(root: Path, *, fp8: bool, separate_tables: bool = True) -> 
 
     hf = root / "hf"
     torch.manual_seed(0)
-    model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**CONFIG)).to(torch.bfloat16)
+    model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**(CONFIG | overrides))).to(torch.bfloat16)
     with torch.no_grad():  # make the tables' rows distinct and far from zero
         for name, p in model.named_parameters():
             if name.endswith("ngram_embedding.weight"):

@@ -428,6 +428,7 @@ def build_hooks(
     device: Any,
     timeout: float = DEFAULT_TIMEOUT,
     deferred: bool = True,
+    copy: str = "auto",
 ) -> PleRunnerHooks:
     """Build the all-or-none rows plan for ``tables`` (name -> :class:`~ple_memops.MmapTable`,
     outside any capture) and the runner hooks around it. ``timeout`` bounds both the
@@ -443,6 +444,7 @@ def build_hooks(
         watchdog=timeout,
         timeout=timeout,
         depth=DEPTH,
+        copy=copy,
         log_fallback=False,  # the engine's integration says it once, with what it changes
     )
     try:

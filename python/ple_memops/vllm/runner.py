@@ -155,6 +155,7 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
             max_rows=max_tokens * rows_per_token,
             device=_plan_device(runner.device),
             timeout=settings.timeout,
+            copy=settings.copy,
         )
         forced = os.environ.get(FORCE_SYNC_ENV, "") == "1"
         hooks = build_hooks(tables, deferred=not forced, **build)

@@ -37,6 +37,8 @@ __all__ = [
 
 BACKEND_ENV = "PLE_MEMOPS_TABLE_BACKEND"
 TIMEOUT_ENV = "PLE_MEMOPS_TIMEOUT"
+COPY_ENV = "PLE_MEMOPS_COPY"
+COPIES = ("auto", "kernel", "memop")
 CONFIG_KEY = "ple_memops"
 """The key of ``additional_config`` that holds these settings."""
 BACKENDS = ("default", "mmap")
@@ -57,6 +59,15 @@ def _backend(value: object, where: str) -> str:
     return text
 
 
+def _copy(value: object, where: str) -> str:
+    text = str(value).strip().lower() if value is not None else ""
+    if text == "":
+        return "auto"
+    if text not in COPIES:
+        raise InvalidArgumentError(f"{where} must be one of {', '.join(COPIES)}, got {value!r}")
+    return text
+
+
 def _timeout(value: object, where: str) -> float:
     try:
         seconds = float(value)  # type: ignore[arg-type]
@@ -73,6 +84,10 @@ class Settings:
 
     table_backend: str = "default"
     timeout: float = DEFAULT_TIMEOUT
+    copy: str = "auto"
+    """The device side of a deferred step (:class:`~ple_memops.DeferredRows`'s ``copy``):
+    ``"auto"``, ``"kernel"`` (one polling block) or ``"memop"`` (stream memory operations
+    and a copy-engine H2D)."""
 
     @property
     def mmap(self) -> bool:
@@ -86,7 +101,7 @@ class Settings:
         backend = _backend(env.get(BACKEND_ENV), BACKEND_ENV)
         raw = env.get(TIMEOUT_ENV)
         timeout = DEFAULT_TIMEOUT if raw is None else _timeout(raw, TIMEOUT_ENV)
-        return cls(backend, timeout)
+        return cls(backend, timeout, _copy(env.get(COPY_ENV), COPY_ENV))
 
     @classmethod
     def for_engine(
@@ -99,11 +114,11 @@ class Settings:
         section = _section(additional_config)
         if section is None:
             return base
-        unknown = sorted(set(section) - {"table_backend", "timeout"})
+        unknown = sorted(set(section) - {"table_backend", "timeout", "copy"})
         if unknown:
             raise InvalidArgumentError(
                 f"additional_config[{CONFIG_KEY!r}] has unknown keys {unknown}; "
-                "known: 'table_backend', 'timeout'"
+                "known: 'table_backend', 'timeout', 'copy'"
             )
         backend = base.table_backend
         if "table_backend" in section:
@@ -115,7 +130,10 @@ class Settings:
         timeout = base.timeout
         if "timeout" in section:
             timeout = _timeout(section["timeout"], f"additional_config[{CONFIG_KEY!r}]['timeout']")
-        return cls(backend, timeout)
+        copy = base.copy
+        if "copy" in section:
+            copy = _copy(section["copy"], f"additional_config[{CONFIG_KEY!r}]['copy']")
+        return cls(backend, timeout, copy)
 
 
 def _section(additional_config: object) -> Mapping[str, Any] | None:

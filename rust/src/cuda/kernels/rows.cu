@@ -4,6 +4,7 @@
 //   python -m pip install "nvidia-cuda-nvcc==13.0.*" "nvidia-cuda-crt==13.0.*"
 //   nvcc -ptx -arch=compute_75 -O3 -o rust/src/cuda/kernels/rows.ptx rust/src/cuda/kernels/rows.cu
 //   sed -i "s/^\.version 9\.0$/.version 8.0/" rust/src/cuda/kernels/rows.ptx
+// (the slot loads must come out as ld.global.cv: check with grep after regenerating)
 // (PTX ISA 8.0 is what a CUDA 12.0 driver JIT-compiles; the kernel needs nothing newer.)
 //
 // Why a kernel: on an H200 a graph's copy-engine H2D node plus two stream memory operations
@@ -31,11 +32,14 @@ extern "C" __global__ void ple_wait_copy_reset(const uint4* src, uint4* __restri
     }
     __syncthreads();
     unsigned long long n16 = n / 16;
+    // The slot is mapped host memory the host rewrites every step: read it with ld.cv
+    // ("fetch again", no cached line of an earlier step can answer), never ld.ca.
     for (unsigned long long i = threadIdx.x; i < n16; i += blockDim.x) {
-        dst[i] = src[i];
+        dst[i] = __ldcv(src + i);
     }
     if (threadIdx.x < (n & 15)) {
-        ((uint8_t*)dst)[n16 * 16 + threadIdx.x] = ((const uint8_t*)src)[n16 * 16 + threadIdx.x];
+        ((uint8_t*)dst)[n16 * 16 + threadIdx.x] =
+            __ldcv((const unsigned char*)src + n16 * 16 + threadIdx.x);
     }
     // Every read of the slot is done before the host may reuse it.
     __syncthreads();

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The real vLLM 0.33.0 engine on the lent H200, ple-memops installed as its plugin: the
+# engine tests (tests/test_vllm_engine_gpu.py), then `vllm serve` with the environment
+# switch and an HTTP client on localhost. Run from the repository root after
+# scripts/vllm-h200/setup.sh (vLLM in /tmp/vllm-site) with our wheel in /tmp/site; logs go
+# to $OUT. Wall time: about 6 minutes on a fresh host (the first engine compiles vLLM's
+# Triton kernels), well under the 10-minute call.
+set -uo pipefail
+OUT=${OUT:-/tmp/ple-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+export PYTHONPATH=/tmp/vllm-site:/tmp/site:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
+R=$PWD
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/engine_env.txt"
+python3 -m ple_memops.vllm check 2>&1 | tee -a "$OUT/engine_env.txt"
+PLE_MEMOPS_TABLE_BACKEND=mmap python3 -m ple_memops.vllm check 2>&1 | tee -a "$OUT/engine_env.txt"
+start=$(date +%s)
+(cd /tmp && timeout "${ENGINE_LIMIT:-420}" python3 -m pytest "$R/tests/test_vllm_engine_gpu.py" \
+    -v -s -rs -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::FutureWarning \
+    -W ignore::UserWarning 2>&1) >"$OUT/engine_pytest.log"
+rc=$?
+echo "== engine: pytest exit $rc in $(( $(date +%s) - start )) s (124 = hit the time limit)"
+grep -E "PASSED|FAILED|ERROR|SKIPPED|mmap async=|what the engine raised" "$OUT/engine_pytest.log" \
+    | sed 's/^.*tests\//  /' | head -40
+if [ $rc -ne 0 ]; then
+    sed -n '/= FAILURES =/,$p' "$OUT/engine_pytest.log" | grep -E "^(E |FAILED|___)" | head -40
+fi
+tail -1 "$OUT/engine_pytest.log"
+[ "${SERVE:-1}" = 1 ] || exit $rc
+# vllm serve: its engine core runs in another process, so the bundle's model substitute
+# reaches it through a test-only vLLM plugin (tests/h200_substitutes).
+echo "== vllm serve with PLE_MEMOPS_TABLE_BACKEND=mmap"
+timeout 200 python3 "$R/tests/vllm_serve_check.py" 2>&1 | tee "$OUT/serve.log" | tail -15
+src=${PIPESTATUS[0]}
+echo "== serve: exit $src"
+[ $rc -eq 0 ] && exit $src
+exit $rc

@@ -1,0 +1,270 @@
+"""The real vLLM 0.33.0 engine on a GPU, through its public API (``vllm.LLM``), with
+ple-memops installed as a plugin and switched on by the environment, as a user would.
+
+Every engine serves the same greedy workload, and every engine's tokens must equal the
+stock engine's (pinned/UVA tables, vLLM's default) token for token:
+
+* short prompts at every captured decode size (1, 2, 4, 8) and batches padded up to one
+  (3 -> 4); long prompts (1-3k tokens) prefilled in chunks while others decode (mixed
+  batches); a shared prefix (prefix-cache hits);
+* the GPU table (``cpu_offload=False``), the mmap backend with async scheduling on and
+  off, BF16 and FP8 tables; the mmap engines must really have deferred (armed replays);
+* engines shut down and built again in one process, one after the other;
+* faults: a table file truncated under a running engine (a typed error naming the file
+  comes out of the engine, no hang, the GPU usable after), and a checkpoint whose table
+  does not match the model (refused at load, naming the tensor).
+
+Run alone (``scripts/gpu/vllm_engine.sh``): the switch is process-wide. Skipped, with the
+reason, without vLLM or a GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not in the bundle
+os.environ["PLE_MEMOPS_TABLE_BACKEND"] = "mmap"  # the plugin installs; engines choose below
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("GPU test: no CUDA device", allow_module_level=True)
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/gpu/vllm_engine.sh)")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+try:  # the bundle leaves CuTe DSL out: the model then takes its own unfused path
+    import cutlass  # noqa: F401
+except ImportError:
+    from vllm.models.qwen4_exp.nvidia import hyperconnection
+    from vllm.models.qwen4_exp.nvidia.ops.cute_dsl import hc_down_silu
+
+    hyperconnection.MAX_FUSED_M = 0
+    hc_down_silu.MAX_FUSED_M = 0
+
+import ple_memops as pm  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import vllm_checkpoints as ckpts  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+SIZES = [1, 2, 4, 8]
+MAX_TOKENS = 24
+LONG = 3072
+
+
+def _workload() -> list[list[list[int]]]:
+    """Batches of prompts, each a list of token ids (the tiny model's vocabulary is 128;
+    7 is its EOS, which greedy sampling may pick: ignore_eos keeps lengths fixed)."""
+    g = torch.Generator().manual_seed(7)
+
+    def prompt(n: int) -> list[int]:
+        return [int(x) for x in torch.randint(8, 128, (n,), generator=g)]
+
+    shared = prompt(600)
+    return [
+        [prompt(5)],  # decode at size 1
+        [prompt(3), prompt(9), prompt(4)],  # 3 requests: padded up to the size-4 graph
+        [prompt(2 + i) for i in range(8)],  # size 8
+        # Long prompts in chunks while short ones decode; two share a prefix.
+        [prompt(LONG), prompt(1500), prompt(6), prompt(11), shared + prompt(40)],
+        [shared + prompt(30), prompt(2)],  # a prefix-cache hit
+    ]
+
+
+WORKLOAD = _workload()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("engine")
+    return {
+        kind: ckpts.write_checkpoint(root / kind, fp8=kind == "fp8", max_position_embeddings=8192)
+        for kind in ("bf16", "fp8")
+    }
+
+
+def _engine(
+    ckpt: Path, backend: str, *, async_scheduling: bool = True, copy: str = "auto", **kw: Any
+) -> LLM:
+    extra: dict[str, Any] = {"gdn_prefill_backend": "triton"}  # FlashInfer is not bundled
+    backend_name = "mmap" if backend == "mmap" else "default"
+    extra["ple_memops"] = {"table_backend": backend_name, "copy": copy}
+    engram = {"cpu_offload": backend != "gpu"}
+    return LLM(
+        model=str(ckpt),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=4096,
+        max_num_seqs=8,
+        max_num_batched_tokens=1024,  # long prompts prefill in chunks beside decodes
+        enable_prefix_caching=True,
+        gpu_memory_utilization=0.15,
+        async_scheduling=async_scheduling,
+        engram_config=engram,
+        additional_config=extra,
+        compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": SIZES},
+        **kw,
+    )
+
+
+def _generate(llm: LLM) -> list[list[list[int]]]:
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, detokenize=False, ignore_eos=True)
+    out = []
+    for batch in WORKLOAD:
+        done = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
+        out.append([list(o.outputs[0].token_ids) for o in done])
+    return out
+
+
+def _rows_stats(worker: Any) -> dict[str, Any]:
+    hooks = worker.model_runner.ple_rows
+    if hooks is None:
+        return {"hooks": False}
+    stats = hooks.plan.stats()
+    return {
+        "hooks": True,
+        "mode": hooks.plan.mode,
+        "armed": hooks.armed_steps,
+        "graphs": len(hooks.wait_descs),
+        "steps": sum(int(r.steps) for r, _ in stats.values()),
+        "fills": sum(int(r.fills) for r, _ in stats.values()),
+        "dummies": sum(int(r.dummies) for r, _ in stats.values()),
+        "aborts": sum(int(r.aborts) for r, _ in stats.values()),
+        "watchdog_releases": sum(int(r.watchdog_releases) for r, _ in stats.values()),
+        "copy": sorted({layer.rows.copy for layer in hooks.plan}),
+    }
+
+
+def _close(llm: LLM) -> None:
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints: dict[str, Path]) -> dict[str, list[list[list[int]]]]:
+    """The stock engine's tokens (vLLM's default pinned/UVA tables), BF16 and FP8."""
+    refs = {}
+    for kind, ckpt in checkpoints.items():
+        llm = _engine(ckpt, "stock")
+        assert llm.collective_rpc(_rows_stats) == [{"hooks": False}]
+        refs[kind] = _generate(llm)
+        _close(llm)
+    return refs
+
+
+@pytest.mark.parametrize(
+    ("kind", "backend", "async_scheduling", "copy"),
+    [
+        ("bf16", "gpu", True, "auto"),
+        ("bf16", "mmap", True, "kernel"),
+        ("bf16", "mmap", True, "memop"),
+        ("bf16", "mmap", False, "auto"),
+        ("fp8", "mmap", True, "auto"),
+    ],
+)
+def test_tokens_equal_the_stock_engine(
+    checkpoints: dict[str, Path],
+    reference: dict[str, Any],
+    kind: str,
+    backend: str,
+    async_scheduling: bool,
+    copy: str,
+) -> None:
+    llm = _engine(checkpoints[kind], backend, async_scheduling=async_scheduling, copy=copy)
+    try:
+        got = _generate(llm)
+        (stats,) = llm.collective_rpc(_rows_stats)
+    finally:
+        _close(llm)
+    print(f"\n{kind} {backend} async={async_scheduling} copy={copy}: {stats}")
+    wrong = []
+    for b, (want, have) in enumerate(zip(reference[kind], got, strict=True)):
+        for r, (w, h) in enumerate(zip(want, have, strict=True)):
+            if w != h:
+                first = next(i for i, (x, y) in enumerate(zip(w, h, strict=True)) if x != y)
+                wrong.append(
+                    f"batch {b} request {r}: from token {first}: {h[first:]} != {w[first:]}"
+                )
+    assert not wrong, "differs from the stock engine:\n" + "\n".join(wrong)
+    if backend == "mmap":
+        assert stats["hooks"] and stats["mode"] == "deferred", stats
+        # Every captured decode size waits for rows, and decode steps were armed replays.
+        assert stats["graphs"] == len(SIZES) and stats["armed"] >= 4 * MAX_TOKENS, stats
+    else:
+        assert stats == {"hooks": False}
+
+
+def test_a_table_truncated_under_the_engine_is_a_typed_error(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    ckpt = tmp_path / "cut"
+    shutil.copytree(checkpoints["bf16"], ckpt)
+    llm = _engine(ckpt, "mmap")
+    table = ckpt / "ple-layer-2.safetensors"
+    try:
+        _generate(llm)
+        with open(table, "r+b") as f:
+            f.truncate(16384)  # what an in-place copy does to a file being served
+        os.posix_fadvise(os.open(table, os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
+        sp = SamplingParams(max_tokens=8, temperature=0, detokenize=False, ignore_eos=True)
+        start = time.monotonic()
+        with pytest.raises(Exception) as info:
+            for _ in range(4):
+                llm.generate(
+                    [TokensPrompt(prompt_token_ids=list(range(8, 120)))] * 4, sp, use_tqdm=False
+                )
+        elapsed = time.monotonic() - start
+        chain = []
+        exc: BaseException | None = info.value
+        while exc is not None:
+            chain.append(f"{type(exc).__name__}: {exc}")
+            exc = exc.__cause__ or exc.__context__
+        text = "\n".join(chain)
+        print(f"\nwhat the engine raised after {elapsed:.1f} s:\n{text[:2000]}")
+        assert elapsed < 60, "the failure took as long as a hang"
+        assert "ple-layer-2.safetensors" in text or "TableIoError" in text, text[:2000]
+    finally:
+        try:
+            _close(llm)
+        except Exception as exc:  # a dead engine may refuse a clean shutdown
+            print(f"shutdown after the fault: {exc!r}")
+    # The GPU is usable after.
+    x = torch.randn(256, 256, device="cuda")
+    assert torch.isfinite((x @ x).sum()).item()
+    torch.cuda.synchronize()
+
+
+def test_a_table_that_does_not_match_the_model_is_refused(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    ckpt = tmp_path / "narrow"
+    shutil.copytree(checkpoints["bf16"], ckpt)
+    f = ckpt / "ple-layer-2.safetensors"
+    tensors = load_file(str(f))
+    save_file({k: v[:, : v.shape[1] // 2].contiguous() for k, v in tensors.items()}, str(f))
+    with pytest.raises(Exception) as info:
+        _engine(ckpt, "mmap")
+    text = repr(info.value)
+    exc = info.value.__cause__ or info.value.__context__
+    while exc is not None:
+        text += "\n" + repr(exc)
+        exc = exc.__cause__ or exc.__context__
+    assert "layers.2.ple.ple_embedding" in text and "does not match the model" in text, text
+    assert isinstance(info.value, pm.TableError) or "TableError" in text

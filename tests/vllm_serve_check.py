@@ -1,0 +1,143 @@
+"""``vllm serve`` with ``PLE_MEMOPS_TABLE_BACKEND=mmap`` on a GPU host, asked over HTTP on
+localhost (``python3 tests/vllm_serve_check.py``; ``scripts/gpu/vllm_engine.sh`` runs it).
+
+Writes the tiny Qwen4Exp checkpoint, starts the server (its engine core is a separate
+process, which loads ple-memops's plugin by itself), waits for it to be healthy, sends
+completions, and checks that they come back and that the engine core said it serves the
+PLE tables from the checkpoint with deferred rows. The server is stopped in every case;
+every wait is bounded. The bundle of ``scripts/vllm-h200`` leaves CuTe DSL out, so a
+test-only plugin (written to a temporary folder on ``PYTHONPATH``) makes the model take
+its unfused path in every process, as the in-process tests do by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+SUBSTITUTES = """
+def register():
+    try:
+        import cutlass  # noqa: F401
+    except ImportError:
+        from vllm.models.qwen4_exp.nvidia import hyperconnection
+        from vllm.models.qwen4_exp.nvidia.ops.cute_dsl import hc_down_silu
+
+        hyperconnection.MAX_FUSED_M = 0
+        hc_down_silu.MAX_FUSED_M = 0
+"""
+
+
+GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8]}
+
+
+def _test_plugin(root: Path) -> Path:
+    (root / "h200_substitutes.py").write_text(SUBSTITUTES)
+    info = root / "h200_substitutes-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: h200-substitutes\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nh200_substitutes = h200_substitutes:register\n"
+    )
+    return root
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(url: str, timeout: float = 5) -> int:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return int(r.status)
+
+
+def main() -> int:
+    import vllm_checkpoints as ckpts
+
+    work = Path(tempfile.mkdtemp(prefix="ple-serve-"))
+    ckpt = ckpts.write_checkpoint(work / "ckpt", fp8=False, max_position_embeddings=8192)
+    plugin_dir = _test_plugin(work / "plugins")
+    port = _port()
+    env = dict(os.environ, PLE_MEMOPS_TABLE_BACKEND="mmap", VLLM_USE_FLASHINFER_SAMPLER="0")
+    env["PYTHONPATH"] = f"{plugin_dir}:{env.get('PYTHONPATH', '')}"
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(ckpt),
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
+        "--skip-tokenizer-init", "--dtype", "bfloat16", "--max-model-len", "2048",
+        "--max-num-seqs", "8", "--gpu-memory-utilization", "0.15",
+        "--compilation-config", json.dumps(GRAPHS),
+        "--additional-config", '{"gdn_prefill_backend": "triton"}',
+    ]  # fmt: skip
+    log_path = work / "server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    ok = False
+    try:
+        deadline = time.monotonic() + 170
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                break
+            try:
+                if _get(f"http://127.0.0.1:{port}/health") == 200:
+                    ok = True
+                    break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(2)
+        if not ok:
+            print(log_path.read_text()[-6000:])
+            print("FAIL: the server did not become healthy")
+            return 1
+        done = 0
+        for n in (1, 3, 8):
+            body = json.dumps(
+                {
+                    "model": "tiny",
+                    "prompt": [[8 + (i * 13 + k) % 110 for k in range(6 + i)] for i in range(n)],
+                    "max_tokens": 12,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
+            ).encode()
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions",
+                data=body,
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=60) as r:
+                reply = json.loads(r.read())
+            assert len(reply["choices"]) == n, reply
+            assert reply["usage"]["completion_tokens"] == 12 * n, reply["usage"]
+            done += n
+        text = log_path.read_text()
+        served = "ple-memops: 2 PLE tables memory-mapped" in text
+        print(f"completions: {done} requests served over HTTP on port {port}")
+        print("engine core says:", [line for line in text.splitlines() if "ple-memops" in line][:4])
+        if not served:
+            print("FAIL: the engine core did not say it serves the tables from the checkpoint")
+            return 1
+        print("PASS: vllm serve with PLE_MEMOPS_TABLE_BACKEND=mmap serves")
+        return 0
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
