@@ -43,6 +43,7 @@ GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2
 
 
 def _test_plugin(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
     (root / "h200_substitutes.py").write_text(SUBSTITUTES)
     info = root / "h200_substitutes-0.dist-info"
     info.mkdir()
@@ -123,11 +124,13 @@ def main() -> int:
             assert reply["usage"]["completion_tokens"] == 12 * n, reply["usage"]
             done += n
         text = log_path.read_text()
-        served = "ple-memops: 2 PLE tables memory-mapped" in text
+        # vLLM's own loader says it skipped the files that hold only table rows: only the
+        # plugin's model tells it that they hold nothing it loads.
+        served = "Skipped 2/3 safetensors shard(s) holding no weights the model loads" in text
         print(f"completions: {done} requests served over HTTP on port {port}")
-        print("engine core says:", [line for line in text.splitlines() if "ple-memops" in line][:4])
+        print("engine core says:", [ln for ln in text.splitlines() if "Skipped 2/3" in ln][:1])
         if not served:
-            print("FAIL: the engine core did not say it serves the tables from the checkpoint")
+            print("FAIL: the engine core read the table files (the plugin was not active there)")
             return 1
         print("PASS: vllm serve with PLE_MEMOPS_TABLE_BACKEND=mmap serves")
         return 0

@@ -223,7 +223,8 @@ def _finish_mmap_model(language_model: Any) -> int:
             # Every rank holds full rows: nothing to reduce-scatter over the vocabulary.
             module.use_reduce_scatter = False
             tables += 1
-    _stage_all_at_top(language_model.model)
+    if os.environ.get("PLE_MEMOPS_STAGE_AHEAD") != "1":  # diagnostic: vLLM's own order
+        _stage_all_at_top(language_model.model)
     return tables
 
 
