@@ -99,12 +99,23 @@ def test_complete_times_out_without_ids_and_close_releases(table: pm.MmapTable) 
         w.begin(8)
 
 
-def test_watchdog_releases_a_step_whose_ids_never_come(table: pm.MmapTable) -> None:
+def test_the_watchdog_counts_from_the_ids_not_from_begin(table: pm.MmapTable) -> None:
+    """A worker's step is watched from when its ids arrive (the GPU reached its wait):
+    time before that (work queued ahead, a first-time compile) is no wait on the rows."""
     rows = pm.DeferredRows(8, WIDTH, device="cpu", watchdog=0.05)
     with pm.GatherWorker(rows, table) as w:
         w.begin(8)
-        with pytest.raises(pm.PoisonedError, match="watchdog"):
-            w.complete(timeout=5.0)
+        time.sleep(0.25)  # five watchdog periods armed without ids
+        w.publish_from_host(np.array([3, 1], dtype=np.int64))
+        w.complete(timeout=5.0)
+        assert rows.stats().watchdog_releases == 0 and rows.poison_cause is None
+        # Ids that never come: not released (nothing waits on the device); the host's
+        # bounded complete() says so, typed.
+        w.begin(8)
+        time.sleep(0.25)
+        with pytest.raises(pm.StateError, match="has not filled"):
+            w.complete(timeout=0.05)
+        assert rows.stats().watchdog_releases == 0
 
 
 @pytest.mark.parametrize(

@@ -183,7 +183,8 @@ class DeferredRows:
             ``[max_rows, row_bytes]`` that consumers read; allocated when omitted. It must
             stay alive as long as any graph that captured this object.
         watchdog: seconds a begun step may stay unfilled before the object aborts
-            itself; ``None`` disables.
+            itself (a step a :class:`GatherWorker` fills: counted from when its ids
+            arrive); ``None`` disables.
         force_sync: use the synchronous fallback even where deferral works.
         track_arrival: count fills that found the GPU already waiting (one more stream
             write a step).

@@ -75,7 +75,7 @@ class GatherWorker:
     into the slot and stores FILLED; the rows' consumer, enqueued later on the same
     stream, waits for that. Per step::
 
-        worker.begin(n)            # the step's extent; arms the worker and the watchdog
+        worker.begin(n)            # the step's extent; arms the worker
         graph.replay()             # computes ids, publishes, ..., consumes rows
         ...                        # the host is free: no sync, no gather on this thread
         worker.complete()          # waits (bounded) for the fill; raises the worker's error

@@ -51,8 +51,9 @@ __all__ = ["DEFAULT_TIMEOUT", "DEFAULT_WATCHDOG", "PlanLayer", "RowsPlan"]
 log = logging.getLogger("ple_memops")
 
 DEFAULT_WATCHDOG = 30.0
-"""Seconds a begun step may wait for its ids before the plan releases the GPU (an engine
-queues a whole prefill ahead of a decode step: this bound must exceed it)."""
+"""Seconds the GPU may wait for a step's rows once its ids reached the worker (the GPU is
+at the step) before the plan releases it: work queued ahead of the step (a whole prefill)
+and time before the launch do not count."""
 
 DEFAULT_TIMEOUT = 30.0
 """Seconds :meth:`RowsPlan.complete` waits for a step's fill by default."""

@@ -392,9 +392,22 @@ impl DeferredRows {
         self.begin_step(rows, 1, false)
     }
 
-    /// A step the gather worker arms, with up to `depth` of its steps in flight.
+    /// A step the gather worker arms, with up to `depth` of its steps in flight. Its
+    /// watchdog clock starts when its ids arrive ([`DeferredRows::watch`]), not here: the
+    /// GPU waits for rows only once it has reached the step, and whatever it runs before
+    /// (a long prefill queued ahead, a first-time kernel compile) is no wait on us.
     pub(crate) fn begin_for_worker(&self, rows: usize, depth: usize) -> Result<u64> {
         self.begin_step(rows, depth, true)
+    }
+
+    /// Start the watchdog's clock for `step` now (the worker saw its ids: the GPU is at
+    /// the step's wait, or about to be). Nothing without a watchdog or for a step that is
+    /// no longer pending (the watchdog checks when it fires).
+    pub(crate) fn watch(&self, step: u64) {
+        if let Some(d) = self.shared.cfg.watchdog {
+            let target: Arc<dyn Watched> = self.shared.clone();
+            watchdog::arm(&target, step, Instant::now() + d);
+        }
     }
 
     fn begin_step(&self, rows: usize, depth: usize, worker: bool) -> Result<u64> {
@@ -408,9 +421,9 @@ impl DeferredRows {
             inner.step_seq = step;
             step
         };
-        if let Some(d) = s.cfg.watchdog {
-            let target: Arc<dyn Watched> = self.shared.clone();
-            watchdog::arm(&target, step, Instant::now() + d);
+        if !worker {
+            // Host-filled: the step may be waited on from now.
+            self.watch(step);
         }
         Ok(step)
     }

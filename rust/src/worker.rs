@@ -411,7 +411,7 @@ impl GatherWorker {
         };
         let deadline = Instant::now() + timeout;
         while ctl.handled < step && ctl.failure.is_none() {
-            // The watchdog (or an abort) may release the step while the GPU never publishes.
+            // An abort (or, once its ids came, the watchdog) may release the step meanwhile.
             if sh.rows.is_released() {
                 break;
             }
@@ -795,6 +795,8 @@ fn run(sh: &Shared) {
             continue;
         }
         let t_ready = Instant::now();
+        // The GPU reached the step: from now on it may be waiting for these rows.
+        sh.rows.watch(step);
         // A panic here (a bug) must still release the GPU: it becomes the step's error.
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             sh.fill_step(&mut ids, &mut rows)
@@ -870,10 +872,19 @@ mod tests {
     }
 
     fn host_rows(max_rows: usize, width: usize, staging: &mut [u8]) -> DeferredRows {
+        watched_rows(max_rows, width, staging, None)
+    }
+
+    fn watched_rows(
+        max_rows: usize,
+        width: usize,
+        staging: &mut [u8],
+        watchdog: Option<Duration>,
+    ) -> DeferredRows {
         let cfg = Config {
             max_rows,
             row_bytes: width,
-            watchdog: None,
+            watchdog,
             track_arrival: false,
             copy: CopyPath::Auto,
         };
@@ -945,6 +956,54 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::RowId, "{e}");
         assert_eq!(w.begin(8).unwrap_err().kind(), ErrorKind::Poisoned);
         assert!(rows.poison_cause().unwrap().contains("out of range"));
+        w.close();
+    }
+
+    /// A source whose every gather takes `delay`.
+    struct Slow {
+        inner: Counting,
+        delay: Duration,
+    }
+
+    impl RowSource for Slow {
+        fn rows(&self) -> u64 {
+            self.inner.rows()
+        }
+        fn row_bytes(&self) -> usize {
+            self.inner.row_bytes()
+        }
+        fn name(&self) -> String {
+            "slow".into()
+        }
+        fn gather_rows(&self, ids: &[i64], dst: &mut [u8]) -> Result<()> {
+            std::thread::sleep(self.delay);
+            self.inner.gather_rows(ids, dst)
+        }
+    }
+
+    #[test]
+    fn the_watchdog_counts_from_the_ids_not_from_begin() {
+        let watchdog = Duration::from_millis(60);
+        let mut staging = vec![0u8; 4 * 4];
+        let rows = watched_rows(4, 4, &mut staging, Some(watchdog));
+        let src = Arc::new(Slow {
+            inner: Counting { rows: 10, width: 4 },
+            delay: Duration::from_millis(5),
+        });
+        let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8)).unwrap();
+        // Armed long before its ids come (the GPU busy with work queued ahead): no wait.
+        w.begin(4).unwrap();
+        std::thread::sleep(watchdog * 4);
+        w.publish_from_host(&[1, 2], T).unwrap();
+        w.complete(T).unwrap();
+        assert_eq!(rows.stats().watchdog_releases, 0);
+        assert!(staging[..4].iter().all(|&b| b == 2));
+        // A step whose ids never come (the GPU never reached it) is not released: the
+        // host's bounded complete() says so instead.
+        w.begin(4).unwrap();
+        std::thread::sleep(watchdog * 3);
+        assert_eq!(w.complete(watchdog).unwrap_err().kind(), ErrorKind::State);
+        assert_eq!(rows.stats().watchdog_releases, 0);
         w.close();
     }
 
