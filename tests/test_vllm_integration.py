@@ -440,6 +440,12 @@ class RecordingPlan:
         self.log.append(f"stage {name} {rows}")
         return Staged(self.log, name)
 
+    def stage_eager(self, name: str, ids: Any, *, rows: int) -> Staged:
+        self._live()
+        assert self.armed and self.armed[-1] == rows, "eager stage without its step begun"
+        self.log.append(f"eager {name} {rows}")
+        return Staged(self.log, name)
+
     def begin(self, rows: int) -> None:
         self._live()
         if len(self.armed) >= self.depth:
@@ -603,11 +609,32 @@ def test_replays_keep_two_steps_armed(capturing: list[bool]) -> None:
     # A FULL graph without PLE work replays unarmed and leaves the pending steps alone.
     _replay(hk, mgr, Desc(FULL, 16))
     assert plan.in_flight == 2 and mgr.replays[-1] == Desc(FULL, 16)
-    # An eager step (prefill) completes everything first, then gathers.
+    # An eager forward (a prefill, a mixed batch) is one more deferred step: armed when
+    # its first PLE op runs (completing only the oldest, as a replay does), every layer
+    # staged on its side stream and joined before its consumer; nothing is gathered on
+    # the launching thread.
+    with hk.step(dummy=False):
+        _forward(hk, names, 3)
+    assert plan.log[4:] == ["complete 8", "begin 6", "eager a 6", "eager b 6", "join a", "join b"]
+    assert hk.armed_steps == 3 and hk.eager_steps == 1 and hk.recorded_graphs == 2
+    # Two forwards in one engine step: two steps.
+    with hk.step(dummy=False):
+        _forward(hk, names, 1)
+        _forward(hk, names, 2)
+    assert [e for e in plan.log[10:] if e.startswith("begin")] == ["begin 2", "begin 4"]
+    assert hk.eager_steps == 3
+    # hk.eager() completes everything first (an eager pass that must not overlap).
     with hk.eager(dummy=False):
         _forward(hk, names, 3)
-    assert plan.log[4:] == ["complete 8", "complete 8", "gather a 6", "gather b 6"]
-    assert hk.armed_steps == 3 and hk.recorded_graphs == 2
+    assert plan.log[-7:] == [
+        "complete 2",
+        "complete 4",
+        "begin 6",
+        "eager a 6",
+        "eager b 6",
+        "join a",
+        "join b",
+    ]
     # Dummy replays after capture are armed like real steps.
     _replay(hk, mgr, Desc(FULL, 2))
     assert plan.log[-1] == "begin 4"
@@ -615,6 +642,43 @@ def test_replays_keep_two_steps_armed(capturing: list[bool]) -> None:
     assert plan.log[-1] == "complete 4" and plan.in_flight == 0
     hk.shutdown()
     assert plan.log[-1] == "close"
+
+
+def test_eager_forwards_of_a_sync_plan_gather_on_the_host(capturing: list[bool]) -> None:
+    names = ["a", "b"]
+    plan = RecordingPlan(names, mode="sync")
+    hk = PleRunnerHooks(plan, rows_per_token=2)
+    with hk.step(dummy=False):
+        _forward(hk, names, 3)
+    assert plan.log == ["gather a 6", "gather b 6"] and hk.eager_steps == 0
+    with hk.step(dummy=True):
+        _forward(hk, names, 3)
+    assert plan.log[2:] == ["dummy a 6", "dummy b 6"]
+
+
+def test_eager_forward_checks(capturing: list[bool]) -> None:
+    names = ["a", "b"]
+    plan = RecordingPlan(names)
+    hk = PleRunnerHooks(plan, rows_per_token=2)
+    ids = torch.zeros((3, 2), dtype=torch.int64)
+    # A layer left out: its worker was armed for the step, so the step is refused (and
+    # the plan aborted: no GPU wait outlives it).
+    with pytest.raises(StateError, match="but not for \\['b'\\]"), hk.step(dummy=False):
+        hk.stage("a", ids, hk.output("a", 3))
+        hk.join("a", hk.output("a", 3))
+    assert plan.poisoned is not None
+    plan = RecordingPlan(names)
+    hk = PleRunnerHooks(plan, rows_per_token=2)
+    with pytest.raises(StateError, match="never joined"), hk.step(dummy=False):
+        for n in names:
+            hk.stage(n, ids, hk.output(n, 3))
+    assert plan.log[-3:-1] == ["join a", "join b"]  # ordered before anything after the step
+    plan = RecordingPlan(names)
+    hk = PleRunnerHooks(plan, rows_per_token=2)
+    with pytest.raises(StateError, match="4 row ids in an eager step of 6"):
+        with hk.step(dummy=False):
+            hk.stage("a", ids, hk.output("a", 3))
+            hk.stage("b", ids[:2], hk.output("b", 2))
 
 
 def test_exceptions_abort(capturing: list[bool], caplog: pytest.LogCaptureFixture) -> None:

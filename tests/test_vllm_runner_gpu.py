@@ -354,7 +354,10 @@ class StandInRunner:
 
     def eager_step(self, prompts: list[list[int]]) -> None:
         """A mixed step, eager: one decode token for each running request (from the GPU)
-        plus whole prompts for new requests; the PLE op gathers on the host."""
+        plus whole prompts for new requests. Opened as Model Runner V2's execute_model
+        does (``hooks.step``): with a deferring plan the step is one more deferred step
+        (pending replays are not completed first, the rows come through the workers),
+        else the PLE op gathers on the host."""
         running = self.reqs
         lens = [1] * running + [len(p) for p in prompts]
         tokens = sum(lens)
@@ -368,7 +371,7 @@ class StandInRunner:
         self.qsl[nreq + 1 :].fill_(tokens)
         self.ctx[:running].copy_(self.hist[:running])
         self.ctx[running:].fill_(EOS)
-        with self.hooks.eager(dummy=False):
+        with self.hooks.step(dummy=False):
             self.forward(tokens, "eager")
         for r in range(nreq):  # the last two tokens of each sequence, and its sample
             end = int(starts[r + 1])
@@ -488,6 +491,9 @@ def test_mrv2_sequence_every_step_checked(ckpt: tuple[Path, dict[str, np.ndarray
         # 130 decode steps and 13 dummy replays (plus the mixed eager steps), two layers.
         assert checked >= 2 * (130 + 13)
         assert r.hooks.armed_steps >= 130
+        # Every mixed eager step went through the workers too (the warm-up one, the
+        # prefill and the phases that add requests).
+        assert r.hooks.eager_steps >= 4, r.hooks.eager_steps
         stats = r.hooks.plan.stats()
         for _name, (_rows, worker) in stats.items():
             assert worker is not None and worker.failures == 0 and worker.unarmed_replays == 0

@@ -28,7 +28,14 @@ Per step::
     graph.replay()
     plan.complete()
 
-    # eager steps (prefill, warm-up, profiling) and the synchronous fallback
+    # eager forwards (prefill, mixed batches) in deferred mode: the same protocol, each
+    # table's publish and wait/copy on a side stream, gathers in parallel on the workers
+    plan.begin(n)
+    staged = plan.stage_eager("layer2", ids, rows=n)
+    ...                                          # layers before the consumer
+    staged.join()
+
+    # warm-up, profiling, and the synchronous fallback
     rows = plan.gather_now("layer2", ids)        # ids to the host, gather, copy: same bytes
 """
 
@@ -46,7 +53,7 @@ from ._worker import GatherWorker, WorkerStats, _host_array
 from .errors import InvalidArgumentError, PleMemopsError, StateError
 from .table import MmapTable
 
-__all__ = ["DEFAULT_TIMEOUT", "DEFAULT_WATCHDOG", "PlanLayer", "RowsPlan"]
+__all__ = ["DEFAULT_TIMEOUT", "DEFAULT_WATCHDOG", "EagerStaged", "PlanLayer", "RowsPlan"]
 
 log = logging.getLogger("ple_memops")
 
@@ -72,6 +79,23 @@ class PlanLayer:
     """``None`` unless the plan runs in ``deferred`` mode."""
 
 
+class EagerStaged:
+    """One table's rows of an eager step, staged on a side stream by
+    :meth:`RowsPlan.stage_eager`; :meth:`join` before the consumer."""
+
+    def __init__(self, side: Any, ids: Any, staged: StagedRows) -> None:
+        self._side, self._ids, self._staged = side, ids, staged
+
+    def join(self, stream: Any = None) -> Any:
+        """Make ``stream`` (default: the current stream) wait for the side stream's copy;
+        returns ``staging[:rows]``. After it, freeing the ids is ordered after their read."""
+        torch = _torch()
+        cur = torch.cuda.current_stream(self._side.device) if stream is None else stream
+        cur.wait_stream(self._side)
+        self._ids = None
+        return self._staged.join(cur)
+
+
 class RowsPlan:
     """See the module docs. Build with :meth:`build`; thread-compatible (one driving
     thread), the objects inside are thread-safe."""
@@ -90,6 +114,7 @@ class RowsPlan:
         self._device = device
         self.timeout = timeout
         self._closed = False
+        self._eager_streams: dict[str, Any] = {}
 
     # -- construction -----------------------------------------------------------------
 
@@ -237,6 +262,32 @@ class RowsPlan:
                 f"stage() needs the deferred path; this plan is {self._mode!r} ({self._reason})"
             )
         return layer.worker.stage(ids, rows, count)
+
+    def stage_eager(self, name: str, ids: Any, rows: int | None = None) -> EagerStaged:
+        """:meth:`stage` for an eager forward (not under capture), after :meth:`begin`: the
+        publish of ``ids`` and the consumer's wait/copy run on a side stream of this
+        table's, made to wait for the current stream, so the GPU work queued before the
+        consumer's :meth:`EagerStaged.join` overlaps the host's gather (every table on
+        its own worker, in parallel). ``ids`` is held until the join. Deferred mode only."""
+        layer = self._layer(name)
+        if layer.worker is None:
+            raise StateError(
+                f"stage_eager() needs the deferred path; this plan is {self._mode!r} "
+                f"({self._reason}): gather_now() instead"
+            )
+        torch = _torch()
+        if torch is None or not isinstance(ids, torch.Tensor) or ids.device.type != "cuda":
+            raise InvalidArgumentError("stage_eager() needs the ids as a CUDA tensor")
+        if torch.cuda.is_current_stream_capturing():
+            raise StateError("stage_eager() is for eager forwards; under capture use stage()")
+        side = self._eager_streams.get(name)
+        if side is None:
+            new_stream: Any = torch.cuda.Stream
+            side = self._eager_streams[name] = new_stream(device=ids.device)
+        side.wait_stream(torch.cuda.current_stream(ids.device))  # the ids are computed
+        with torch.cuda.stream(side):
+            staged = layer.worker.stage(ids, rows)  # eagerly: issued on ``side``
+        return EagerStaged(side, ids, staged)
 
     def begin(self, n: int) -> None:
         """Arm every table's worker for a step of ``n`` rows. All or none: if any refuses,

@@ -16,13 +16,17 @@ The runner calls, in the order Model Runner V2 reaches them::
         with hooks.warmup(): forward(desc)              #   eager warm-up, no data
         with torch.cuda.graph(g), hooks.capture(desc): forward(desc)
     out = hooks.replay(desc, graphs[desc].replay)       # FULL replays (real or dummy)
-    with hooks.step(dummy=False): model(...)            # eager steps: synchronous gather
+    with hooks.step(dummy=False): model(...)            # eager steps: deferred too
     hooks.release_graphs()                              # graphs dropped (elastic EP)
     hooks.shutdown()
 
 An engine step that may be a FULL replay or an eager forward opens ``step`` around
-both: a replay never waits for pending steps, while the first PLE op of an eager forward
-completes them (its synchronous gather reuses the rows objects).
+both. Neither waits for pending steps (beyond ``depth`` in flight): with a deferring plan
+an eager forward (a prefill, a mixed batch: this model has FULL graphs for uniform decode
+batches only) is one more deferred step, armed at its first PLE op, each layer's ids
+published and its rows waited for and copied on a side stream of its own, so every
+layer's host gather runs on its worker in parallel with the GPU work before its consumer.
+A synchronous plan's eager forward, and a dummy one, first complete pending steps.
 
 The model's PLE op calls :meth:`PleRunnerHooks.stage` and :meth:`PleRunnerHooks.join`
 (through the custom ops in :mod:`ple_memops.vllm.ops`); what they do depends on the scope
@@ -38,7 +42,10 @@ capturing                             (``plan.stage``) / join it before the cons
 any other capture                     :class:`~ple_memops.StateError`: a host gather
                                       cannot be captured
 ``step(dummy=True)``, ``warmup``      ``plan.dummy_now``: no data, no host sync
-``step(dummy=False)`` or none         ``plan.gather_now``: ids to the host, gather, copy
+``step(dummy=False)``, deferring plan ``plan.begin`` at the first op, then
+                                      ``plan.stage_eager`` / join it before the consumer
+``step(dummy=False)`` of a sync plan, ``plan.gather_now``: ids to the host, gather, copy
+or no scope
 ====================================  ====================================================
 """
 
@@ -68,7 +75,7 @@ T = TypeVar("T")
 
 
 class StagedLike(Protocol):
-    def join(self, stream: Any = None) -> None: ...
+    def join(self, stream: Any = None) -> Any: ...
 
 
 class PlanLike(Protocol):
@@ -83,6 +90,7 @@ class PlanLike(Protocol):
     @property
     def layers(self) -> Mapping[str, Any]: ...
     def stage(self, name: str, ids: Any, *, rows: int) -> StagedLike: ...
+    def stage_eager(self, name: str, ids: Any, *, rows: int) -> StagedLike: ...
     def begin(self, rows: int) -> Any: ...
     def complete(self, timeout: float | None = None) -> None: ...
     def drain(self, timeout: float | None = None) -> None: ...
@@ -132,6 +140,11 @@ class _NoDefer:
 class _Step:
     dummy: bool
     quiesced: bool = False
+    # An eager forward of a deferring plan: the step's extent once begun, and per layer
+    # the side stream its wait/copy runs on (with the ids it publishes, held until join).
+    rows: int | None = None
+    staged: set[str] = field(default_factory=set)
+    forks: dict[str, StagedLike] = field(default_factory=dict)
 
 
 def _capturing(tensor: Any) -> bool:
@@ -173,6 +186,7 @@ class PleRunnerHooks:
         self._closed = False
         self._wait_descs: set[Any] = set()
         self.armed_steps = 0
+        self.eager_steps = 0
         self.recorded_graphs = 0
 
     # -- state ------------------------------------------------------------------------
@@ -244,9 +258,11 @@ class PleRunnerHooks:
         consumer (``dummy=False``) or publishes no data (``dummy=True``: profile, warm-up
         and dummy runs). A replay inside it is armed as :meth:`replay` says. Any
         exception aborts the plan, so no GPU wait outlives a failed step."""
+        scope = _Step(bool(dummy))
         try:
-            with self._scoped(_Step(bool(dummy))):
+            with self._scoped(scope):
                 yield
+                self._end_eager(scope)
         except BaseException as exc:
             if not self._closed:
                 self.abort(f"exception in an engine step: {exc!r}")
@@ -351,6 +367,9 @@ class PleRunnerHooks:
                 f"ple-memops: a capture scope is open for {scope.desc} but the current "
                 "stream is not capturing"
             )
+        if isinstance(scope, _Step) and not scope.dummy and self.deferred:
+            self._stage_eager(scope, name, ids, output, n)
+            return
         if scope is None:
             # A forward outside any step (a runner calling the model directly): real
             # rows, after completing pending steps.
@@ -370,7 +389,9 @@ class PleRunnerHooks:
         stream waits for the side stream that publishes and copies the rows."""
         scope = self._scope
         if not _capturing(output):
-            return  # eagerly the rows are already in place
+            if isinstance(scope, _Step) and name in scope.forks:
+                scope.forks.pop(name).join()
+            return  # other eager paths: the rows are already in place
         if not isinstance(scope, _Capture):
             raise StateError(self._capture_refusal(name, scope))
         staged = scope.staged.get(name)
@@ -378,6 +399,50 @@ class PleRunnerHooks:
             raise StateError(f"ple-memops: {name} joined rows it never staged in this capture")
         staged.join()
         scope.joined.add(name)
+
+    def _stage_eager(self, scope: _Step, name: str, ids: Any, output: Any, n: int) -> None:
+        """An eager forward of a deferring plan (a prefill, a mixed batch) runs the deferred
+        protocol too, as one step: its first PLE op arms every layer's worker (completing
+        the oldest pending step only when ``depth`` are armed), and each layer's ids are
+        published, waited for and copied on a side stream of its own. So no PLE op waits on
+        the host: every layer's gather runs on its own worker thread, all in parallel with
+        the GPU work queued between the op and its consumer, whose :meth:`join` is the only
+        dependency on the rows."""
+        if scope.rows is None or name in scope.staged:
+            # The forward's first PLE op (or a second forward inside one engine step).
+            if scope.rows is not None:
+                self._end_eager(scope)
+            while self.plan.in_flight >= self.depth:
+                self.plan.complete(timeout=self.timeout)
+            self.plan.begin(n)
+            scope.rows = n
+            scope.staged = set()
+            self.eager_steps += 1
+        elif n != scope.rows:
+            raise StateError(
+                f"ple-memops: {name} produced {n} row ids in an eager step of {scope.rows}"
+            )
+        self._check_output(name, output, n)
+        scope.forks[name] = self.plan.stage_eager(name, ids.reshape(-1), rows=n)
+        scope.staged.add(name)
+
+    def _end_eager(self, scope: _Step) -> None:
+        """The end of an eager forward that staged deferred rows: every layer of the plan
+        must have staged (each worker was armed for this step) and joined."""
+        if scope.rows is None:
+            return
+        if scope.forks:
+            unjoined = sorted(scope.forks)
+            for staged in scope.forks.values():
+                staged.join()  # nothing after the step may race the copy
+            scope.forks.clear()
+            raise StateError(f"ple-memops: staged rows of {unjoined} were never joined")
+        missing = sorted(set(self.plan.layers) - scope.staged)
+        if missing:
+            raise StateError(
+                f"ple-memops: an eager forward staged rows for {sorted(scope.staged)} but "
+                f"not for {missing}; every PLE layer of the plan must run in each forward"
+            )
 
     # -- helpers ----------------------------------------------------------------------
 
