@@ -16,10 +16,10 @@ from ._decode import Decoder, RunResult, _bits, _in_table, _Record
 from ._state import check_state
 from ._variants import _Ops
 
-__all__ = ["loop_cuda", "loop_host"]
+__all__ = ["loop", "loop_host"]
 
 
-def loop_cuda(
+def loop(
     bench: Any,
     dec: Decoder,
     graph: Any,
@@ -27,8 +27,13 @@ def loop_cuda(
     style: str,
     ops: _Ops,
     record: _Record,
-    recording: bool,
+    *,
+    recording: bool = False,
 ) -> RunResult:
+    """One run of ``bench``'s decode steps: replayed on a GPU, eager on the CPU path
+    (:func:`loop_host`). ``GemmaBench._loop`` is this function."""
+    if not bench.cuda:
+        return loop_host(bench, dec, style, ops, record, recording)
     import torch
 
     steps, b = dec.steps, dec.batch

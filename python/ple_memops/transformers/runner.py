@@ -68,7 +68,7 @@ from ._decode import _in_table as _in_table
 from ._decode import _Record as _Record
 from ._models import GEMMA3N_TABLE, ServedModel
 from ._state import check_state, state_digest
-from ._timing import loop_cuda, loop_host
+from ._timing import loop
 from ._variants import _Ops as _Ops
 from ._variants import deferred_ops, fallback_ops, installed, sync_gather_ops
 
@@ -161,11 +161,7 @@ class GemmaBench:
 
     # -- installing a variant's module ----------------------------------------------------
 
-    # -- installing a variant's module ----------------------------------------------------
-
-    def _installed(self, variant: str) -> contextlib.AbstractContextManager[int | None]:
-        """Install the module the variant reads its rows through; yields its pinned bytes."""
-        return installed(self, variant)
+    _installed = installed
 
     # -- one batch size ---------------------------------------------------------------------
 
@@ -378,32 +374,11 @@ class GemmaBench:
             del graph
         return out
 
-    # -- the decode loop --------------------------------------------------------------------
+    # -- the decode loop and the state checks (their own modules) ------------------------
 
-    def _loop(
-        self,
-        dec: Decoder,
-        graph: Any,
-        logits: Any,
-        style: str,
-        ops: _Ops,
-        record: _Record,
-        *,
-        recording: bool = False,
-    ) -> RunResult:
-        if self.cuda:
-            return loop_cuda(self, dec, graph, logits, style, ops, record, recording)
-        return loop_host(self, dec, style, ops, record, recording)
-
-    def _check_state(
-        self, dec: Decoder, prefill_logits: Any, record: _Record, recording: bool
-    ) -> list[str] | None:
-        """See :func:`ple_memops.transformers._state.check_state`."""
-        return check_state(self, dec, prefill_logits, record, recording)
-
-    def state_digest(self, dec: Decoder, prefill_logits: Any = None) -> dict[str, tuple[int, int]]:
-        """See :func:`ple_memops.transformers._state.state_digest`."""
-        return state_digest(self, dec, prefill_logits)
+    _loop = loop
+    _check_state = check_state
+    state_digest = state_digest
 
     def close(self) -> None:
         self._uva = None
