@@ -264,6 +264,7 @@ def test_error_mapping_is_pinned() -> None:
         "RowId": "RowIdError",
         "Io": "TableIoError",
         "UnarmedReplay": "UnarmedReplayError",
+        "NoArmedStep": "NoArmedStepError",
     }
     for kind, cls_name in kinds.items():
         cls = getattr(errors, cls_name)
@@ -271,6 +272,7 @@ def test_error_mapping_is_pinned() -> None:
         with pytest.raises(cls) as info:
             _native._raise_kind(kind)
         assert type(info.value) is cls
+    assert issubclass(errors.NoArmedStepError, pm.StateError)
 
 
 def test_probe_without_gpu_says_why() -> None:

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from . import DeferredRows, probe
-from ._deferred import _cuda_available
+from ._common import cuda_available
 
 
 def _demo_gpu(device: int, steps: int, rows: int, row_bytes: int) -> int:
@@ -107,7 +107,7 @@ def _demo_host(steps: int, rows: int, row_bytes: int) -> int:
 
 
 def _check(a: argparse.Namespace) -> int:
-    if not a.cpu and _cuda_available():
+    if not a.cpu and cuda_available():
         return _demo_gpu(a.device, a.steps, a.rows, a.row_bytes)
     return _demo_host(a.steps, a.rows, a.row_bytes)
 

@@ -12,14 +12,26 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _native
+from ._common import host_ids, optional_torch, parse_device
 from .errors import InvalidArgumentError, RowShapeError
+from .settings import DEFAULTS
 
 if TYPE_CHECKING:
     import torch
 
     from .table import MmapTable
 
-__all__ = ["Capability", "DeferredRows", "StagedRows", "Stats", "create_group", "probe"]
+__all__ = [
+    "Capability",
+    "DeferredRows",
+    "StagedRows",
+    "Stats",
+    "create_group",
+    "native_rows",
+    "probe",
+    "side_stream",
+    "stream_handle",
+]
 
 _LIVE: weakref.WeakSet[DeferredRows] = weakref.WeakSet()
 
@@ -29,19 +41,6 @@ def _release_all_at_exit() -> None:
     # Interpreter exit: no graph may be left waiting on a flag nobody will fill.
     for rows in list(_LIVE):
         rows.close()
-
-
-def _torch() -> Any:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is optional on CPU-only machines
-        return None
-    return torch
-
-
-def _cuda_available() -> bool:
-    torch = _torch()
-    return bool(torch is not None and torch.cuda.is_available())
 
 
 @dataclass(frozen=True)
@@ -127,30 +126,11 @@ class StagedRows:
         returns ``staging[:rows]``. Under capture this is the graph edge from the copy to
         the consumer; every staged step must be joined before its capture ends."""
         if self._side is not None:
-            torch = _torch()
+            torch = optional_torch()
             cur = torch.cuda.current_stream(self._rows.device) if stream is None else stream
             cur.wait_stream(self._side)
         self._keep = ()
         return self._rows.staging[: self._n]
-
-
-def _parse_device(device: object) -> int | None:
-    """``None`` for the host, else a CUDA ordinal."""
-    if device is None:
-        return 0 if _cuda_available() else None
-    if isinstance(device, int) and not isinstance(device, bool):
-        return device
-    text = str(device)
-    if text == "cpu":
-        return None
-    if text == "cuda":
-        torch = _torch()
-        return int(torch.cuda.current_device()) if torch is not None else 0
-    if text.startswith("cuda:") and text[5:].isdigit():
-        return int(text[5:])
-    raise InvalidArgumentError(
-        f"device must be 'cpu', 'cuda', 'cuda:N', an int or None, got {device!r}"
-    )
 
 
 class DeferredRows:
@@ -203,10 +183,10 @@ class DeferredRows:
         *,
         device: object = None,
         staging: Any = None,
-        watchdog: float | None = 5.0,
+        watchdog: float | None = DEFAULTS.rows_watchdog,
         force_sync: bool = False,
         track_arrival: bool = False,
-        copy: str = "auto",
+        copy: str = DEFAULTS.copy,
     ) -> None:
         if not isinstance(max_rows, int) or not isinstance(row_bytes, int):
             raise InvalidArgumentError("max_rows and row_bytes must be ints")
@@ -216,7 +196,7 @@ class DeferredRows:
             )
         if staging is not None and device is None:
             device = _staging_device(staging)
-        ordinal = _parse_device(device)
+        ordinal = parse_device(device)
         if staging is None:
             staging = _allocate_staging(max_rows, row_bytes, ordinal)
         ptr = _check_staging(staging, max_rows, row_bytes, ordinal)
@@ -319,7 +299,7 @@ class DeferredRows:
         eager fork would gain nothing (eager steps are warm-ups and prefills) and would
         need ``record_stream`` on our own stream, which torch's allocator then uses when
         the tensor is freed, possibly after the stream is gone."""
-        torch = _torch()
+        torch = optional_torch()
         if torch is None:
             raise InvalidArgumentError("stage() needs torch")
         if not torch.cuda.is_current_stream_capturing():
@@ -355,10 +335,11 @@ class DeferredRows:
         released; no intermediate array) and publish them, as :meth:`fill` does. Every id
         is checked first: a bad one raises :class:`~ple_memops.RowIdError` and nothing is
         written or signalled."""
-        from .table import _as_ids
+        from .table import native_table
 
         core = self._live()
-        core.fill_from(table._live(), _as_ids(ids), self._fill_stream(stream), float(busy_wait))
+        host = host_ids(ids, allow_device_sync=False)
+        core.fill_from(native_table(table), host, self._fill_stream(stream), float(busy_wait))
 
     def prepare_dummy(self, *, stream: Any = None, busy_wait: float = 0.0) -> None:
         """Publish the pending step without data (warm-up, profiling, capture passes)."""
@@ -432,7 +413,7 @@ class DeferredRows:
         if self._device is None:
             return 0
         if stream is None:
-            torch = _torch()
+            torch = optional_torch()
             if torch is None:
                 raise InvalidArgumentError("pass stream= (a raw cudaStream_t) when torch is absent")
             return int(torch.cuda.current_stream(self._device).cuda_stream)
@@ -456,14 +437,14 @@ def create_group(
     specs: Sequence[tuple[int, int]],
     *,
     device: object = None,
-    watchdog: float | None = 5.0,
+    watchdog: float | None = DEFAULTS.rows_watchdog,
     force_sync: bool = False,
-    copy: str = "auto",
+    copy: str = DEFAULTS.copy,
 ) -> list[DeferredRows]:
     """Create one :class:`DeferredRows` per ``(max_rows, row_bytes)`` on one device, all
     deferred or all synchronous: decided once, before any capture, so a graph never mixes
     a deferred consumer with one that needs its fill before launch."""
-    ordinal = _parse_device(device)
+    ordinal = parse_device(device)
     sync = force_sync or (ordinal is not None and not probe(ordinal).supported)
     group: list[DeferredRows] = []
     try:
@@ -495,6 +476,29 @@ def retained_bytes() -> int:
     return _native.retained_bytes()
 
 
+# -- the package-internal interface ------------------------------------------------------
+# What the gather worker (and anything else of the package that drives the native rows
+# object) may use of a DeferredRows beyond its public API. Nothing else of another module
+# touches its private attributes.
+
+
+def native_rows(rows: DeferredRows) -> _native.DeferredRowsCore:
+    """The native object behind ``rows`` (:class:`~ple_memops.ClosedError` once closed)."""
+    return rows._live()
+
+
+def stream_handle(rows: DeferredRows, stream: Any) -> int:
+    """``stream`` (a torch stream, a raw handle, or ``None``: torch's current stream on
+    the rows' device) as the raw ``cudaStream_t`` the native calls take (0 on the host)."""
+    return rows._stream_handle(stream)
+
+
+def side_stream(rows: DeferredRows, stream: Any) -> Any:
+    """Under capture: the rows' own side stream, made to wait for ``stream``; eagerly
+    ``None`` (issue inline on ``stream``). See :meth:`DeferredRows.stage`."""
+    return rows._fork(stream)
+
+
 # -- staging and row validation --------------------------------------------------------
 
 
@@ -512,7 +516,7 @@ def _staging_device(staging: Any) -> object:
 def _allocate_staging(max_rows: int, row_bytes: int, ordinal: int | None) -> Any:
     if ordinal is None:
         return np.zeros((max_rows, row_bytes), dtype=np.uint8)
-    torch = _torch()
+    torch = optional_torch()
     if torch is None:
         raise InvalidArgumentError("a CUDA staging buffer needs torch; pass device='cpu'")
     return torch.zeros((max_rows, row_bytes), dtype=torch.uint8, device=f"cuda:{ordinal}")
@@ -534,7 +538,7 @@ def _check_staging(staging: Any, max_rows: int, row_bytes: int, ordinal: int | N
         ):
             raise InvalidArgumentError("staging must be a writable, C-contiguous uint8 array")
         return int(staging.ctypes.data)
-    torch = _torch()
+    torch = optional_torch()
     if torch is None or not isinstance(staging, torch.Tensor):
         raise InvalidArgumentError(
             f"staging must be a torch tensor or numpy array, got {type(staging)!r}"
@@ -553,7 +557,7 @@ def _check_staging(staging: Any, max_rows: int, row_bytes: int, ordinal: int | N
 
 def _as_rows(rows: Any, row_bytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
     if not isinstance(rows, np.ndarray):
-        torch = _torch()
+        torch = optional_torch()
         if torch is not None and isinstance(rows, torch.Tensor):
             if rows.device.type != "cpu":
                 raise RowShapeError(f"rows must be on the host, got a tensor on {rows.device}")

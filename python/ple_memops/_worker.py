@@ -6,33 +6,20 @@ import atexit
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from . import _native
-from ._deferred import DeferredRows, StagedRows, _torch
+from ._common import host_ids, optional_torch
+from ._deferred import DeferredRows, StagedRows, native_rows, side_stream, stream_handle
 from .errors import InvalidArgumentError, RowShapeError
-
-if TYPE_CHECKING:
-    from .table import MmapTable
+from .settings import DEFAULTS
+from .table import MmapTable, native_table
 
 __all__ = ["GatherWorker", "WorkerStats"]
 
 _LIVE: weakref.WeakSet[GatherWorker] = weakref.WeakSet()
-
-
-def _host_array(ids: Any) -> Any:
-    """Host ids as an array; a CUDA tensor is refused (reading it would synchronise)."""
-    torch = _torch()
-    if torch is not None and isinstance(ids, torch.Tensor):
-        if ids.device.type != "cpu":
-            raise RowShapeError(
-                f"host ids must be on the host, got a {ids.device.type} tensor "
-                "(device-produced ids: publish() or stage())"
-            )
-        return ids.detach().numpy()
-    return np.asarray(ids)
 
 
 @atexit.register
@@ -112,9 +99,9 @@ class GatherWorker:
         max_ids: int | None = None,
         id_dtype: str = "int64",
         heads: tuple[Sequence[int], Sequence[int]] | None = None,
-        publish: str = "kernel",
-        depth: int = 2,
-        spin: float | None = None,
+        publish: str = DEFAULTS.publish,
+        depth: int = DEFAULTS.depth,
+        spin: float | None = DEFAULTS.spin,
     ) -> None:
         if id_dtype not in ("int64", "int32"):
             raise InvalidArgumentError(f"id_dtype must be 'int64' or 'int32', got {id_dtype!r}")
@@ -122,13 +109,13 @@ class GatherWorker:
         sizes: list[int] | None = None
         if heads is not None:
             offsets, sizes = [int(v) for v in heads[0]], [int(v) for v in heads[1]]
-        core = rows._live()
+        core = native_rows(rows)
         self._rows = rows
         self._table = table
         self._id_dtype = id_dtype
         self._core: _native.GatherWorkerCore | None = _native.GatherWorkerCore(
             core,
-            table._live(),
+            native_table(table),
             core.max_rows if max_ids is None else int(max_ids),
             8 if id_dtype == "int64" else 4,
             offsets,
@@ -168,7 +155,7 @@ class GatherWorker:
         tensor with the number of valid ids (clamped to ``ids.numel()``). Both tensors
         must outlive every graph that captured the publish."""
         core = self._live()
-        torch = _torch()
+        torch = optional_torch()
         if torch is None or not isinstance(ids, torch.Tensor) or ids.device.type != "cuda":
             raise RowShapeError("ids must be a CUDA tensor (use publish_from_host on the host)")
         want = torch.int64 if self._id_dtype == "int64" else torch.int32
@@ -189,7 +176,7 @@ class GatherWorker:
             ):
                 raise RowShapeError("count must be a one-element int32 tensor on the ids' device")
             count_ptr = int(count.data_ptr())
-        handle = self._rows._stream_handle(stream)
+        handle = stream_handle(self._rows, stream)
         core.publish(handle, int(ids.data_ptr()), int(ids.numel()), count_ptr)
 
     def stage(
@@ -201,11 +188,11 @@ class GatherWorker:
         between this call and :meth:`StagedRows.join` run while the host gathers; neither
         the publish nor the wait sits on their path. Eagerly both are issued inline on
         ``stream`` (and ``join`` does nothing)."""
-        torch = _torch()
+        torch = optional_torch()
         if torch is None or not isinstance(ids, torch.Tensor) or ids.device.type != "cuda":
             raise RowShapeError("ids must be a CUDA tensor (use publish_from_host on the host)")
         n = int(ids.numel()) if rows is None else int(rows)
-        side = self._rows._fork(stream)
+        side = side_stream(self._rows, stream)
         if side is None:  # eager: inline on the caller's stream
             self.publish(ids, count, stream=stream)
             self._rows.enqueue(stream=stream, rows=n)
@@ -215,7 +202,7 @@ class GatherWorker:
             self._rows.enqueue(stream=side, rows=n)
         return StagedRows(self._rows, side, n, keep=(ids, count))
 
-    def publish_from_host(self, ids: Any, timeout: float = 30.0) -> None:
+    def publish_from_host(self, ids: Any, timeout: float = DEFAULTS.timeout) -> None:
         """Give the oldest armed step that has no ids yet the ids the host knows (1-D,
         int64/int32/list/CPU tensor); the worker thread gathers them and fills. The call
         only copies the ids, so it may come before the launch (the gather then overlaps
@@ -227,12 +214,12 @@ class GatherWorker:
 
         One call per armed step, in step order; a step given host ids must come from a
         graph that does not publish its own. Refused with a typed error, nothing written:
-        no armed step waiting for ids (:class:`StateError`), ids that do not fit int32
+        no armed step waiting for ids (:class:`~ple_memops.NoArmedStepError`, a
+        :class:`StateError`), ids that do not fit int32
         ids (:class:`RowIdError`), the previous step's ids still untaken after
         ``timeout`` seconds, a closed or poisoned worker. Releases the GIL."""
-        arr = np.ascontiguousarray(_host_array(ids), dtype=np.int64)
-        if arr.ndim != 1:
-            raise RowShapeError(f"ids must be 1-D, got shape {list(arr.shape)}")
+        # Host ids only: reading a CUDA tensor here would synchronise with the device.
+        arr = host_ids(ids, allow_device_sync=False, dtype=np.int64, error=RowShapeError)
         self._live().publish_from_host(arr, float(timeout))
 
     def _simulate_replay_publish(self, ids: Any) -> None:
@@ -245,7 +232,7 @@ class GatherWorker:
         core = self._live()
         return core.begin(self._rows.max_rows if rows is None else int(rows))
 
-    def complete(self, timeout: float = 5.0) -> None:
+    def complete(self, timeout: float = DEFAULTS.worker_timeout) -> None:
         """Wait up to ``timeout`` seconds (GIL released) for the worker's fill of the
         oldest armed step, then end it. Raises the worker's error if a gather failed, or
         :class:`~ple_memops.UnarmedReplayError` if a replay published ids nobody armed

@@ -11,6 +11,7 @@ __all__ = [
     "ClosedError",
     "CudaDriverError",
     "InvalidArgumentError",
+    "NoArmedStepError",
     "PleMemopsError",
     "PoisonedError",
     "RowIdError",
@@ -54,6 +55,12 @@ class UnarmedReplayError(StateError):
     armed (replayed without ``begin()``). Its consumer was released with zero rows, never
     another step's; the rows object is poisoned, so later calls raise
     :class:`PoisonedError`."""
+
+
+class NoArmedStepError(StateError):
+    """Host ids given to a :class:`~ple_memops.GatherWorker` (``publish_from_host``,
+    ``RowsPlan.publish_host``) with no armed step waiting for ids: misuse, nothing was
+    written and no step is left waiting for them (so nothing needs releasing)."""
 
 
 class SlotBusyError(StateError):

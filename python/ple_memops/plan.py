@@ -42,28 +42,29 @@ Per step::
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ._deferred import DeferredRows, StagedRows, _parse_device, _torch, probe
-from ._worker import GatherWorker, WorkerStats, _host_array
-from .errors import InvalidArgumentError, PleMemopsError, StateError
+from ._common import host_ids, optional_torch, parse_device
+from ._deferred import DeferredRows, StagedRows, probe
+from ._worker import GatherWorker, WorkerStats
+from .errors import (
+    ClosedError,
+    InvalidArgumentError,
+    NoArmedStepError,
+    PleMemopsError,
+    RowShapeError,
+    StateError,
+)
+from .settings import DEFAULT_TIMEOUT, DEFAULT_WATCHDOG, DEFAULTS
 from .table import MmapTable
 
 __all__ = ["DEFAULT_TIMEOUT", "DEFAULT_WATCHDOG", "EagerStaged", "PlanLayer", "RowsPlan"]
 
 log = logging.getLogger("ple_memops")
-
-DEFAULT_WATCHDOG = 30.0
-"""Seconds the GPU may wait for a step's rows once its ids reached the worker (the GPU is
-at the step) before the plan releases it: work queued ahead of the step (a whole prefill)
-and time before the launch do not count."""
-
-DEFAULT_TIMEOUT = 30.0
-"""Seconds :meth:`RowsPlan.complete` waits for a step's fill by default."""
 
 Heads = tuple[Sequence[int], Sequence[int]]
 
@@ -89,7 +90,7 @@ class EagerStaged:
     def join(self, stream: Any = None) -> Any:
         """Make ``stream`` (default: the current stream) wait for the side stream's copy;
         returns ``staging[:rows]``. After it, freeing the ids is ordered after their read."""
-        torch = _torch()
+        torch = optional_torch()
         cur = torch.cuda.current_stream(self._side.device) if stream is None else stream
         cur.wait_stream(self._side)
         self._ids = None
@@ -128,12 +129,12 @@ class RowsPlan:
         id_dtype: str = "int64",
         heads: Heads | Mapping[str, Heads] | None = None,
         deferred: bool = True,
-        watchdog: float | None = DEFAULT_WATCHDOG,
-        timeout: float = DEFAULT_TIMEOUT,
-        depth: int = 2,
-        copy: str = "auto",
-        publish: str = "kernel",
-        spin: float | None = None,
+        watchdog: float | None = DEFAULTS.watchdog,
+        timeout: float = DEFAULTS.timeout,
+        depth: int = DEFAULTS.depth,
+        copy: str = DEFAULTS.copy,
+        publish: str = DEFAULTS.publish,
+        spin: float | None = DEFAULTS.spin,
         track_arrival: bool = False,
         log_fallback: bool = True,
     ) -> RowsPlan:
@@ -145,7 +146,7 @@ class RowsPlan:
         for (one more stream write a step; see :class:`~ple_memops.DeferredRows`). Raises
         only for bad arguments; a device that cannot defer gives a ``sync`` plan with
         :attr:`reason`, logged once unless ``log_fallback=False`` (for a caller that says
-        it in its own words)."""
+        it in its own words). The defaults are :data:`ple_memops.settings.DEFAULTS`."""
         items = list(tables.items()) if isinstance(tables, Mapping) else list(tables)
         if not items:
             raise InvalidArgumentError("a plan needs at least one table")
@@ -156,10 +157,10 @@ class RowsPlan:
             raise InvalidArgumentError(f"max_rows must be a positive int, got {max_rows!r}")
         if timeout <= 0:
             raise InvalidArgumentError(f"timeout must be > 0 seconds, got {timeout}")
-        torch = _torch()
+        torch = optional_torch()
         if torch is None:
             raise InvalidArgumentError("a RowsPlan needs torch (its staging buffers are tensors)")
-        ordinal = _parse_device(device)
+        ordinal = parse_device(device)
         reason: str | None = None
         force_sync = not deferred
         if ordinal is not None and deferred:
@@ -275,7 +276,7 @@ class RowsPlan:
                 f"stage_eager() needs the deferred path; this plan is {self._mode!r} "
                 f"({self._reason}): gather_now() instead"
             )
-        torch = _torch()
+        torch = optional_torch()
         if torch is None or not isinstance(ids, torch.Tensor) or ids.device.type != "cuda":
             raise InvalidArgumentError("stage_eager() needs the ids as a CUDA tensor")
         if torch.cuda.is_current_stream_capturing():
@@ -306,7 +307,8 @@ class RowsPlan:
         the launch (the gather overlaps it) or from any thread after it, never as a fill
         on the launching thread (see :meth:`GatherWorker.publish_from_host`). The graph
         must not publish ids of its own for that table. Deferred mode only; a failure
-        aborts the plan and is raised."""
+        aborts the plan and is raised, except :class:`~ple_memops.NoArmedStepError` (no
+        armed step waits for ids: nothing was written, the plan stays usable)."""
         self._check_open()
         layer = self._layer(name)
         if layer.worker is None:
@@ -315,14 +317,13 @@ class RowsPlan:
                 f"({self._reason}): gather_now() before the launch"
             )
         # Host ids only: reading a CUDA tensor here would synchronise with the device.
-        host = np.asarray(_host_array(ids)).reshape(-1)
+        host = host_ids(
+            ids, allow_device_sync=False, dtype=np.int64, flatten=True, error=RowShapeError
+        )
         try:
             layer.worker.publish_from_host(host, self.timeout if timeout is None else timeout)
-        except StateError as exc:
-            if "no armed step" in str(exc):
-                raise  # misuse: nothing was written and no step is left waiting for it
-            self.abort(f"publish_host({name!r}) failed: {exc!r}")
-            raise
+        except NoArmedStepError:
+            raise  # misuse: nothing was written and no step is left waiting for it
         except BaseException as exc:
             self.abort(f"publish_host({name!r}) failed: {exc!r}")
             raise
@@ -359,40 +360,54 @@ class RowsPlan:
         host, gather from the table straight into the pinned slot, copy to the staging
         buffer on ``stream``, and return ``staging[:n]`` (``n = rows`` or ``len(ids)``;
         rows past ``len(ids)`` are zero). Same bytes as a deferred step. Needs no step in
-        flight: :meth:`drain` first."""
+        flight: :meth:`drain` first. Ids in a CUDA tensor are copied to the host, which
+        synchronises with the device: the eager path allows that on purpose
+        (``allow_device_sync=True``); :meth:`publish_host` never does."""
         layer = self._layer(name)
-        host = _host_ids(ids)
+        # The eager path: a CUDA tensor is copied to the host, which waits for the device.
+        host = host_ids(ids, allow_device_sync=True, dtype=np.int64, flatten=True)
         n = len(host) if rows is None else int(rows)
         if len(host) > n:
             raise InvalidArgumentError(f"{len(host)} ids for a step of {n} rows")
         self._check_idle(layer)
         layer.table.check_ids(host)  # a bad id raises before the step begins
-        r = layer.rows
-        r.begin(n)
-        try:
-            r.fill_from(layer.table, host, stream=stream)
-            r.enqueue(stream=stream, rows=n)
-            r.complete()
-        except BaseException as exc:
-            r.abort(f"gather_now({name!r}) failed: {exc!r}")
-            raise
-        return r.staging[:n]
+        return self._eager_step(
+            layer,
+            n,
+            "gather_now",
+            lambda r: r.fill_from(layer.table, host, stream=stream),
+            stream,
+        )
 
     def dummy_now(self, name: str, rows: int, *, stream: Any = None) -> Any:
         """An eager step without data (warm-up, profiling, capture passes): the consumer
         reads whatever the staging buffer holds. Returns ``staging[:rows]``."""
         layer = self._layer(name)
         self._check_idle(layer)
+        return self._eager_step(
+            layer, rows, "dummy_now", lambda r: r.prepare_dummy(stream=stream), stream
+        )
+
+    @staticmethod
+    def _eager_step(
+        layer: PlanLayer,
+        n: int,
+        what: str,
+        publish: Callable[[DeferredRows], None],
+        stream: Any,
+    ) -> Any:
+        """One eager step of ``layer``'s rows: begin, ``publish`` (fill or dummy), the
+        consumer inline on ``stream``, complete; any failure aborts the rows."""
         r = layer.rows
-        r.begin(rows)
+        r.begin(n)
         try:
-            r.prepare_dummy(stream=stream)
-            r.enqueue(stream=stream, rows=rows)
+            publish(r)
+            r.enqueue(stream=stream, rows=n)
             r.complete()
         except BaseException as exc:
-            r.abort(f"dummy_now({name!r}) failed: {exc!r}")
+            r.abort(f"{what}({layer.name!r}) failed: {exc!r}")
             raise
-        return r.staging[:rows]
+        return r.staging[:n]
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -450,8 +465,6 @@ class RowsPlan:
 
     def _check_open(self) -> None:
         if self._closed:
-            from .errors import ClosedError
-
             raise ClosedError("plan is closed")
 
     def _check_idle(self, layer: PlanLayer) -> None:
@@ -511,11 +524,3 @@ def _close_layers(layers: Sequence[PlanLayer]) -> None:
         if layer.worker is not None:
             layer.worker.close()
         layer.rows.close()
-
-
-def _host_ids(ids: Any) -> np.ndarray[Any, np.dtype[np.int64]]:
-    torch = _torch()
-    if torch is not None and isinstance(ids, torch.Tensor):
-        ids = ids.detach().reshape(-1).to("cpu", torch.int64).numpy()
-    arr = np.ascontiguousarray(np.asarray(ids).reshape(-1), dtype=np.int64)
-    return arr

@@ -9,17 +9,15 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from . import _native
-from .errors import ClosedError, InvalidArgumentError, RowIdError
+from ._common import host_ids
+from .errors import ClosedError, InvalidArgumentError
 
-__all__ = ["Access", "ColdReads", "MmapTable"]
+__all__ = ["Access", "ColdReads", "MmapTable", "native_table"]
 
 Access = Literal["random", "normal"]
 """How rows are read: ``"random"`` (no read-around) or ``"normal"`` (the kernel's)."""
 ColdReads = Literal["auto", "uring", "willneed", "pool", "fault"]
 """How a gather reads rows that are not known to be in the page cache."""
-
-# numpy type numbers the native gather takes as-is (int64/int32 in every platform spelling).
-_NATIVE_ID_NUMS = frozenset(np.dtype(t).num for t in (np.int64, np.int32, np.intp, np.longlong))
 
 
 def sigbus_guard_active() -> bool:
@@ -32,26 +30,8 @@ def sigbus_guard_active() -> bool:
 
 
 def _as_ids(ids: Any) -> Any:
-    """``ids`` as a 1-D int64/int32 numpy array (no copy when it already is one)."""
-    if type(ids) is np.ndarray and ids.dtype.num in _NATIVE_ID_NUMS:
-        return ids  # ndim and strides are checked natively
-    if hasattr(ids, "detach") and hasattr(ids, "numpy"):  # a torch tensor
-        if ids.device.type != "cpu":
-            raise InvalidArgumentError(f"ids must be on the CPU, got a tensor on {ids.device}")
-        ids = ids.detach().numpy()
-    arr = np.asarray(ids)
-    if arr.ndim != 1:
-        raise InvalidArgumentError(f"ids must be 1-D, got shape {arr.shape}")
-    if arr.dtype.kind not in "iu":
-        if arr.size == 0:
-            return np.empty(0, np.int64)
-        raise InvalidArgumentError(f"ids must be integers, got dtype {arr.dtype}")
-    if arr.dtype.num in _NATIVE_ID_NUMS:
-        return arr
-    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-        pos = int(np.argmax(arr > np.iinfo(np.int64).max))
-        raise RowIdError(f"row id {int(arr[pos])} out of range (position {pos})")
-    return arr.astype(np.int64)
+    # A table's gather runs on the hot path: a CUDA tensor is refused, never synchronised.
+    return host_ids(ids, allow_device_sync=False)
 
 
 def _as_out(out: Any) -> Any:
@@ -327,7 +307,9 @@ class MmapTable:
             raise ClosedError("table is closed")
         return core
 
-    @property
-    def _native_core(self) -> _native.MmapTableCore:
-        """The native table, for other native code (``DeferredRows.fill_from``)."""
-        return self._live()
+
+def native_table(table: MmapTable) -> _native.MmapTableCore:
+    """The native table behind ``table``, for the package's other native objects (the
+    rows' ``fill_from``, the gather worker); raises :class:`~ple_memops.ClosedError` once
+    the table is closed. Package-internal."""
+    return table._live()

@@ -33,11 +33,14 @@ pub enum ErrorKind {
     Io,
     /// A graph replay published ids with no step armed (replayed without `begin()`).
     UnarmedReplay,
+    /// Host ids for a worker with no armed step waiting for them (a [`ErrorKind::State`]
+    /// error in kind: nothing was written and no step is left waiting).
+    NoArmedStep,
 }
 
 impl ErrorKind {
     /// Every kind, for tests that pin the Python mapping.
-    pub const ALL: [ErrorKind; 12] = [
+    pub const ALL: [ErrorKind; 13] = [
         ErrorKind::Unsupported,
         ErrorKind::Driver,
         ErrorKind::Poisoned,
@@ -50,7 +53,20 @@ impl ErrorKind {
         ErrorKind::RowId,
         ErrorKind::Io,
         ErrorKind::UnarmedReplay,
+        ErrorKind::NoArmedStep,
     ];
+
+    /// Whether this kind is a lifecycle error (its Python class derives from
+    /// `StateError`).
+    pub fn is_state(self) -> bool {
+        matches!(
+            self,
+            ErrorKind::State
+                | ErrorKind::SlotBusy
+                | ErrorKind::UnarmedReplay
+                | ErrorKind::NoArmedStep
+        )
+    }
 
     /// The name of the Python exception class this kind maps to.
     pub fn python_name(self) -> &'static str {
@@ -67,6 +83,7 @@ impl ErrorKind {
             ErrorKind::RowId => "RowIdError",
             ErrorKind::Io => "TableIoError",
             ErrorKind::UnarmedReplay => "UnarmedReplayError",
+            ErrorKind::NoArmedStep => "NoArmedStepError",
         }
     }
 }
@@ -141,6 +158,9 @@ pub enum Error {
 
     #[error("unarmed replay: {detail}")]
     UnarmedReplay { detail: String },
+
+    #[error("{op}() not allowed now: {detail}")]
+    NoArmedStep { op: Op, detail: String },
 }
 
 impl Error {
@@ -159,6 +179,7 @@ impl Error {
             Error::RowId { .. } => ErrorKind::RowId,
             Error::Io { .. } => ErrorKind::Io,
             Error::UnarmedReplay { .. } => ErrorKind::UnarmedReplay,
+            Error::NoArmedStep { .. } => ErrorKind::NoArmedStep,
         }
     }
 
@@ -201,6 +222,13 @@ mod tests {
         names.sort_unstable();
         names.dedup();
         assert_eq!(names.len(), ErrorKind::ALL.len());
+    }
+
+    #[test]
+    fn lifecycle_kinds_are_state_errors() {
+        let state: Vec<_> = ErrorKind::ALL.iter().filter(|k| k.is_state()).collect();
+        assert_eq!(state.len(), 4);
+        assert!(ErrorKind::NoArmedStep.is_state() && !ErrorKind::Closed.is_state());
     }
 
     #[test]

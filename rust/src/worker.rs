@@ -570,11 +570,9 @@ impl GatherWorker {
             sh.rows
                 .poison_cause()
                 .map_or(Ok(()), |cause| Err(Error::Poisoned { cause }))?;
-            ctl.next_for_host_ids().ok_or_else(|| {
-                Error::state(
-                    Op::Fill,
-                    "no armed step is waiting for ids: call begin() first (one publish per begun step)",
-                )
+            ctl.next_for_host_ids().ok_or_else(|| Error::NoArmedStep {
+                op: Op::Fill,
+                detail: "no armed step is waiting for ids: call begin() first (one publish per begun step)".into(),
             })?
         };
         let deadline = Instant::now() + timeout;
@@ -1094,7 +1092,8 @@ mod tests {
         assert_eq!(staging[0], 4);
         // A host publish for no armed step is refused, and writes nothing.
         let e = w.publish_from_host(&[5, 6], T).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::State, "{e}");
+        assert_eq!(e.kind(), ErrorKind::NoArmedStep, "{e}");
+        assert!(e.kind().is_state(), "{e}");
         assert_eq!(staging[0], 4);
         // A "replay" without begin(): the worker must not keep the ids for the next step.
         w.simulate_replay_publish(&[5, 6]);
@@ -1150,7 +1149,8 @@ mod tests {
         w.publish_from_host(&[7], T).unwrap();
         // A third has no armed step to go to.
         let e = w.publish_from_host(&[9], T).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::State, "{e}");
+        assert_eq!(e.kind(), ErrorKind::NoArmedStep, "{e}");
+        assert!(e.kind().is_state(), "{e}");
         assert!(e.to_string().contains("no armed step"), "{e}");
         w.complete(T).unwrap();
         w.complete(T).unwrap();

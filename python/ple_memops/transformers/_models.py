@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._common import capturing
 from ..errors import TableError
 from ..table import MmapTable
 from ._errors import TableMissingError, UnsupportedModelError
-from ._serve import PleServer, ServedTable, TableSpec, _capturing, _Ticket, is_served
+from ._serve import PleServer, ServedTable, TableSpec, _Ticket, is_served
 
 __all__ = ["ServedModel", "serve"]
 
@@ -258,7 +259,7 @@ class _Gemma3nLateConsumer:
         served.server.consume_later(GEMMA3N_TABLE, self._take)
 
     def _active(self) -> bool:
-        return self.served.server.graph_path or _capturing()
+        return self.served.server.graph_path or capturing()
 
     def _take(self, ticket: _Ticket) -> None:
         self.pending["ticket"] = ticket

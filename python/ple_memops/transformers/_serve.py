@@ -26,7 +26,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from .._common import capturing, plan_device
 from ..errors import InvalidArgumentError, StateError
+from ..settings import DEFAULTS
+from ..steps import StepDriver
 from ..table import MmapTable
 from ._errors import TableMismatchError
 
@@ -56,12 +59,6 @@ class TableSpec:
     dtype: torch.dtype
     ids_per_token: int
     """Rows one token needs (Gemma 3n: 1; Qwen4Exp: the n-gram heads)."""
-
-
-def _capturing() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 class _Ticket:
@@ -97,6 +94,9 @@ class PleServer:
         self.specs = {s.name: s for s in specs}
         self.tables = tables
         self.plan: Any = None
+        self._driver: StepDriver | None = None
+        self._depth: int = DEFAULTS.depth
+        self._timeout: float | None = None
         self.source = "device"
         self.graph_path = False
         """Take the captured-step path in eager calls too (CPU tests of that path)."""
@@ -138,27 +138,29 @@ class PleServer:
         device: Any = None,
         deferred: bool = True,
         source: str = "device",
-        watchdog: float | None = 30.0,
-        depth: int = 2,
+        watchdog: float | None = DEFAULTS.watchdog,
+        depth: int = DEFAULTS.depth,
+        timeout: float | None = None,
         track_arrival: bool = False,
     ) -> Any:
         """Build the rows plan for captured steps of up to ``max_tokens`` tokens (call
         outside any capture: it allocates pinned memory and runs the probe). ``deferred=False``
         forces the synchronous fallback; ``source`` says how captured steps get their rows
-        (module docs); ``track_arrival`` counts fills the GPU waited for. Returns the plan
-        (``plan.mode`` tells which)."""
+        (module docs); ``track_arrival`` counts fills the GPU waited for; ``timeout``: the
+        seconds :attr:`driver` waits for a step's fill (default: the plan's). Returns the
+        plan (``plan.mode`` tells which); :attr:`driver` runs its steps."""
         from ..plan import RowsPlan
 
         if source not in SOURCES:
             raise InvalidArgumentError(f"source must be one of {SOURCES}, got {source!r}")
-        if _capturing():
+        if capturing():
             raise StateError("prepare() allocates pinned memory: call it outside graph capture")
         self.close_plan()
         max_rows = max(s.ids_per_token for s in self.specs.values()) * int(max_tokens)
         self.plan = RowsPlan.build(
             dict(self.tables),
             max_rows=max_rows,
-            device=_plan_device(device),
+            device=plan_device(device),
             id_dtype="int64",
             deferred=deferred,
             watchdog=watchdog,
@@ -166,9 +168,22 @@ class PleServer:
             track_arrival=track_arrival,
         )
         self.source = source
+        self._depth, self._timeout = depth, timeout
         return self.plan
 
+    @property
+    def driver(self) -> StepDriver:
+        """The step driver of the current plan (arm, publish, complete, drain, stats)."""
+        if self.plan is None:
+            raise StateError("no rows plan: call prepare() first")
+        if self._driver is None or self._driver.plan is not self.plan:
+            self._driver = StepDriver(self.plan, depth=self._depth, timeout=self._timeout)
+        return self._driver
+
     def close_plan(self) -> None:
+        if self._driver is not None:
+            self._driver.stop_publisher()
+            self._driver = None
         if self.plan is not None:
             self.plan.close()
             self.plan = None
@@ -209,7 +224,7 @@ class PleServer:
         """The rows of ``ids`` (any shape, int64, on the model's device) as ``uint8
         [ids.numel(), row_bytes]``; under capture a :class:`_Ticket` if a later consumer
         was registered for this table (see :meth:`consume_later`)."""
-        if not (self.graph_path or _capturing()):
+        if not (self.graph_path or capturing()):
             return self.gather_eager(name, ids)
         flat = ids.reshape(-1)
         if not flat.is_contiguous():
@@ -221,13 +236,14 @@ class PleServer:
         if uses_plan:
             if self.plan is None:
                 raise StateError("no rows plan: call prepare() before capturing a step")
-            if self.plan.mode == "deferred" and self.source == "device":
+            driver = self.driver
+            if driver.deferred and self.source == "device":
                 # Publish the ids the graph computed; the worker gathers after the launch.
-                staged = self.plan.stage(name, flat, rows=n)
+                staged = driver.stage(name, flat, rows=n)
                 published = flat
-            elif self.plan.mode == "deferred" and self.source == "host":
-                # The runner fills with ids it knows, after the launch.
-                staged = self.plan.layers[name].rows.stage(rows=n)
+            elif driver.deferred and self.source == "host":
+                # The runner publishes ids it knows (to the worker), around the launch.
+                staged = driver.stage_host_fed(name, rows=n)
         ticket = _Ticket(self, name, n, staged, published)
         hook = self._deferred_consume.get(name)
         if hook is not None:
@@ -260,19 +276,7 @@ class PleServer:
     def fill_staging_from_host(self, ids: np.ndarray[Any, Any], name: str) -> None:
         """The synchronous fallback through the plan: gather ``ids`` into the plan's
         staging buffer on the current stream before the launch."""
-        if self.plan is None:
-            raise StateError("no rows plan: call prepare() first")
-        self.plan.gather_now(name, ids)
-
-
-def _plan_device(device: Any) -> Any:
-    if device is None:
-        import torch
-
-        return 0 if torch.cuda.is_available() else "cpu"
-    if hasattr(device, "type"):
-        return "cpu" if device.type == "cpu" else (device.index or 0)
-    return device
+        self.driver.gather_now(name, ids)
 
 
 def _make_served_table() -> type:

@@ -32,6 +32,16 @@ def default_cache_dir() -> Path:
     return Path(base) / "ple_memops"
 
 
+# The toy transformer both tiny configs share: 4 layers, 64 wide, 2 heads of 32, 1 KV head.
+_TOY_SIZES: dict[str, Any] = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+)
+
+
 def tiny_gemma3n_config(**overrides: Any) -> Any:
     """A Gemma 3n text config with every feature of the real one (AltUp, LAuReL, KV-shared
     layers, activation sparsity, sliding and full attention, a PLE table smaller than the
@@ -41,12 +51,8 @@ def tiny_gemma3n_config(**overrides: Any) -> Any:
     kw: dict[str, Any] = dict(
         vocab_size=512,
         vocab_size_per_layer_input=384,
-        hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
+        **_TOY_SIZES,
         hidden_size_per_layer_input=16,
         num_kv_shared_layers=2,
         laurel_rank=8,
@@ -86,11 +92,7 @@ def tiny_qwen4exp_config(**overrides: Any) -> Any:
 
     kw: dict[str, Any] = dict(
         vocab_size=256,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
+        **_TOY_SIZES,
         linear_key_head_dim=16,
         linear_value_head_dim=16,
         linear_num_key_heads=2,

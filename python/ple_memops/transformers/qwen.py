@@ -150,13 +150,15 @@ def _deferred_eager(
         served.server.close_plan()
         return {}
 
+    driver = server.driver
+
     def on_step(k: int, when: str) -> None:
         if when == "begin":
             server.graph_path = True
-            plan.begin(batch * per_token)
+            driver.arm(batch * per_token)
         else:
             server.graph_path = False
-            plan.complete(timeout=30.0)
+            driver.complete_oldest()
 
     try:
         got = _decode(model, prompt, steps, on_step)
@@ -222,11 +224,13 @@ def _piece_captured(
         parent.forward = piece
         pieces.append(piece)
 
+    driver = server.driver
+
     def on_step(k: int, when: str) -> None:
         if when == "begin":
-            plan.begin(batch * per_token)
+            driver.arm(batch * per_token)
         else:
-            plan.complete(timeout=30.0)
+            driver.complete_oldest()
 
     try:
         got = _decode(model, prompt, steps, on_step)

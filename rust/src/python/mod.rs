@@ -439,6 +439,10 @@ fn _raise_kind(py: Python<'_>, kind: &str) -> PyResult<()> {
         "UnarmedReplay" => Error::UnarmedReplay {
             detail: "test".into(),
         },
+        "NoArmedStep" => Error::NoArmedStep {
+            op: crate::error::Op::Fill,
+            detail: "test".into(),
+        },
         other => return Err(PyRuntimeError::new_err(format!("unknown kind {other}"))),
     };
     Err(to_pyerr(py, e))

@@ -1,0 +1,350 @@
+"""The engine-neutral step driver: :class:`StepDriver` runs the steps of a
+:class:`~ple_memops.plan.RowsPlan` for any engine.
+
+An engine integration keeps only what is specific to its engine (finding the tables and
+layers, where the PLE op sits, the engine's capture and replay calls) and drives every
+step through one driver::
+
+    driver = StepDriver(plan)                    # load time, outside any capture
+
+    # capture (deferred mode): inside the engine's PLE op
+    staged = driver.stage(name, ids, rows=n)     # graph-computed ids: publish + wait/copy
+    staged = driver.stage_host_fed(name, rows=n) # host-fed steps: the wait/copy only
+    ...; staged.join()                           # right before the consumer
+
+    # replay
+    driver.launch(n, graph.replay)               # arm (completing the oldest step first
+                                                 # when `depth` are armed), then launch;
+                                                 # any exception aborts the plan
+    driver.arm(n); graph.replay()                # the same in two calls
+    driver.publish_host(name, ids)               # host-known ids, before the launch
+    driver.publish_host_later(name, ids_of)      # ... or from the driver's publisher
+                                                 # thread once ids_of() returns them
+    driver.settle(limit)                         # after the launch: complete the oldest
+                                                 # steps until at most `limit` are armed
+    driver.drain()                               # complete every armed step
+
+    # eager steps (prefill, warm-up, profiling, the synchronous fallback)
+    rows = driver.gather_now(name, ids)          # drains first; may synchronise (eager)
+    rows = driver.dummy_now(name, n)             # drains first; no data
+
+    # failures, statistics, shutdown
+    with driver.guard("engine step"): ...        # any exception aborts the plan
+    driver.counters(name).since(base)            # StepCounters: armed, completed, fills,
+                                                 # mean fill time, GPU waits
+    driver.drain_for_shutdown()                  # bounded, never raises (aborts instead)
+    driver.shutdown()                            # drain, then close the plan
+
+Every completion waits at most :attr:`StepDriver.timeout` seconds; a failed completion
+aborts the plan (the GPU is released for good, later calls raise
+:class:`~ple_memops.PoisonedError`) and raises the first error. Like the plan, a driver
+is driven from one thread; its publisher thread only calls the plan's thread-safe
+``publish_host``.
+
+Porting an engine's runner hooks (``vllm/hooks.py``'s ``PleRunnerHooks``) onto it:
+``replay(desc, launch)`` is ``driver.launch(rows, launch)`` for a graph that waits for
+rows; ``quiesce()`` and ``release_graphs()`` call ``driver.drain()``; the PLE op's eager
+branch calls ``driver.gather_now`` / ``driver.dummy_now`` (which drain first) and its
+capture branch ``driver.stage``; ``step()``'s abort-on-exception is ``driver.guard``;
+``abort``, ``drain_for_shutdown`` and ``shutdown`` map one to one (``StepDriver(plan,
+log=logger)`` logs aborts as the hooks do); ``armed_steps`` is the driver's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+from .errors import ClosedError, InvalidArgumentError, StateError
+from .settings import DEFAULTS
+
+__all__ = ["StepCounters", "StepDriver"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StepCounters:
+    """What a driver counted (and its plan's objects), totals or differences."""
+
+    armed: int = 0
+    """Steps the driver armed."""
+    completed: int = 0
+    """Steps the driver completed."""
+    fills: int = 0
+    """Fills of the gather workers (deferred mode)."""
+    fill_ns_total: int = 0
+    """The workers' time from seeing a step's ids to its FILLED store, summed."""
+    gpu_waited: int = 0
+    """Fills that found the GPU already waiting (plans built with ``track_arrival``)."""
+
+    def since(self, base: StepCounters) -> StepCounters:
+        """What was counted after ``base`` (an earlier :meth:`StepDriver.counters`)."""
+        return StepCounters(
+            **{f.name: getattr(self, f.name) - getattr(base, f.name) for f in fields(self)}
+        )
+
+    @property
+    def mean_fill_us(self) -> float | None:
+        """Mean worker fill time in microseconds (``None`` without fills)."""
+        return self.fill_ns_total / 1e3 / self.fills if self.fills else None
+
+
+class StepDriver:
+    """Runs the steps of one rows plan (see the module docs).
+
+    Args:
+        plan: a :class:`~ple_memops.plan.RowsPlan` (or an object with its methods).
+        depth: steps armed at once (default :data:`~ple_memops.settings.DEFAULTS`'s;
+            the plan's workers must allow as many).
+        timeout: seconds each completion waits for a step's fill (default: the plan's
+            ``timeout``).
+        log: a logger that reports every abort (an engine's own words), or ``None``.
+    """
+
+    def __init__(
+        self,
+        plan: Any,
+        *,
+        depth: int | None = None,
+        timeout: float | None = None,
+        log: logging.Logger | None = None,
+    ) -> None:
+        depth = DEFAULTS.depth if depth is None else depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise InvalidArgumentError(f"depth must be an int >= 1, got {depth!r}")
+        if timeout is not None and not timeout > 0:
+            raise InvalidArgumentError(f"timeout must be > 0 seconds, got {timeout}")
+        self.plan = plan
+        self.depth = depth
+        self._timeout = None if timeout is None else float(timeout)
+        self._log = log
+        self._closed = False
+        self.armed_steps = 0
+        self.completed_steps = 0
+        self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
+        self._publishes: dict[int, concurrent.futures.Future[None]] = {}
+
+    # -- state ----------------------------------------------------------------------------
+
+    @property
+    def timeout(self) -> float:
+        """Seconds each completion waits for a step's fill."""
+        if self._timeout is not None:
+            return self._timeout
+        return float(getattr(self.plan, "timeout", DEFAULTS.timeout))
+
+    @property
+    def mode(self) -> str:
+        """The plan's mode: ``"deferred"``, ``"sync"`` or ``"host"``."""
+        return str(self.plan.mode)
+
+    @property
+    def deferred(self) -> bool:
+        return self.mode == "deferred"
+
+    @property
+    def in_flight(self) -> int:
+        """Steps armed and not yet completed."""
+        return int(self.plan.in_flight)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def staging(self, name: str, n: int) -> Any:
+        """The stable ``uint8 [n, row_bytes]`` view the consumers of ``name`` read."""
+        return self.plan.staging(name, n)
+
+    # -- captured steps ---------------------------------------------------------------------
+
+    def stage(self, name: str, ids: Any, *, rows: int) -> Any:
+        """Under capture (or an eager pass of the captured path): publish ``ids`` (a
+        graph-static CUDA tensor) and fork the consumer's wait and copy onto a side
+        stream. Returns the :class:`~ple_memops.StagedRows` to join before the consumer."""
+        return self.plan.stage(name, ids, rows=rows)
+
+    def stage_host_fed(self, name: str, *, rows: int) -> Any:
+        """The consumer's wait and copy only, for steps whose ids the host publishes
+        (:meth:`publish_host`): the graph publishes nothing of its own."""
+        return self.plan.layers[name].rows.stage(rows=rows)
+
+    # -- replayed steps ---------------------------------------------------------------------
+
+    def arm(self, rows: int) -> None:
+        """Arm every table for a step of ``rows`` rows, completing the oldest steps first
+        while :attr:`depth` are armed (so under asynchronous scheduling the host waits for
+        a fill only when it is ``depth`` steps ahead). A failure aborts the plan."""
+        self._check_open()
+        with self.guard(f"arming a step of {rows} rows"):
+            while self.in_flight >= self.depth:
+                self._complete_one()
+            self.plan.begin(int(rows))
+            self.armed_steps += 1
+
+    def launch(self, rows: int, launch: Callable[[], T]) -> T:
+        """:meth:`arm`, then ``launch()`` (the engine's replay); any exception between
+        the two, or in the launch, aborts the plan."""
+        self.arm(rows)
+        with self.guard("the launch of an armed step"):
+            return launch()
+
+    def publish_host(self, name: str, ids: Any) -> None:
+        """Host-known ids of the oldest armed step that has none yet, for ``name``'s
+        worker (``RowsPlan.publish_host``): call after :meth:`arm`, before the launch or
+        from another thread, never as a fill on the launching thread after it."""
+        self.plan.publish_host(name, ids, timeout=self.timeout)
+
+    def publish_host_later(self, name: str, ids_of: Callable[[], Any]) -> None:
+        """Publish the ids of the step armed last from the driver's publisher thread,
+        once ``ids_of()`` returns them (it may block, e.g. until the previous step's
+        tokens reach the host). Completing that step first waits (bounded) for the
+        publish; :meth:`stop_publisher` ends the thread."""
+        self._check_open()
+        if self.armed_steps == 0 or self.in_flight == 0:
+            raise StateError("publish_host_later() needs an armed step: arm() first")
+        if self._publisher is None:
+            self._publisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ple-ids")
+        step = self.armed_steps - 1
+        self._publishes[step] = self._publisher.submit(lambda: self.publish_host(name, ids_of()))
+
+    def complete_oldest(self) -> None:
+        """Complete the oldest armed step (waiting at most :attr:`timeout`); a failure
+        aborts the plan and is raised."""
+        self._check_open()
+        self._complete_one()
+
+    def settle(self, limit: int = 0) -> None:
+        """Complete the oldest steps until at most ``limit`` are armed (after a launch:
+        ``0`` under synchronous scheduling, ``depth - 1`` under asynchronous)."""
+        self._check_open()
+        while self.in_flight > limit:
+            self._complete_one()
+
+    def drain(self) -> None:
+        """Complete every armed step (before eager work, captures, dropping graphs); a
+        failure aborts the plan and is raised."""
+        self.settle(0)
+
+    # -- eager steps ------------------------------------------------------------------------
+
+    def gather_now(
+        self, name: str, ids: Any, rows: int | None = None, *, stream: Any = None
+    ) -> Any:
+        """An eager step with data: :meth:`drain`, then ``RowsPlan.gather_now`` (ids to
+        the host, which may synchronise with the device: the eager path allows it).
+        Returns ``staging[:n]``."""
+        self.drain()
+        return self.plan.gather_now(name, ids, rows, stream=stream)
+
+    def dummy_now(self, name: str, rows: int, *, stream: Any = None) -> Any:
+        """An eager step without data (profile, warm-up, dummy runs): :meth:`drain`, then
+        ``RowsPlan.dummy_now``. Returns ``staging[:rows]``."""
+        self.drain()
+        return self.plan.dummy_now(name, rows, stream=stream)
+
+    # -- failures and lifecycle ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        """Any exception inside (``KeyboardInterrupt`` included) aborts the plan, so no
+        GPU wait outlives a failed step, and is re-raised."""
+        try:
+            yield
+        except BaseException as exc:
+            if not self._closed:
+                self.abort(f"exception in {what}: {exc!r}")
+            raise
+
+    def abort(self, reason: str) -> None:
+        """Release every GPU wait for good (idempotent); later calls raise
+        :class:`~ple_memops.PoisonedError`."""
+        if self._log is not None:
+            self._log.error("ple-memops: aborting deferred PLE rows: %s", reason)
+        self.plan.abort(reason)
+
+    def stop_publisher(self) -> None:
+        """End the publisher thread of :meth:`publish_host_later` (if any) without waiting:
+        a publish still under way ends within its bounded wait."""
+        pool, self._publisher = self._publisher, None
+        self._publishes.clear()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def drain_for_shutdown(self) -> None:
+        """Complete the armed steps, bounded; a failure is logged and aborts the plan
+        instead of raising, so no captured wait can hold the device. Idempotent; the plan
+        stays open until :meth:`shutdown`."""
+        if self._closed:
+            return
+        try:
+            self.drain()
+        except BaseException as exc:
+            if self._log is not None:
+                self._log.error("ple-memops: pending PLE rows failed at shutdown: %r", exc)
+            self.plan.abort(f"shutdown: {exc!r}")
+        finally:
+            self.stop_publisher()
+
+    def shutdown(self) -> None:
+        """:meth:`drain_for_shutdown`, then close the plan (idempotent). A caller that
+        synchronises the device drains first, synchronises, then calls this, so nothing
+        the GPU may still read is freed."""
+        if self._closed:
+            return
+        self.drain_for_shutdown()
+        self._closed = True
+        self.plan.close()
+
+    # -- statistics -------------------------------------------------------------------------
+
+    def counters(self, name: str | None = None) -> StepCounters:
+        """The driver's step counts and the fill counters of table ``name`` (default:
+        every table summed). Subtract an earlier value with :meth:`StepCounters.since`."""
+        fills = fill_ns = waited = 0
+        for table, (rows, worker) in self.plan.stats().items():
+            if name is not None and table != name:
+                continue
+            waited += rows.gpu_waited
+            if worker is not None:
+                fills += worker.fills
+                fill_ns += worker.ready_to_filled_ns_total
+        return StepCounters(self.armed_steps, self.completed_steps, fills, fill_ns, waited)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _complete_one(self) -> None:
+        oldest = self.armed_steps - self.in_flight
+        self._published(oldest)
+        self.plan.complete(timeout=self.timeout)  # aborts the plan itself on a failure
+        self.completed_steps += 1
+
+    def _published(self, step: int) -> None:
+        """Wait (bounded: the worker's own waits are) for the publisher thread's publish
+        of ``step``, if it has one; its error is the step's."""
+        fut = self._publishes.pop(step, None)
+        if fut is None:
+            return
+        bound = 2 * self.timeout + 5.0
+        try:
+            fut.result(timeout=bound)
+        except concurrent.futures.TimeoutError:
+            self.abort(f"step {step}: the publisher thread did not return")
+            raise StateError(
+                f"step {step}: the publisher thread did not publish within {bound:.0f} s "
+                "(the GPU was released)"
+            ) from None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the step driver is shut down")
+
+    def __repr__(self) -> str:
+        return (
+            f"StepDriver(mode={self.mode!r}, depth={self.depth}, in_flight={self.in_flight}, "
+            f"armed={self.armed_steps}, closed={self._closed})"
+        )

@@ -1,0 +1,205 @@
+"""The step driver on the host (a plan whose tables have gather workers feeding host rows),
+the settings object and the one id conversion. The GPU suites drive it through the
+transformers runner."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import ple_memops as pm
+from ple_memops import _common, plan, settings
+from ple_memops.plan import PlanLayer, RowsPlan
+from ple_memops.steps import StepCounters, StepDriver
+
+torch = pytest.importorskip("torch")
+
+ROWS, WIDTH = 64, 16
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> Any:
+    data = np.arange(ROWS * WIDTH, dtype=np.uint32).astype(np.uint8).reshape(ROWS, WIDTH)
+    path = tmp_path / "t.safetensors"
+    save_file({"ple.weight": data.view(np.float16)}, str(path))
+    t = pm.MmapTable.open(path, "ple.weight")
+    yield t
+    t.close()
+
+
+def _worker_plan(table: pm.MmapTable, *, timeout: float = 5.0) -> RowsPlan:
+    """A plan whose one table is fed by a worker on host rows (as the deferred mode is)."""
+    rows = pm.DeferredRows(8, table.row_bytes, device="cpu", watchdog=None)
+    worker = pm.GatherWorker(rows, table, depth=2)
+    return RowsPlan([PlanLayer("t", table, rows, worker)], "deferred", None, None, timeout)
+
+
+def test_depth_limits_the_steps_armed_and_settle_completes_the_oldest(table: Any) -> None:
+    p = _worker_plan(table)
+    driver = StepDriver(p, depth=2)
+    assert driver.deferred and driver.timeout == 5.0
+    base = driver.counters("t")
+    driver.arm(2)
+    driver.publish_host("t", [1, 2])
+    driver.arm(2)
+    driver.publish_host("t", [3, 4])
+    assert driver.in_flight == 2 and driver.completed_steps == 0
+    driver.arm(2)  # depth reached: the oldest step completes first
+    assert driver.completed_steps == 1 and driver.in_flight == 2
+    driver.publish_host("t", [5, 6])
+    driver.settle(1)
+    assert driver.in_flight == 1 and driver.completed_steps == 2
+    driver.drain()
+    assert driver.in_flight == 0 and driver.completed_steps == 3
+    np.testing.assert_array_equal(p.staging("t", 2), table.gather([5, 6]))
+    got = driver.counters("t").since(base)
+    assert (got.armed, got.completed, got.fills) == (3, 3, 3)
+    assert got.mean_fill_us is not None and got.mean_fill_us >= 0
+    assert StepCounters().mean_fill_us is None
+    driver.shutdown()
+    driver.shutdown()  # idempotent
+    assert driver.closed and p.closed
+    with pytest.raises(pm.ClosedError):
+        driver.arm(1)
+
+
+def test_publish_host_later_publishes_from_the_publisher_thread(table: Any) -> None:
+    p = _worker_plan(table)
+    driver = StepDriver(p)
+    with pytest.raises(pm.StateError, match="arm"):
+        driver.publish_host_later("t", lambda: [1])
+    known = threading.Event()
+    driver.arm(2)
+    driver.publish_host_later("t", lambda: (known.wait(5), [7, 8])[1])
+    known.set()  # the ids become known after the "launch"
+    driver.settle(0)  # waits for the publish, then completes
+    np.testing.assert_array_equal(p.staging("t", 2), table.gather([7, 8]))
+    driver.stop_publisher()
+    driver.shutdown()
+
+
+def test_a_failed_step_aborts_the_plan_and_raises_its_error(table: Any) -> None:
+    p = _worker_plan(table)
+    driver = StepDriver(p)
+    driver.arm(1)
+    driver.publish_host("t", [ROWS + 1])
+    with pytest.raises(pm.RowIdError):
+        driver.drain()
+    with pytest.raises(pm.PoisonedError):
+        driver.arm(1)
+    driver.drain_for_shutdown()  # never raises
+    driver.shutdown()
+
+
+def test_no_armed_step_is_typed_and_leaves_the_plan_usable(table: Any) -> None:
+    p = _worker_plan(table)
+    with pytest.raises(pm.NoArmedStepError, match="no armed step") as info:
+        p.publish_host("t", [1])
+    assert isinstance(info.value, pm.StateError)
+    driver = StepDriver(p)
+    driver.arm(1)
+    driver.publish_host("t", np.array([[9]]))  # any shape, row-major
+    driver.drain()
+    np.testing.assert_array_equal(p.staging("t", 1), table.gather([9]))
+    driver.shutdown()
+
+
+def test_guard_and_launch_abort_on_any_exception(table: Any) -> None:
+    p = _worker_plan(table)
+    driver = StepDriver(p)
+
+    def launch() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        driver.launch(1, launch)
+    assert p.layers["t"].rows.phase == "poisoned"
+    assert "launch" in (p.layers["t"].rows.poison_cause or "")
+    driver.shutdown()
+    q = _worker_plan(table)
+    d2 = StepDriver(q)
+    with pytest.raises(ValueError), d2.guard("a test"):
+        raise ValueError("boom")
+    assert "a test" in (q.layers["t"].rows.poison_cause or "")
+    d2.shutdown()
+
+
+def test_eager_steps_through_the_driver_on_a_host_plan(table: Any) -> None:
+    with RowsPlan.build({"t": table}, max_rows=8, device="cpu", log_fallback=False) as p:
+        driver = StepDriver(p)
+        assert driver.mode == "host" and not driver.deferred
+        got = driver.gather_now("t", torch.tensor([3, 4]), rows=4)
+        np.testing.assert_array_equal(got[:2].numpy(), table.gather([3, 4]))
+        assert not got[2:].any()
+        assert driver.dummy_now("t", 2).shape == (2, WIDTH)
+        driver.arm(2)  # no workers on the host: a no-op
+        driver.settle(0)
+        assert driver.staging("t", 3).shape == (3, WIDTH)
+
+
+def test_bad_driver_arguments(table: Any) -> None:
+    with RowsPlan.build({"t": table}, max_rows=8, device="cpu", log_fallback=False) as p:
+        for kwargs in ({"depth": 0}, {"depth": True}, {"timeout": 0.0}):
+            with pytest.raises(pm.InvalidArgumentError):
+                StepDriver(p, **kwargs)  # type: ignore[arg-type]
+
+
+def test_settings_are_the_one_source_of_defaults() -> None:
+    d = settings.DEFAULTS
+    assert (plan.DEFAULT_TIMEOUT, plan.DEFAULT_WATCHDOG) == (d.timeout, d.watchdog)
+    assert (settings.DEFAULT_TIMEOUT, settings.DEPTH) == (30.0, 2)
+    assert d.replace(depth=3).depth == 3 and d.depth == 2
+    for bad in ({"depth": 0}, {"timeout": -1.0}, {"copy": "dma"}, {"publish": "x"}):
+        with pytest.raises(pm.InvalidArgumentError):
+            d.replace(**bad)
+    with pytest.raises(pm.InvalidArgumentError, match="unknown"):
+        d.replace(depht=3)
+
+
+class _FakeCudaIds:
+    """A tensor-like object on a CUDA device (no GPU needed)."""
+
+    device = SimpleNamespace(type="cuda")
+
+    def __init__(self, values: list[int]) -> None:
+        self._t = torch.tensor(values)
+
+    def detach(self) -> Any:
+        return self
+
+    def reshape(self, *shape: int) -> Any:
+        return self
+
+    def to(self, device: str) -> Any:
+        return self._t
+
+    def numpy(self) -> Any:  # pragma: no cover - a CUDA tensor has no host view
+        raise AssertionError("read without a copy")
+
+
+def test_host_ids_policy_is_explicit() -> None:
+    arr = np.array([1, 2], np.int64)
+    assert _common.host_ids(arr, allow_device_sync=False) is arr
+    with pytest.raises(pm.InvalidArgumentError, match="on the host"):
+        _common.host_ids(_FakeCudaIds([1]), allow_device_sync=False)
+    with pytest.raises(pm.RowShapeError, match="on the host"):
+        _common.host_ids(_FakeCudaIds([1]), allow_device_sync=False, error=pm.RowShapeError)
+    got = _common.host_ids(_FakeCudaIds([4, 5]), allow_device_sync=True, dtype=np.int64)
+    assert got.dtype == np.int64 and got.tolist() == [4, 5]
+    flat = _common.host_ids([[1], [2]], allow_device_sync=False, flatten=True)
+    assert flat.tolist() == [1, 2]
+    with pytest.raises(pm.RowShapeError, match="1-D"):
+        _common.host_ids([[1]], allow_device_sync=False, error=pm.RowShapeError)
+    assert _common.host_ids([], allow_device_sync=False).dtype == np.int64
+    with pytest.raises(pm.RowIdError):
+        _common.host_ids(np.array([2**63], np.uint64), allow_device_sync=False)
+    assert _common.plan_device(None) in (0, "cpu")
+    assert _common.plan_device(torch.device("cpu")) == "cpu"
+    assert _common.plan_device(torch.device("cuda")) == 0
+    assert not _common.capturing(torch.zeros(1))
