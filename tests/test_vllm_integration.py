@@ -463,13 +463,15 @@ class RecordingPlan:
         while self.armed:
             self.complete(timeout)
 
-    def gather_now(self, name: str, ids: Any, rows: int | None = None) -> Any:
+    def gather_now(
+        self, name: str, ids: Any, rows: int | None = None, *, stream: Any = None
+    ) -> Any:
         self._live()
         assert not self.armed, "eager gather with steps in flight"
         self.log.append(f"gather {name} {rows}")
         return self.bufs[name][:rows]
 
-    def dummy_now(self, name: str, rows: int) -> Any:
+    def dummy_now(self, name: str, rows: int, *, stream: Any = None) -> Any:
         self._live()
         assert not self.armed
         self.log.append(f"dummy {name} {rows}")
@@ -694,7 +696,7 @@ def test_exceptions_abort(capturing: list[bool], caplog: pytest.LogCaptureFixtur
     with caplog.at_level(logging.ERROR, logger="ple_memops"), pytest.raises(KeyboardInterrupt):
         _replay(hk, mgr, Desc(FULL, 4))
     assert plan.log[-2:] == ["begin 8", "abort"]
-    assert "exception around the replay" in caplog.text
+    assert "exception in the replay of Desc" in caplog.text
     with pytest.raises(PoisonedError):
         hk.quiesce()
     with pytest.raises(PoisonedError):

@@ -24,7 +24,11 @@ step through one driver::
                                                  # steps until at most `limit` are armed
     driver.drain()                               # complete every armed step
 
-    # eager steps (prefill, warm-up, profiling, the synchronous fallback)
+    # eager forwards with data, deferred mode: one more step, nothing waits on the host
+    driver.arm(n)
+    staged = driver.stage_eager(name, ids, rows=n)   # side stream per table; join() later
+
+    # eager steps (warm-up, profiling, the synchronous fallback)
     rows = driver.gather_now(name, ids)          # drains first; may synchronise (eager)
     rows = driver.dummy_now(name, n)             # drains first; no data
 
@@ -168,6 +172,13 @@ class StepDriver:
         stream. Returns the :class:`~ple_memops.StagedRows` to join before the consumer."""
         return self.plan.stage(name, ids, rows=rows)
 
+    def stage_eager(self, name: str, ids: Any, *, rows: int) -> Any:
+        """An eager forward's rows in deferred mode, after :meth:`arm`: the publish and
+        the wait/copy on a side stream of the table's (``RowsPlan.stage_eager``), so the
+        host's gathers of every table run in parallel with the GPU work before the
+        consumer. Returns what to join before the consumer."""
+        return self.plan.stage_eager(name, ids, rows=rows)
+
     def stage_host_fed(self, name: str, *, rows: int) -> Any:
         """The consumer's wait and copy only, for steps whose ids the host publishes
         (:meth:`publish_host`): the graph publishes nothing of its own."""
@@ -186,11 +197,12 @@ class StepDriver:
             self.plan.begin(int(rows))
             self.armed_steps += 1
 
-    def launch(self, rows: int, launch: Callable[[], T]) -> T:
+    def launch(self, rows: int, launch: Callable[[], T], *, what: str = "") -> T:
         """:meth:`arm`, then ``launch()`` (the engine's replay); any exception between
-        the two, or in the launch, aborts the plan."""
+        the two, or in the launch, aborts the plan (``what`` names the launch in the
+        abort's reason)."""
         self.arm(rows)
-        with self.guard("the launch of an armed step"):
+        with self.guard(what or "the launch of an armed step"):
             return launch()
 
     def publish_host(self, name: str, ids: Any) -> None:

@@ -57,7 +57,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from .._common import capturing as _capturing
 from ..errors import ClosedError, InvalidArgumentError, StateError
+from ..steps import StepDriver
 from .settings import DEFAULT_TIMEOUT, DEPTH
 
 __all__ = [
@@ -94,8 +96,10 @@ class PlanLike(Protocol):
     def begin(self, rows: int) -> Any: ...
     def complete(self, timeout: float | None = None) -> None: ...
     def drain(self, timeout: float | None = None) -> None: ...
-    def gather_now(self, name: str, ids: Any, rows: int | None = None) -> Any: ...
-    def dummy_now(self, name: str, rows: int) -> Any: ...
+    def gather_now(
+        self, name: str, ids: Any, rows: int | None = None, *, stream: Any = None
+    ) -> Any: ...
+    def dummy_now(self, name: str, rows: int, *, stream: Any = None) -> Any: ...
     def staging(self, name: str, n: int) -> Any: ...
     def abort(self, reason: str) -> None: ...
     def close(self) -> None: ...
@@ -139,20 +143,11 @@ class _NoDefer:
 @dataclass
 class _Step:
     dummy: bool
-    quiesced: bool = False
     # An eager forward of a deferring plan: the step's extent once begun, and per layer
     # the side stream its wait/copy runs on (with the ids it publishes, held until join).
     rows: int | None = None
     staged: set[str] = field(default_factory=set)
     forks: dict[str, StagedLike] = field(default_factory=dict)
-
-
-def _capturing(tensor: Any) -> bool:
-    if getattr(getattr(tensor, "device", None), "type", None) != "cuda":
-        return False
-    import torch
-
-    return bool(torch.cuda.is_current_stream_capturing())
 
 
 class PleRunnerHooks:
@@ -179,13 +174,12 @@ class PleRunnerHooks:
         if rows_per_token < 1 or depth < 1 or not timeout > 0:
             raise InvalidArgumentError("rows_per_token and depth must be >= 1, timeout > 0")
         self.plan = plan
+        # Every step (arm, complete, drain, abort, shutdown) goes through the
+        # engine-neutral driver; what stays here is vLLM's: scopes, graphs, the op.
+        self.driver = StepDriver(plan, depth=int(depth), timeout=float(timeout), log=logger)
         self.rows_per_token = int(rows_per_token)
-        self.timeout = float(timeout)
-        self.depth = int(depth)
         self._scope: _Capture | _NoDefer | _Step | None = None
-        self._closed = False
         self._wait_descs: set[Any] = set()
-        self.armed_steps = 0
         self.eager_steps = 0
         self.recorded_graphs = 0
 
@@ -194,7 +188,20 @@ class PleRunnerHooks:
     @property
     def deferred(self) -> bool:
         """Whether captured graphs defer their rows (the plan's mode is ``deferred``)."""
-        return self.plan.mode == "deferred"
+        return self.driver.deferred
+
+    @property
+    def timeout(self) -> float:
+        return self.driver.timeout
+
+    @property
+    def depth(self) -> int:
+        return self.driver.depth
+
+    @property
+    def armed_steps(self) -> int:
+        """Replays armed (the driver's steps less the eager forwards')."""
+        return self.driver.armed_steps - self.eager_steps
 
     @property
     def layer_names(self) -> list[str]:
@@ -259,14 +266,9 @@ class PleRunnerHooks:
         and dummy runs). A replay inside it is armed as :meth:`replay` says. Any
         exception aborts the plan, so no GPU wait outlives a failed step."""
         scope = _Step(bool(dummy))
-        try:
-            with self._scoped(scope):
-                yield
-                self._end_eager(scope)
-        except BaseException as exc:
-            if not self._closed:
-                self.abort(f"exception in an engine step: {exc!r}")
-            raise
+        with self.driver.guard("an engine step"), self._scoped(scope):
+            yield
+            self._end_eager(scope)
 
     @contextlib.contextmanager
     def eager(self, *, dummy: bool) -> Iterator[None]:
@@ -284,15 +286,8 @@ class PleRunnerHooks:
         if desc not in self._wait_descs:
             return launch()
         self._check_usable()
-        try:
-            while self.plan.in_flight >= self.depth:
-                self.plan.complete(timeout=self.timeout)
-            self.plan.begin(int(desc.num_tokens) * self.rows_per_token)
-            self.armed_steps += 1
-            return launch()
-        except BaseException as exc:
-            self.abort(f"exception around the replay of {desc}: {exc!r}")
-            raise
+        rows = int(desc.num_tokens) * self.rows_per_token
+        return self.driver.launch(rows, launch, what=f"the replay of {desc}")
 
     def release_graphs(self) -> None:
         """The engine drops its captured graphs: complete pending steps, forget which
@@ -301,45 +296,30 @@ class PleRunnerHooks:
         self._wait_descs.clear()
 
     def quiesce(self) -> None:
-        """Complete every pending step (before captures, eager steps, dummy runs and
-        graph release). A failed fill raises its typed error after aborting the plan."""
+        """Complete every pending step (before captures, eager passes that must not
+        overlap them, and graph release). A failed fill raises its typed error after
+        aborting the plan."""
         self._check_usable()
-        if self.plan.in_flight == 0:
-            return
-        try:
-            self.plan.drain(timeout=self.timeout)
-        except BaseException as exc:
-            self.abort(f"completing pending steps failed: {exc!r}")
-            raise
+        if self.driver.in_flight:
+            with self.driver.guard("completing pending steps"):
+                self.driver.drain()
 
     def abort(self, reason: str) -> None:
         """Release every GPU wait for good; later calls raise ``PoisonedError``."""
-        logger.error("ple-memops: aborting deferred PLE rows: %s", reason)
-        self.plan.abort(reason)
+        self.driver.abort(reason)
 
     def drain_for_shutdown(self) -> None:
         """Complete pending steps (bounded; a failure is logged and aborts the plan, so
         no captured wait can hold the device): before the engine synchronises the device
         at shutdown. Idempotent; the plan stays open until :meth:`shutdown`."""
-        if self._closed:
-            return
-        try:
-            if self.plan.in_flight:
-                self.plan.drain(timeout=self.timeout)
-        except BaseException as exc:
-            logger.error("ple-memops: pending PLE rows failed at shutdown: %r", exc)
-            self.plan.abort(f"shutdown: {exc!r}")
+        self.driver.drain_for_shutdown()
 
     def shutdown(self) -> None:
         """:meth:`drain_for_shutdown`, then close the plan. Idempotent. A caller that
         synchronises the device drains first, synchronises, then calls this, so nothing
         the GPU may still read is freed."""
-        if self._closed:
-            return
-        self.drain_for_shutdown()
-        self._closed = True
+        self.driver.shutdown()
         self._wait_descs.clear()
-        self.plan.close()
 
     # -- the PLE op -------------------------------------------------------------------
 
@@ -360,7 +340,7 @@ class PleRunnerHooks:
             if name in scope.staged:
                 raise StateError(f"ple-memops: {name} staged twice in one capture")
             self._check_output(name, output, n)
-            scope.staged[name] = self.plan.stage(name, ids.reshape(-1), rows=n)
+            scope.staged[name] = self.driver.stage(name, ids.reshape(-1), rows=n)
             return
         if isinstance(scope, _Capture):
             raise StateError(
@@ -370,17 +350,12 @@ class PleRunnerHooks:
         if isinstance(scope, _Step) and not scope.dummy and self.deferred:
             self._stage_eager(scope, name, ids, output, n)
             return
-        if scope is None:
-            # A forward outside any step (a runner calling the model directly): real
-            # rows, after completing pending steps.
-            self.quiesce()
-        elif isinstance(scope, _Step) and not scope.quiesced:
-            self.quiesce()
-            scope.quiesced = True
+        # A dummy pass, a synchronous plan, or a forward outside any step (a runner
+        # calling the model directly): complete pending steps, then no data or real rows.
         if isinstance(scope, _NoDefer) or (isinstance(scope, _Step) and scope.dummy):
-            self.plan.dummy_now(name, n)
+            self.driver.dummy_now(name, n)
             return
-        rows = self.plan.gather_now(name, ids.reshape(-1), rows=n)
+        rows = self.driver.gather_now(name, ids.reshape(-1), rows=n)
         if int(rows.data_ptr()) != int(output.data_ptr()):
             output.copy_(rows)
 
@@ -412,9 +387,7 @@ class PleRunnerHooks:
             # The forward's first PLE op (or a second forward inside one engine step).
             if scope.rows is not None:
                 self._end_eager(scope)
-            while self.plan.in_flight >= self.depth:
-                self.plan.complete(timeout=self.timeout)
-            self.plan.begin(n)
+            self.driver.arm(n)
             scope.rows = n
             scope.staged = set()
             self.eager_steps += 1
@@ -423,7 +396,7 @@ class PleRunnerHooks:
                 f"ple-memops: {name} produced {n} row ids in an eager step of {scope.rows}"
             )
         self._check_output(name, output, n)
-        scope.forks[name] = self.plan.stage_eager(name, ids.reshape(-1), rows=n)
+        scope.forks[name] = self.driver.stage_eager(name, ids.reshape(-1), rows=n)
         scope.staged.add(name)
 
     def _end_eager(self, scope: _Step) -> None:
@@ -471,7 +444,7 @@ class PleRunnerHooks:
             )
 
     def _check_usable(self) -> None:
-        if self._closed:
+        if self.driver.closed:
             raise ClosedError("ple-memops runner hooks are shut down")
 
     @contextlib.contextmanager

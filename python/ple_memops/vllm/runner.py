@@ -36,6 +36,7 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu import cudagraph_utils
 from vllm.v1.worker.gpu import model_runner as vllm_model_runner
 
+from .._common import plan_device
 from ..errors import UnsupportedError
 from ..table import MmapTable
 from .hooks import PleRunnerHooks, build_hooks
@@ -83,13 +84,6 @@ def checkpoint_dir(vllm_config: Any) -> str:
         )
     folder = prepare(model_config.model, None, model_config.revision, False, None)[0]
     return str(folder)
-
-
-def _plan_device(device: Any) -> Any:
-    """A runner's ``torch.device`` as the plan wants it: a CUDA ordinal, or ``"cpu"``."""
-    if device.type == "cuda":
-        return 0 if device.index is None else int(device.index)
-    return "cpu"
 
 
 def agree_on_deferral(local: bool, group: Any = None) -> bool:
@@ -153,7 +147,7 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
         build: dict[str, Any] = dict(
             rows_per_token=rows_per_token,
             max_rows=max_tokens * rows_per_token,
-            device=_plan_device(runner.device),
+            device=plan_device(runner.device),
             timeout=settings.timeout,
             copy=settings.copy,
         )

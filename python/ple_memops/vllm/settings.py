@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from ..settings import COPIES, DEFAULT_TIMEOUT, DEPTH
 
 __all__ = [
     "BACKENDS",
@@ -38,34 +39,33 @@ __all__ = [
 BACKEND_ENV = "PLE_MEMOPS_TABLE_BACKEND"
 TIMEOUT_ENV = "PLE_MEMOPS_TIMEOUT"
 COPY_ENV = "PLE_MEMOPS_COPY"
-COPIES = ("auto", "kernel", "memop")
 CONFIG_KEY = "ple_memops"
 """The key of ``additional_config`` that holds these settings."""
 BACKENDS = ("default", "mmap")
-DEFAULT_TIMEOUT = 30.0
-"""Seconds a step may wait for its rows (the watchdog, and completing a pending step):
-above the longest step vLLM can queue ahead of a decode step (a large prefill)."""
-DEPTH = 2
-"""Steps armed at once: under async scheduling the host launches step N+1 before step N
-is completed."""
+# DEFAULT_TIMEOUT (seconds a step may wait for its rows: the watchdog, and completing a
+# pending step) and DEPTH (steps armed at once) are the core's: ple_memops.settings.
+
+
+def _choice(value: object, where: str, choices: tuple[str, ...]) -> str:
+    """``value`` as one of ``choices`` (case and spaces ignored; empty: the first)."""
+    text = str(value).strip().lower() if value is not None else ""
+    if text == "":
+        return choices[0]
+    if text not in choices:
+        raise InvalidArgumentError(
+            f"{where} must be {' or '.join(repr(c) for c in choices[::-1])}, got {value!r}"
+            if len(choices) == 2
+            else f"{where} must be one of {', '.join(choices)}, got {value!r}"
+        )
+    return text
 
 
 def _backend(value: object, where: str) -> str:
-    text = str(value).strip().lower() if value is not None else ""
-    if text == "":
-        return "default"
-    if text not in BACKENDS:
-        raise InvalidArgumentError(f"{where} must be 'mmap' or 'default', got {value!r}")
-    return text
+    return _choice(value, where, BACKENDS)
 
 
 def _copy(value: object, where: str) -> str:
-    text = str(value).strip().lower() if value is not None else ""
-    if text == "":
-        return "auto"
-    if text not in COPIES:
-        raise InvalidArgumentError(f"{where} must be one of {', '.join(COPIES)}, got {value!r}")
-    return text
+    return _choice(value, where, COPIES)
 
 
 def _timeout(value: object, where: str) -> float:
