@@ -142,6 +142,7 @@ def _rows_stats(worker: Any) -> dict[str, Any]:
         "mode": hooks.plan.mode,
         "armed": hooks.armed_steps,
         "eager": hooks.eager_steps,
+        "sync_replays": hooks.sync_replays,
         "graphs": len(hooks.wait_descs),
         "steps": sum(int(r.steps) for r, _ in stats.values()),
         "fills": sum(int(r.fills) for r, _ in stats.values()),
@@ -198,15 +199,7 @@ def test_tokens_equal_the_stock_engine(
     finally:
         _close(llm)
     print(f"\n{kind} {backend} async={async_scheduling} copy={copy}: {stats}")
-    wrong = []
-    for b, (want, have) in enumerate(zip(reference[kind], got, strict=True)):
-        for r, (w, h) in enumerate(zip(want, have, strict=True)):
-            if w != h:
-                first = next(i for i, (x, y) in enumerate(zip(w, h, strict=True)) if x != y)
-                wrong.append(
-                    f"batch {b} request {r}: from token {first}: {h[first:]} != {w[first:]}"
-                )
-    assert not wrong, "differs from the stock engine:\n" + "\n".join(wrong)
+    _assert_same_tokens(reference[kind], got)
     if backend == "mmap":
         assert stats["hooks"] and stats["mode"] == "deferred", stats
         # Every captured decode size waits for rows, and decode steps were armed replays;
@@ -215,6 +208,38 @@ def test_tokens_equal_the_stock_engine(
         assert stats["eager"] >= len(WORKLOAD) and stats["watchdog_releases"] == 0, stats
     else:
         assert stats == {"hooks": False}
+
+
+def _assert_same_tokens(reference: list[Any], got: list[Any]) -> None:
+    wrong = []
+    for b, (want, have) in enumerate(zip(reference, got, strict=True)):
+        for r, (w, h) in enumerate(zip(want, have, strict=True)):
+            if w != h:
+                first = next(i for i, (x, y) in enumerate(zip(w, h, strict=True)) if x != y)
+                wrong.append(
+                    f"batch {b} request {r}: from token {first}: {h[first:]} != {w[first:]}"
+                )
+    assert not wrong, "differs from the stock engine:\n" + "\n".join(wrong)
+
+
+def test_a_sync_plan_keeps_full_graphs(
+    checkpoints: dict[str, Path], reference: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where deferral is unavailable (forced here, as a failed probe would), the engine
+    keeps its FULL decode graphs: each replay is preceded by the ids graph, one host wait
+    for the ids, and the parallel gathers; prefills gather with one copy of their ids."""
+    monkeypatch.setenv("PLE_MEMOPS_FORCE_SYNC", "1")
+    llm = _engine(checkpoints["bf16"], "mmap")
+    try:
+        got = _generate(llm)
+        (stats,) = llm.collective_rpc(_rows_stats)
+    finally:
+        _close(llm)
+    print(f"\nbf16 mmap, synchronous plan: {stats}")
+    _assert_same_tokens(reference["bf16"], got)
+    assert stats["hooks"] and stats["mode"] == "sync", stats
+    assert stats["graphs"] == len(SIZES) and stats["sync_replays"] >= 4 * MAX_TOKENS, stats
+    assert stats["armed"] == 0 and stats["eager"] == 0, stats
 
 
 def test_a_table_truncated_under_the_engine_is_a_typed_error(

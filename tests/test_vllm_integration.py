@@ -471,6 +471,18 @@ class RecordingPlan:
         self.log.append(f"gather {name} {rows}")
         return self.bufs[name][:rows]
 
+    def gather_many_now(
+        self, ids: dict[str, Any], rows: int | None = None, *, stream: Any = None
+    ) -> dict[str, Any]:
+        self._live()
+        assert not self.armed, "eager gather with steps in flight"
+        out = {}
+        for name, table_ids in ids.items():
+            n = len(table_ids) if rows is None else rows
+            self.log.append(f"gather {name} {n}")
+            out[name] = self.bufs[name][:n]
+        return out
+
     def dummy_now(self, name: str, rows: int, *, stream: Any = None) -> Any:
         self._live()
         assert not self.armed
@@ -560,6 +572,73 @@ def test_capture_in_sync_mode_raises(capturing: list[bool]) -> None:
     hk = PleRunnerHooks(RecordingPlan(["a"], mode="sync"), rows_per_token=2)
     with pytest.raises(StateError, match="synchronous here \\(probe said sync\\)"):
         _capture(hk, Manager(), Desc(FULL, 4), capturing, lambda: _forward(hk, ["a"], 4))
+
+
+class _FakeGraphParts:
+    """What a synchronous replay touches of its ids graph, recorded."""
+
+    def __init__(self, log: list[str], what: str) -> None:
+        self.log, self.what = log, what
+
+    def replay(self) -> None:
+        self.log.append(f"{self.what} replay")
+
+    def record(self) -> None:
+        self.log.append(f"{self.what} record")
+
+    def synchronize(self) -> None:
+        self.log.append(f"{self.what} synchronize")
+
+
+def test_a_sync_plan_keeps_full_graphs(
+    capturing: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A synchronous plan (no deferral on this device) keeps its FULL graphs: the capture
+    records the layers' graph-static ids and the model's ids source; before each replay
+    the ids graph runs, the host waits for its copy of the ids, every layer is gathered
+    (in parallel, ``gather_many_now``), then the graph replays. Nothing is armed."""
+    names = ["a", "b"]
+    plan = RecordingPlan(names, mode="sync")
+    hk = PleRunnerHooks(plan, rows_per_token=2, sync_graphs=True)
+    mgr = Manager()
+    built: list[Any] = []
+
+    def fake_capture(entry: Any) -> None:
+        built.append(entry)
+        entry.graph = _FakeGraphParts(plan.log, "ids")
+        entry.done = _FakeGraphParts(plan.log, "event")
+        entry.host = torch.arange(len(entry.names) * entry.rows).reshape(len(entry.names), -1)
+
+    monkeypatch.setattr(hooks, "_capture_ids_graph", fake_capture)
+    sources: list[str] = []
+
+    def forward(size: int) -> None:
+        hk.note_ids_source(lambda: sources.append(f"ids {size}"))
+        _forward(hk, names, size)
+
+    for size in (1, 4):
+        _capture(hk, mgr, Desc(FULL, size), capturing, lambda s=size: forward(s))
+    assert hk.wait_descs == {Desc(FULL, 1), Desc(FULL, 4)}
+    assert not [e for e in plan.log if e.startswith(("stage", "begin", "gather"))]
+    assert hk.build_ids_graphs() == 2 and hk.build_ids_graphs() == 0
+    assert [e.rows for e in built] == [2, 8] and built[0].names == names
+    built[1].source()
+    assert sources == ["ids 4"]
+    plan.log.clear()
+    assert _replay(hk, mgr, Desc(FULL, 4)) == "out4"
+    assert plan.log == [
+        "ids replay",
+        "event record",
+        "event synchronize",
+        "gather a 8",
+        "gather b 8",
+    ]
+    assert hk.sync_replays == 1 and hk.armed_steps == 0 and plan.in_flight == 0
+    # A graph captured without an ids source cannot be replayed with fresh rows: refused.
+    with pytest.raises(StateError, match="gave no ids source"):
+        _capture(hk, mgr, Desc(FULL, 2), capturing, lambda: _forward(hk, names, 2))
+    hk.release_graphs()
+    assert not hk.wait_descs and hk.build_ids_graphs() == 0
 
 
 def test_capture_checks(capturing: list[bool]) -> None:

@@ -167,13 +167,19 @@ class StandInModel(torch.nn.Module):
         hooks = self.hooks
         self.counter.add_(1)
         slot = self.counter % HIST
+
         # Stage every PLE layer's rows at the top: each host gather overlaps all the GPU
         # work before its consumer.
+        def compute_ids() -> None:
+            for i in PLE_AT:
+                self.hashers[i](input_ids, qsl, ctx, out=self.ids[i][:t])
+                self.ids[i][:t].add_(self.fault * 10_000_000)
+
+        if input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            hooks.note_ids_source(compute_ids)  # a synchronous plan's graphs need it
+        compute_ids()
         for i in PLE_AT:
-            ids = self.ids[i][:t]
-            self.hashers[i](input_ids, qsl, ctx, out=ids)
-            ids.add_(self.fault * 10_000_000)
-            ops.stage_rows(ids, hooks.output(name_of(i), t), name_of(i))
+            ops.stage_rows(self.ids[i][:t], hooks.output(name_of(i), t), name_of(i))
         h = self.embed(input_ids.long())
         for k, mlp in enumerate(self.mlps):
             if k in PLE_AT:
@@ -230,7 +236,7 @@ class StandInRunner:
     """Model Runner V2's steps, around :class:`PleRunnerHooks` (the same calls the patch
     adds to vLLM)."""
 
-    def __init__(self, ckpt: Path, device: Any) -> None:
+    def __init__(self, ckpt: Path, device: Any, *, deferred: bool = True) -> None:
         self.device = torch.device(device)
         names = checkpoint_tensor_names(ckpt)
         self.tables = {}
@@ -249,6 +255,7 @@ class StandInRunner:
             max_rows=MAX_TOKENS * H,
             device=plan_device,
             timeout=TIMEOUT,
+            deferred=deferred,
         )
         self.model = StandInModel(self.hooks, self.device)
         z = dict(device=self.device)
@@ -326,6 +333,7 @@ class StandInRunner:
         self.hooks.quiesce()
         self.manager = GraphManager(self)
         self.manager.capture(self.descs(), pool)
+        self.hooks.build_ids_graphs()  # the plugin's capture_model does this after
 
     def dispatch(self, reqs: int) -> Desc:
         size = min(s for s in SIZES if s >= reqs)
@@ -436,8 +444,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.n
     return write_checkpoint(tmp_path_factory.mktemp("standin"))
 
 
-def _boot(ckpt: Path, device: str) -> StandInRunner:
-    r = StandInRunner(ckpt, device)
+def _boot(ckpt: Path, device: str, *, deferred: bool = True) -> StandInRunner:
+    r = StandInRunner(ckpt, device, deferred=deferred)
     r.reqs = 0
     return r
 
@@ -497,6 +505,32 @@ def test_mrv2_sequence_every_step_checked(ckpt: tuple[Path, dict[str, np.ndarray
         stats = r.hooks.plan.stats()
         for _name, (_rows, worker) in stats.items():
             assert worker is not None and worker.failures == 0 and worker.unarmed_replays == 0
+    finally:
+        r.shutdown()
+
+
+@pytest.mark.gpu
+def test_mrv2_sequence_with_a_sync_plan_keeps_graphs(
+    ckpt: tuple[Path, dict[str, np.ndarray]],
+) -> None:
+    """The same sequence where the plan cannot defer (forced): the FULL graphs stay, each
+    replay preceded by its ids graph, one host wait and the parallel gathers; every step
+    (replays, dummy replays, the mixed eager steps) checked against the table."""
+    path, tables = ckpt
+    r = _boot(path, "cuda", deferred=False)
+    try:
+        assert r.hooks.plan.mode == "sync" and not r.hooks.deferred
+        pool = torch.cuda.graph_pool_handle()
+        r.profile_run()
+        r.profile_cudagraph_memory()
+        r.warm_up()
+        r.eager_step([[5, 6, 7, 8], [EOS, 9]])
+        r.reqs = 0
+        r.capture_model(pool)
+        assert r.hooks.wait_descs == set(r.descs())
+        checked = _serve(r, tables, np.random.default_rng(11))
+        assert checked >= 2 * (130 + 13)
+        assert r.hooks.sync_replays >= 130 and r.hooks.armed_steps == 0
     finally:
         r.shutdown()
 

@@ -41,6 +41,7 @@ Per step::
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -116,6 +117,7 @@ class RowsPlan:
         self.timeout = timeout
         self._closed = False
         self._eager_streams: dict[str, Any] = {}
+        self._gather_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # -- construction -----------------------------------------------------------------
 
@@ -379,6 +381,67 @@ class RowsPlan:
             stream,
         )
 
+    def gather_many_now(
+        self, ids: Mapping[str, Any], rows: int | None = None, *, stream: Any = None
+    ) -> dict[str, Any]:
+        """:meth:`gather_now` for several tables at once, from ids already on the host
+        (never a device synchronisation: a CUDA tensor is refused): every table's gather
+        runs on a thread of its own (the native gather releases the GIL), each straight
+        into its pinned slot, then its copy to the staging buffer is issued on ``stream``
+        (default: the caller's current stream). All or none: every id of every table is
+        checked before anything is written, and any failure aborts the whole plan before
+        the first error is raised. Returns ``{name: staging[:n]}``."""
+        self._check_open()
+        work = []
+        for name, table_ids in ids.items():
+            layer = self._layer(name)
+            host = host_ids(table_ids, allow_device_sync=False, dtype=np.int64, flatten=True)
+            n = len(host) if rows is None else int(rows)
+            if len(host) > n:
+                raise InvalidArgumentError(f"{len(host)} ids of {name!r} for a step of {n} rows")
+            self._check_idle(layer)
+            layer.table.check_ids(host)  # a bad id raises before any step begins
+            work.append((layer, host, n))
+        if stream is None and self._device is not None:
+            torch = optional_torch()
+            # Resolved here: a gather thread's current stream is not the caller's.
+            stream = torch.cuda.current_stream(self._device)
+        out: dict[str, Any] = {}
+        first: BaseException | None = None
+        if len(work) == 1:  # no thread for one table
+            layer, host, n = work[0]
+            try:
+                out[layer.name] = self._fill_host(layer, host, n, stream)
+            except BaseException as exc:
+                first = exc
+        else:
+            if self._gather_pool is None:
+                self._gather_pool = concurrent.futures.ThreadPoolExecutor(
+                    min(8, len(self._layers)), thread_name_prefix="ple-gather"
+                )
+            futures = [
+                (layer.name, self._gather_pool.submit(self._fill_host, layer, host, n, stream))
+                for layer, host, n in work
+            ]
+            for name, fut in futures:
+                try:
+                    out[name] = fut.result()
+                except BaseException as exc:
+                    first = first or exc
+        if first is not None:
+            self.abort(f"gather_many_now() failed: {first!r}")
+            raise first
+        return out
+
+    def _fill_host(self, layer: PlanLayer, host: Any, n: int, stream: Any) -> Any:
+        return self._eager_step(
+            layer,
+            n,
+            "gather_many_now",
+            lambda r: r.fill_from(layer.table, host, stream=stream),
+            stream,
+        )
+
     def dummy_now(self, name: str, rows: int, *, stream: Any = None) -> Any:
         """An eager step without data (warm-up, profiling, capture passes): the consumer
         reads whatever the staging buffer holds. Returns ``staging[:rows]``."""
@@ -421,6 +484,9 @@ class RowsPlan:
         if self._closed:
             return
         self._closed = True
+        pool, self._gather_pool = self._gather_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)  # a gather in progress ends (its reads are bounded)
         _close_layers(list(self._layers.values()))
 
     @property

@@ -30,6 +30,7 @@ step through one driver::
 
     # eager steps (warm-up, profiling, the synchronous fallback)
     rows = driver.gather_now(name, ids)          # drains first; may synchronise (eager)
+    rows = driver.gather_many_now({name: host_ids, ...})  # every table at once, in parallel
     rows = driver.dummy_now(name, n)             # drains first; no data
 
     # failures, statistics, shutdown
@@ -252,6 +253,15 @@ class StepDriver:
         Returns ``staging[:n]``."""
         self.drain()
         return self.plan.gather_now(name, ids, rows, stream=stream)
+
+    def gather_many_now(
+        self, ids: Any, rows: int | None = None, *, stream: Any = None
+    ) -> dict[str, Any]:
+        """Several tables' eager rows from ids already on the host: :meth:`drain`, then
+        ``RowsPlan.gather_many_now`` (the gathers in parallel, no device synchronisation).
+        Returns ``{name: staging[:n]}``."""
+        self.drain()
+        return dict(self.plan.gather_many_now(ids, rows, stream=stream))
 
     def dummy_now(self, name: str, rows: int, *, stream: Any = None) -> Any:
         """An eager step without data (profile, warm-up, dummy runs): :meth:`drain`, then

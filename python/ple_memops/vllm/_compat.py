@@ -174,6 +174,15 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         "decides the vocabulary reduce-scatter",
     ),
     _signature(
+        f"{_NE}:Qwen4ExpNGramEmbedding.compute_ngram_ids",
+        "(self, input_ids, query_start_loc, ngram_context, output=None)",
+    ),
+    _source_has(
+        f"{_NE}:Qwen4ExpNGramEmbedding.start_prefetch",
+        "output=self._prefetch_ids[: input_ids.numel()]",
+        "computes its ids into a persistent buffer",
+    ),
+    _signature(
         f"{_CE}:Qwen4ExpPLEEmbedding.__init__",
         "(self, num_embeddings, embedding_dim, *, params_dtype, padding_size, prefix, "
         "embedding_method, num_ngram_heads=1, max_total_tokens=0, data_parallel_rank=0, "

@@ -135,6 +135,32 @@ class _Capture:
 
 
 @dataclass
+class _SyncCapture:
+    """A FULL graph of a synchronous plan: its consumers read the staging buffer, which
+    the host fills before each replay, from ids an ids graph computes first."""
+
+    desc: Any
+    rows: int
+    ids: dict[str, Any] = field(default_factory=dict)
+    source: Callable[[], None] | None = None
+
+
+@dataclass
+class _IdsGraph:
+    """What a synchronous replay runs first: the model's id computation for every PLE
+    layer (``source``, into the graph-static ``ids``) and one copy of them all to the
+    host, captured once (:meth:`PleRunnerHooks.build_ids_graphs`)."""
+
+    rows: int
+    names: list[str]
+    source: Callable[[], None]
+    ids: dict[str, Any]
+    graph: Any = None
+    host: Any = None
+    done: Any = None
+
+
+@dataclass
 class _NoDefer:
     desc: Any
     why: str
@@ -143,6 +169,11 @@ class _NoDefer:
 @dataclass
 class _Step:
     dummy: bool
+    # A synchronous plan's eager forward: the layers staged and not yet gathered (ids,
+    # the op's output), all gathered at once, in parallel, when the first consumer needs
+    # rows; then the layers gathered and not yet joined (the op's output, rows).
+    pending: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    ready: dict[str, tuple[Any, int]] = field(default_factory=dict)
     # An eager forward of a deferring plan: the step's extent once begun, and per layer
     # the side stream its wait/copy runs on (with the ids it publishes, held until join).
     rows: int | None = None
@@ -170,6 +201,7 @@ class PleRunnerHooks:
         rows_per_token: int,
         timeout: float = DEFAULT_TIMEOUT,
         depth: int = DEPTH,
+        sync_graphs: bool = False,
     ) -> None:
         if rows_per_token < 1 or depth < 1 or not timeout > 0:
             raise InvalidArgumentError("rows_per_token and depth must be >= 1, timeout > 0")
@@ -178,9 +210,12 @@ class PleRunnerHooks:
         # engine-neutral driver; what stays here is vLLM's: scopes, graphs, the op.
         self.driver = StepDriver(plan, depth=int(depth), timeout=float(timeout), log=logger)
         self.rows_per_token = int(rows_per_token)
-        self._scope: _Capture | _NoDefer | _Step | None = None
+        self._scope: _Capture | _SyncCapture | _NoDefer | _Step | None = None
         self._wait_descs: set[Any] = set()
+        self.sync_graphs = bool(sync_graphs)
+        self._ids_graphs: dict[Any, _IdsGraph] = {}
         self.eager_steps = 0
+        self.sync_replays = 0
         self.recorded_graphs = 0
 
     # -- state ------------------------------------------------------------------------
@@ -230,12 +265,18 @@ class PleRunnerHooks:
         (every PLE layer staged and joined), so its replays get armed."""
         self._check_usable()
         why = deferrable(desc)
-        if why is None and not self.deferred:
-            why = f"PLE rows are synchronous here ({self.plan.reason})"
         rows = int(desc.num_tokens) * self.rows_per_token
-        scope: _Capture | _NoDefer = _Capture(desc, rows) if why is None else _NoDefer(desc, why)
+        scope: _Capture | _SyncCapture | _NoDefer
+        if why is None and not self.deferred and self.sync_graphs:
+            scope = _SyncCapture(desc, rows)
+        elif why is None and not self.deferred:
+            scope = _NoDefer(desc, f"PLE rows are synchronous here ({self.plan.reason})")
+        else:
+            scope = _Capture(desc, rows) if why is None else _NoDefer(desc, str(why))
         with self._scoped(scope):
             yield
+        if isinstance(scope, _SyncCapture) and scope.ids:
+            self._record_sync_graph(scope)
         if isinstance(scope, _Capture) and scope.staged:
             missing = sorted(set(self.plan.layers) - set(scope.staged))
             if missing:
@@ -286,14 +327,73 @@ class PleRunnerHooks:
         if desc not in self._wait_descs:
             return launch()
         self._check_usable()
+        entry = self._ids_graphs.get(desc)
+        if entry is not None:
+            return self._replay_sync(desc, entry, launch)
         rows = int(desc.num_tokens) * self.rows_per_token
         return self.driver.launch(rows, launch, what=f"the replay of {desc}")
+
+    def note_ids_source(self, source: Callable[[], None]) -> None:
+        """The model's glue, inside a capture: ``source()`` recomputes every PLE layer's
+        ids into the graph-static tensors its PLE ops stage (the same inputs, the same
+        outputs). A synchronous plan's graphs then stay FULL: before each replay an ids
+        graph of ``source`` runs, the ids come to the host in one copy, the rows are
+        gathered in parallel and copied to staging, then the graph replays. Ignored
+        outside a synchronous capture."""
+        scope = self._scope
+        if isinstance(scope, _SyncCapture):
+            scope.source = source
+
+    def build_ids_graphs(self) -> int:
+        """Capture the ids graph of every synchronous FULL graph that has none yet
+        (after the engine's captures, outside any; a replay builds a missing one itself).
+        Returns how many were built."""
+        built = 0
+        for entry in self._ids_graphs.values():
+            if entry.graph is None:
+                _capture_ids_graph(entry)
+                built += 1
+        return built
+
+    def _record_sync_graph(self, scope: _SyncCapture) -> None:
+        missing = sorted(set(self.plan.layers) - set(scope.ids))
+        if missing:
+            raise StateError(
+                f"ple-memops: the graph for {scope.desc} staged rows for {sorted(scope.ids)} "
+                f"but not for {missing}; every PLE layer of the plan must run in each FULL graph"
+            )
+        if scope.source is None:
+            raise StateError(
+                f"ple-memops: the graph for {scope.desc} reads synchronous PLE rows, but the "
+                "model gave no ids source (note_ids_source) to compute its ids before a replay"
+            )
+        names = list(self.plan.layers)
+        self._ids_graphs[scope.desc] = _IdsGraph(scope.rows, names, scope.source, scope.ids)
+        self._wait_descs.add(scope.desc)
+        self.recorded_graphs += 1
+
+    def _replay_sync(self, desc: Any, entry: _IdsGraph, launch: Callable[[], T]) -> T:
+        """A synchronous plan's FULL replay: the ids graph, one wait for its copy of the
+        ids to the host, every layer's gather in parallel (their copies to staging on the
+        current stream), then the graph."""
+        with self.driver.guard(f"the synchronous replay of {desc}"):
+            if entry.graph is None:
+                _capture_ids_graph(entry)
+            entry.graph.replay()
+            entry.done.record()
+            entry.done.synchronize()  # the step's one host wait: its ids
+            self.driver.gather_many_now(
+                {name: entry.host[i] for i, name in enumerate(entry.names)}, entry.rows
+            )
+            self.sync_replays += 1
+            return launch()
 
     def release_graphs(self) -> None:
         """The engine drops its captured graphs: complete pending steps, forget which
         graphs wait for rows (a later capture records them again)."""
         self.quiesce()
         self._wait_descs.clear()
+        self._ids_graphs.clear()
 
     def quiesce(self) -> None:
         """Complete every pending step (before captures, eager passes that must not
@@ -320,6 +420,7 @@ class PleRunnerHooks:
         the GPU may still read is freed."""
         self.driver.shutdown()
         self._wait_descs.clear()
+        self._ids_graphs.clear()
 
     # -- the PLE op -------------------------------------------------------------------
 
@@ -329,7 +430,7 @@ class PleRunnerHooks:
         scope = self._scope
         n = int(ids.numel())
         if _capturing(ids):
-            if not isinstance(scope, _Capture):
+            if not isinstance(scope, _Capture | _SyncCapture):
                 raise StateError(self._capture_refusal(name, scope))
             if n != scope.rows:
                 raise StateError(
@@ -337,18 +438,32 @@ class PleRunnerHooks:
                     f"which consumes {scope.rows} ({scope.desc.num_tokens} tokens x "
                     f"{self.rows_per_token})"
                 )
-            if name in scope.staged:
+            done = scope.ids if isinstance(scope, _SyncCapture) else scope.staged
+            if name in done:
                 raise StateError(f"ple-memops: {name} staged twice in one capture")
             self._check_output(name, output, n)
+            if isinstance(scope, _SyncCapture):
+                # Nothing captured here: the consumer reads the staging buffer, filled
+                # before each replay from these graph-static ids.
+                scope.ids[name] = ids.reshape(-1)
+                return
             scope.staged[name] = self.driver.stage(name, ids.reshape(-1), rows=n)
             return
-        if isinstance(scope, _Capture):
+        if isinstance(scope, _Capture | _SyncCapture):
             raise StateError(
                 f"ple-memops: a capture scope is open for {scope.desc} but the current "
                 "stream is not capturing"
             )
         if isinstance(scope, _Step) and not scope.dummy and self.deferred:
             self._stage_eager(scope, name, ids, output, n)
+            return
+        if isinstance(scope, _Step) and not scope.dummy:
+            # A synchronous plan: gathered with every other staged layer at the first
+            # consumer (one copy of all their ids to the host, the gathers in parallel).
+            if name in scope.pending or name in scope.ready:
+                self._end_eager(scope)  # a second forward inside one engine step
+            self._check_output_shape(name, output, n)
+            scope.pending[name] = (ids.reshape(-1), output)
             return
         # A dummy pass, a synchronous plan, or a forward outside any step (a runner
         # calling the model directly): complete pending steps, then no data or real rows.
@@ -366,7 +481,16 @@ class PleRunnerHooks:
         if not _capturing(output):
             if isinstance(scope, _Step) and name in scope.forks:
                 scope.forks.pop(name).join()
+            elif isinstance(scope, _Step) and (name in scope.pending or name in scope.ready):
+                if name in scope.pending:
+                    self._gather_pending(scope)
+                _, n = scope.ready.pop(name)
+                # The consumer's own tensor (under torch.compile's functionalization the
+                # op's output may be a copy): the rows are in the staging buffer.
+                _copy_unless_same(self.plan.staging(name, n), output)
             return  # other eager paths: the rows are already in place
+        if isinstance(scope, _SyncCapture):
+            return  # the staging buffer is filled before the replay
         if not isinstance(scope, _Capture):
             raise StateError(self._capture_refusal(name, scope))
         staged = scope.staged.get(name)
@@ -399,9 +523,34 @@ class PleRunnerHooks:
         scope.forks[name] = self.driver.stage_eager(name, ids.reshape(-1), rows=n)
         scope.staged.add(name)
 
+    def _gather_pending(self, scope: _Step) -> None:
+        """A synchronous plan's eager forward: every staged layer's ids to the host in one
+        copy (one device synchronisation for all of them), then the gathers in parallel,
+        each layer's rows copied to its staging buffer."""
+        pending, scope.pending = scope.pending, {}
+        names = list(pending)
+        flat = [pending[n][0] for n in names]
+        import torch
+
+        joined = torch.cat([f.to(torch.int64) for f in flat]).cpu().numpy()
+        host, at = {}, 0
+        for name, f in zip(names, flat, strict=True):
+            size = int(f.numel())
+            host[name] = joined[at : at + size]
+            at += size
+        self.driver.gather_many_now(host)
+        for name, f in zip(names, flat, strict=True):
+            scope.ready[name] = (pending[name][1], int(f.numel()))
+
     def _end_eager(self, scope: _Step) -> None:
-        """The end of an eager forward that staged deferred rows: every layer of the plan
-        must have staged (each worker was armed for this step) and joined."""
+        """The end of an eager forward: a synchronous plan's layers never joined are
+        gathered (their errors raised); a forward that staged deferred rows must have
+        staged every layer of the plan (each worker was armed for the step) and joined."""
+        if scope.pending:
+            self._gather_pending(scope)
+        for name, (output, n) in scope.ready.items():  # never joined: the op's output
+            _copy_unless_same(self.plan.staging(name, n), output)
+        scope.ready.clear()
         if scope.rows is None:
             return
         if scope.forks:
@@ -433,6 +582,14 @@ class PleRunnerHooks:
             "use FULL graphs (e.g. cudagraph_mode=FULL_DECODE_ONLY) or no graphs"
         )
 
+    def _check_output_shape(self, name: str, output: Any, n: int) -> None:
+        staging = self.plan.staging(name, n)
+        if tuple(output.shape) != tuple(staging.shape):
+            raise StateError(
+                f"ple-memops: the output of {name} has shape {tuple(output.shape)}, its rows "
+                f"{tuple(staging.shape)}"
+            )
+
     def _check_output(self, name: str, output: Any, n: int) -> None:
         staging = self.plan.staging(name, n)
         if int(output.data_ptr()) != int(staging.data_ptr()) or tuple(output.shape) != tuple(
@@ -448,7 +605,7 @@ class PleRunnerHooks:
             raise ClosedError("ple-memops runner hooks are shut down")
 
     @contextlib.contextmanager
-    def _scoped(self, scope: _Capture | _NoDefer | _Step) -> Iterator[None]:
+    def _scoped(self, scope: _Capture | _SyncCapture | _NoDefer | _Step) -> Iterator[None]:
         if self._scope is not None:
             raise StateError(f"ple-memops: a {type(self._scope).__name__} scope is already open")
         self._scope = scope
@@ -456,6 +613,34 @@ class PleRunnerHooks:
             yield
         finally:
             self._scope = None
+
+
+def _copy_unless_same(rows: Any, output: Any) -> None:
+    if int(rows.data_ptr()) != int(output.data_ptr()):
+        output.copy_(rows)
+
+
+def _capture_ids_graph(entry: _IdsGraph) -> None:
+    """Capture ``entry``'s ids graph: its source, then one copy of every layer's ids to
+    a pinned host buffer (outside any other capture; thread-local capture mode, so other
+    threads' CUDA calls meanwhile are not an error)."""
+    import torch
+
+    first = next(iter(entry.ids.values()))
+    device = first.device
+    host = torch.empty((len(entry.names), entry.rows), dtype=torch.int64, pin_memory=True)
+    graph = torch.cuda.CUDAGraph()
+    new_stream: Any = torch.cuda.Stream
+    side = new_stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+        entry.source()
+        for i, name in enumerate(entry.names):
+            host[i].copy_(entry.ids[name], non_blocking=True)
+    torch.cuda.current_stream(device).wait_stream(side)
+    entry.graph, entry.host = graph, host
+    new_event: Any = torch.cuda.Event
+    entry.done = new_event()
 
 
 def build_hooks(
@@ -467,10 +652,12 @@ def build_hooks(
     timeout: float = DEFAULT_TIMEOUT,
     deferred: bool = True,
     copy: str = "auto",
+    sync_graphs: bool = True,
 ) -> PleRunnerHooks:
     """Build the all-or-none rows plan for ``tables`` (name -> :class:`~ple_memops.MmapTable`,
     outside any capture) and the runner hooks around it. ``timeout`` bounds both the
-    watchdog of a waiting graph and the completion of a pending step."""
+    watchdog of a waiting graph and the completion of a pending step. ``sync_graphs``: a
+    synchronous plan keeps FULL graphs (the model gives an ids source while captured)."""
     from ..plan import RowsPlan
 
     plan = RowsPlan.build(
@@ -486,7 +673,13 @@ def build_hooks(
         log_fallback=False,  # the engine's integration says it once, with what it changes
     )
     try:
-        return PleRunnerHooks(plan, rows_per_token=rows_per_token, timeout=timeout, depth=DEPTH)
+        return PleRunnerHooks(
+            plan,
+            rows_per_token=rows_per_token,
+            timeout=timeout,
+            depth=DEPTH,
+            sync_graphs=sync_graphs,
+        )
     except BaseException:
         plan.close()
         raise

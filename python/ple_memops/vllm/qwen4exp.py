@@ -207,11 +207,42 @@ def _stage_all_at_top(model: Any) -> None:
     ) -> None:
         if layer is not first:
             return  # staged with the first
+        if input_ids is not None and input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            # A synchronous plan's FULL graph computes its ids before each replay too.
+            assert query_start_loc is not None and ngram_context is not None
+            _note_ids_source([first, *later], input_ids, query_start_loc, ngram_context)
         original(layer, input_ids, query_start_loc, ngram_context)
         for other in later:
             original(other, input_ids, query_start_loc, ngram_context)
 
     model._start_layer_ple_prefetch = start
+
+
+def _note_ids_source(
+    layers: list[Any],
+    input_ids: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    ngram_context: torch.Tensor,
+) -> None:
+    """Give the rows hooks, under capture, what recomputes every PLE layer's ids from this
+    capture's (graph-static) inputs into the buffers its PLE ops stage: vLLM's own
+    ``compute_ngram_ids`` into each layer's ``_prefetch_ids``, as its ``start_prefetch``
+    does."""
+    embeddings = [layer.ple.ple_embedding for layer in layers if getattr(layer, "ple", None)]
+    if not embeddings:
+        return
+    hooks = getattr(embeddings[0].ngram_embedding, "ple_memops_hooks", None)
+    if hooks is None:
+        return
+    n = input_ids.numel()
+
+    def recompute() -> None:
+        for e in embeddings:
+            e.compute_ngram_ids(
+                input_ids, query_start_loc, ngram_context, output=e._prefetch_ids[:n]
+            )
+
+    hooks.note_ids_source(recompute)
 
 
 def _finish_mmap_model(language_model: Any) -> int:
@@ -223,8 +254,7 @@ def _finish_mmap_model(language_model: Any) -> int:
             # Every rank holds full rows: nothing to reduce-scatter over the vocabulary.
             module.use_reduce_scatter = False
             tables += 1
-    if os.environ.get("PLE_MEMOPS_STAGE_AHEAD") != "1":  # diagnostic: vLLM's own order
-        _stage_all_at_top(language_model.model)
+    _stage_all_at_top(language_model.model)
     return tables
 
 

@@ -180,13 +180,17 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
     else:
         mode = compilation.cudagraph_mode
         if mode is not None and mode != CUDAGraphMode.NONE:
-            compilation.cudagraph_mode = CUDAGraphMode.NONE
-            graphs = f"CUDA graphs are turned off (cudagraph_mode {mode.name} -> NONE)"
+            graphs = (
+                f"CUDA graphs stay on (cudagraph_mode {mode.name}): before each replay a "
+                "small graph computes the step's ids, they come to the host in one copy, "
+                "every table is gathered in parallel and copied in, then the graph replays"
+            )
         else:
             graphs = "CUDA graphs stay off"
         logger.warning(
             "ple-memops: deferred PLE rows are unavailable (%s); the %d mmap PLE tables "
-            "are gathered on the host before each step's consumer and %s",
+            "are gathered on the host before each step (eager steps: one copy of all their "
+            "ids, then the gathers in parallel); %s",
             reason,
             len(tables),
             graphs,
@@ -277,9 +281,13 @@ class PleGPUModelRunner(_BaseRunner):
             return super().execute_model(*args, **kwargs)
 
     def capture_model(self, *args: Any, **kwargs: Any) -> int:
-        if self.ple_rows is not None:
-            self.ple_rows.quiesce()
-        return super().capture_model(*args, **kwargs)  # type: ignore[no-any-return]
+        hooks = self.ple_rows
+        if hooks is not None:
+            hooks.quiesce()
+        size: int = super().capture_model(*args, **kwargs)
+        if hooks is not None:
+            hooks.build_ids_graphs()  # a synchronous plan's graphs: outside any capture
+        return size
 
     def shutdown(self) -> None:
         hooks = self.ple_rows
