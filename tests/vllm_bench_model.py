@@ -86,7 +86,7 @@ def table_rows(config: dict[str, Any], dense_id: int) -> int:
         for h in range(heads)
     )
     div = config.get("make_ngram_vocab_size_divisible_by", 128)
-    return -(-total // div) * div
+    return int(-(-total // div) * div)
 
 
 def bench_config(
@@ -230,7 +230,7 @@ def layout(config: dict[str, Any]) -> list[Spec]:
 
     hf = _hf_config(config, for_meta=True)
     with torch.device("meta"):
-        model = Qwen4ExpForCausalLM(hf)
+        model: Any = Qwen4ExpForCausalLM(hf)
     model = model.to(torch.bfloat16)
     modules = dict(model.named_modules())
     fp8 = config.get("_dtype") == "fp8"
@@ -275,7 +275,7 @@ def layout(config: dict[str, Any]) -> list[Spec]:
                 specs.append(Spec(f"{stem}.weight_scale", (), "float32", "scale"))
             continue
         if dtype == "int64":
-            m = owner
+            m: Any = owner
             if leaf == "layer_multipliers":
                 value = _multipliers(
                     int(m.unigram_vocab_size),
@@ -393,7 +393,8 @@ def write_tokenizer(out: Path, vocab_size: int, model_max_length: int) -> None:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIALS[0]))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    fast = PreTrainedTokenizerFast(
+    make: Any = PreTrainedTokenizerFast
+    fast = make(
         tokenizer_object=tok,
         unk_token=SPECIALS[0],
         pad_token=SPECIALS[1],
@@ -502,7 +503,8 @@ def verify_against_save_pretrained(config: dict[str, Any], work: Path) -> list[s
     problems: list[str] = []
     ours = write_checkpoint(work / "ours", config, device="cpu", log=lambda _: None)
     torch.manual_seed(0)
-    model = Qwen4ExpForCausalLM(_hf_config(config, for_meta=True)).to(torch.bfloat16)
+    model: Any = Qwen4ExpForCausalLM(_hf_config(config, for_meta=True))
+    model = model.to(torch.bfloat16)
     theirs = work / "theirs"
     model.save_pretrained(str(theirs))
     fp8 = config.get("_dtype") == "fp8"

@@ -1,0 +1,1279 @@
+"""vLLM 0.33.0 serving a random-weight Qwen4Exp with its PLE tables three ways, side by side
+(issue 13, section 3): ``gpu`` (the tables in GPU memory, ``engram_config.cpu_offload=False``),
+``uva`` (vLLM's default: pinned host tables read by the GPU over UVA) and ``mmap``
+(ple-memops: the tables read from the checkpoint's files through the page cache, FULL decode
+graphs waiting for rows the host gathers after the launch).
+
+The model has the real Qwen4Exp's per-layer widths (hidden 2048; full-attention layers of 16
+heads of 256 with 2 KV heads; GatedDeltaNet layers of 16 key / 32 value heads of 128;
+experts of 512 with a shared expert, top-10 routing; 4 hyper-connection streams of rank 320;
+16 n-gram heads of 128-wide rows per PLE layer: ngram_size 3 x heads_per_ngram 8,
+ple_embed_dim 2048), ``--layers`` deep with ``--experts`` experts, and PLE tables of
+``--table-gib`` GiB in all over ``--ple-layers`` layers (BF16 or FP8 with a global scale,
+``--dtype``). It is written once per configuration under ``--ckpt-root`` (random weights,
+generated on the GPU, streamed into safetensors; ``tests/vllm_bench_model.py``) with a
+word-level tokenizer beside it, so ``vllm bench serve|latency|throughput --model DIR`` work
+on it too.
+
+The three ``vllm serve`` servers start together on one GPU (each with a fixed KV cache,
+``--kv-cache-memory-bytes``, because vLLM's memory profiling counts the other servers'
+allocations as its own), every one with ``VLLM_USE_BREAKABLE_CUDAGRAPH=0`` and
+``cudagraph_mode=FULL_DECODE_ONLY`` (the mmap backend needs FULL graphs; vLLM would turn
+breakable graphs on for the other two), async scheduling, no prefix caching (repeats must
+not hit the cache), and ple-memops' plugin switched on (``PLE_MEMOPS_TABLE_BACKEND=mmap``)
+only in the mmap server. Then, for each repeat, each load and each backend in a rotating
+order (interleaved), one load runs against that server alone:
+
+* ``c1``, ``c8``, ``c64``: decode-heavy, ``--input-len`` tokens in, ``--output-len`` out
+  (greedy, ignore_eos), ``max(4, 2c)`` requests at concurrency c (closed loop, as
+  ``vllm bench serve --max-concurrency c``);
+* ``mixed``: ``--mixed-decoders`` short requests decoding from t=0 while
+  ``--mixed-long`` prompts of 2-3k tokens arrive every ``--mixed-gap`` s (chunked prefill
+  beside the decodes); its TTFT is the long prompts'.
+
+Each request is timed by vLLM's own client (``vllm.benchmarks.lib.endpoint_request_func``,
+what ``vllm bench serve`` uses: TTFT, ITL between streamed chunks, TPOT = (latency - TTFT)
+/ (tokens - 1)), prompts as token ids (identical for every backend; they change with the
+repeat). Reported per backend x load (median over repeats, the range of tok/s beside it):
+output tok/s, TPOT p50/p99, ITL p50/p99, TTFT p50/p99; per server: GPU memory (nvidia-smi
+per process where it sees our processes; vLLM's own "Model loading took" line always), host
+RSS of its process tree (anon / file / shmem from /proc), and the page cache the table
+files hold (``mincore``). "GPU busy" is nvidia-smi's ``utilization.gpu`` (the share of time
+a kernel was running, sampled every 100 ms) averaged over the load: at c1 that is the GPU's
+share of a decode step. ``--cold`` evicts the table files (``POSIX_FADV_DONTNEED``) before
+every repeat; pages the mmap server has mapped stay resident (the residency after eviction
+is reported), and only the mmap backend reads the files at all.
+
+The verdict line reports (never asserts) the targets: mmap within 1% of the GPU table's
+throughput and ITL p50 at every concurrency and never below UVA's throughput; TTFT under
+the mixed load no worse than UVA's.
+
+Cut from issue 13 section 3 to fit a 10-minute device call, and why: the model is
+``--layers`` (default 24) deep with ``--experts`` (default 64) experts instead of 40 x 512
+(three servers' weights must fit one H200 together and the checkpoint must be written in
+well under a minute); full-attention layers are dense (vLLM's ``Qwen3NextAttention``), not
+QSA (its indexer needs kernels the offline bundle leaves out); one dtype per run
+(``--dtype``); ``vllm bench latency|throughput`` are not run (the tokenizer makes them
+possible); torch.compile is off by default (``--compile none``: three cold Inductor
+compiles in parallel would take minutes; the decode step measured is a FULL CUDA graph
+replay either way, and vLLM's stock Qwen4Exp default, breakable graphs, also runs without
+it; ``--compile default`` turns it on). ``--deadline`` stops starting new measurements and
+reports what was measured; every wait is bounded and a backend that fails is reported and
+skipped.
+
+Run on the H200 with ``scripts/gpu/vllm_bench.sh``; here, ``--dry-run`` checks the CPU
+side: the checkpoint writer against transformers' ``save_pretrained`` and vLLM's CPU loader
+at a tiny size, the tokenizer, the ``vllm serve`` command lines against vLLM's parser, and
+the whole measurement loop and report against fake streaming servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import mmap
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+import vllm_bench_model as vbm  # noqa: E402
+
+BACKENDS = ("gpu", "uva", "mmap")
+# More mmap servers on request (--backends): the device side of a deferred step forced to
+# the polling kernel or to stream memory operations, and the synchronous fallback (the
+# probe's failure forced: FULL graphs kept, each replay after an ids graph and a host
+# gather), the way issue 13 asks them measured in the real engine.
+MMAP_VARIANTS = {
+    "mmap": {},
+    "mmap-kernel": {"copy": "kernel"},
+    "mmap-memop": {"copy": "memop"},
+    "mmap-sync": {"env": {"PLE_MEMOPS_FORCE_SYNC": "1"}},
+}
+SERVED = "qwen4exp-bench"
+T0 = time.monotonic()
+
+# The offline bundle leaves CuTe DSL out: the model then takes its unfused hyper-connection
+# path, in every vLLM process (a vLLM general plugin on PYTHONPATH; tests/vllm_serve_check.py).
+SUBSTITUTES = """
+def register():
+    try:
+        import cutlass  # noqa: F401
+    except ImportError:
+        from vllm.models.qwen4_exp.nvidia import hyperconnection
+        from vllm.models.qwen4_exp.nvidia.ops.cute_dsl import hc_down_silu
+
+        hyperconnection.MAX_FUSED_M = 0
+        hc_down_silu.MAX_FUSED_M = 0
+"""
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:6.1f} s] {msg}", flush=True)
+
+
+# -- loads ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Req:
+    prompt: list[int]
+    output_len: int
+    at: float = 0.0  # arrival offset (s); requests at 0 wait for the concurrency limit
+    kind: str = "short"
+
+
+@dataclass
+class Load:
+    name: str
+    concurrency: int
+    requests: list[Req]
+
+
+def make_loads(args: argparse.Namespace, vocab: int, repeat: int) -> list[Load]:
+    """The loads of one repeat; prompts are random token ids (the specials excluded), the
+    same for every backend, different per repeat (no prefix-cache hit across repeats)."""
+    lo = len(vbm.SPECIALS)
+
+    def ids(rng: random.Random, n: int) -> list[int]:
+        return [rng.randrange(lo, vocab) for _ in range(n)]
+
+    loads = []
+    for c in args.concurrency:
+        rng = random.Random(f"c{c}-{repeat}")
+        n = max(4, 2 * c) if args.requests is None else args.requests
+        reqs = [Req(ids(rng, args.input_len), args.output_len) for _ in range(n)]
+        loads.append(Load(f"c{c}", c, reqs))
+    if args.mixed_long > 0:
+        rng = random.Random(f"mixed-{repeat}")
+        reqs = [
+            Req(ids(rng, args.input_len), args.mixed_output_len) for _ in range(args.mixed_decoders)
+        ]
+        for k in range(args.mixed_long):
+            n = rng.randint(args.long_min, args.long_max)
+            reqs.append(Req(ids(rng, n), args.long_output_len, 0.25 + k * args.mixed_gap, "long"))
+        loads.append(Load("mixed", args.mixed_decoders + args.mixed_long, reqs))
+    return loads
+
+
+# -- the client -------------------------------------------------------------------------------
+
+
+@dataclass
+class Out:
+    ok: bool = False
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    tokens: int = 0
+    start: float = 0.0
+    error: str = ""
+    kind: str = "short"
+    prompt_len: int = 0
+
+
+class Client:
+    """vLLM's own completions client (aiohttp) where vLLM is importable, else a stdlib one
+    with the same timing (first streamed chunk = TTFT, each later chunk one ITL)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.session: Any = None
+        try:
+            import aiohttp
+            from vllm.benchmarks.lib import endpoint_request_func as erf
+
+            self.kind = "vllm.benchmarks"
+            self._erf: Any = erf
+            self._aiohttp: Any = aiohttp
+        except Exception as exc:  # the dry run outside vLLM's environment
+            self.kind = f"stdlib ({type(exc).__name__}: {exc})"
+            self._erf = None
+
+    async def __aenter__(self) -> Client:
+        if self._erf is not None:
+            self.session = self._aiohttp.ClientSession(
+                connector=self._aiohttp.TCPConnector(limit=0, force_close=False),
+                timeout=self._aiohttp.ClientTimeout(total=self.timeout),
+            )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def request(self, port: int, req: Req) -> Out:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        if self._erf is not None:
+            inp = self._erf.RequestFuncInput(
+                prompt=req.prompt,
+                api_url=url,
+                prompt_len=len(req.prompt),
+                output_len=req.output_len,
+                model=SERVED,
+                model_name=SERVED,
+                ignore_eos=True,
+                extra_body={"temperature": 0.0},
+            )
+            try:
+                o = await asyncio.wait_for(
+                    self._erf.async_request_openai_completions(inp, self.session),
+                    self.timeout,
+                )
+            except TimeoutError:
+                return Out(error=f"timed out after {self.timeout:.0f} s", kind=req.kind)
+            tokens = int(o.output_tokens or 0) or (len(o.itl) + 1 if o.success else 0)
+            return Out(
+                o.success, o.ttft, o.latency, list(o.itl), tokens, o.start_time,
+                (o.error or "")[-500:], req.kind, len(req.prompt),
+            )  # fmt: skip
+        try:
+            return await asyncio.wait_for(self._stdlib(port, req), self.timeout)
+        except TimeoutError:
+            return Out(error=f"timed out after {self.timeout:.0f} s", kind=req.kind)
+        except Exception as exc:
+            return Out(error=f"{type(exc).__name__}: {exc}", kind=req.kind)
+
+    async def _stdlib(self, port: int, req: Req) -> Out:
+        body = json.dumps(
+            {
+                "model": SERVED, "prompt": req.prompt, "max_tokens": req.output_len,
+                "stream": True, "stream_options": {"include_usage": True},
+                "ignore_eos": True, "temperature": 0.0,
+            }
+        ).encode()  # fmt: skip
+        out = Out(kind=req.kind, prompt_len=len(req.prompt))
+        st = time.perf_counter()
+        out.start = st
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(
+                f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+            status = (await reader.readline()).decode()
+            headers = {}
+            while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                k, _, v = line.decode().partition(":")
+                headers[k.strip().lower()] = v.strip().lower()
+            if " 200 " not in status:
+                out.error = status.strip()
+                return out
+            chunked = headers.get("transfer-encoding") == "chunked"
+            buf, last = b"", st
+            while True:
+                if chunked:
+                    size = int((await reader.readline()).strip() or b"0", 16)
+                    if size == 0:
+                        break
+                    data = await reader.readexactly(size + 2)
+                    buf += data[:-2]
+                else:
+                    data = await reader.read(65536)
+                    if not data:
+                        break
+                    buf += data
+                while b"\n\n" in buf:
+                    msg, buf = buf.split(b"\n\n", 1)
+                    text = msg.decode().strip().removeprefix("data: ")
+                    if not text or text.startswith(":") or text == "[DONE]":
+                        continue
+                    d = json.loads(text)
+                    now = time.perf_counter()
+                    if d.get("choices"):
+                        if out.ttft == 0.0:
+                            out.ttft = now - st
+                        else:
+                            out.itl.append(now - last)
+                        last = now
+                    elif d.get("usage"):
+                        out.tokens = int(d["usage"].get("completion_tokens") or 0)
+            out.latency = last - st
+            out.ok = out.ttft > 0
+            return out
+        finally:
+            writer.close()
+
+
+async def run_load(
+    client: Client, port: int, load: Load, timeout: float
+) -> tuple[list[Out], float]:
+    sem = asyncio.Semaphore(load.concurrency)
+    t0 = time.perf_counter()
+
+    async def one(r: Req) -> Out:
+        if r.at > 0:
+            await asyncio.sleep(max(0.0, t0 + r.at - time.perf_counter()))
+            return await client.request(port, r)
+        async with sem:
+            return await client.request(port, r)
+
+    tasks = [asyncio.ensure_future(one(r)) for r in load.requests]
+    done, pending = await asyncio.wait(tasks, timeout=timeout)
+    for t in pending:
+        t.cancel()
+    outs = [
+        t.result() if t in done and not t.cancelled() else Out(error="load timed out")
+        for t in tasks
+    ]
+    return outs, time.perf_counter() - t0
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    f = int(k)
+    return s[f] + (s[min(f + 1, len(s) - 1)] - s[f]) * (k - f)
+
+
+def metrics(outs: list[Out], wall: float) -> dict[str, Any]:
+    ok = [o for o in outs if o.ok]
+    if not ok:
+        return {"ok": 0, "failed": len(outs), "errors": sorted({o.error[:300] for o in outs})[:3]}
+    start = min(o.start for o in ok)
+    end = max(o.start + o.latency for o in ok)
+    dur = max(end - start, 1e-9)
+    short = [o for o in ok if o.kind == "short"] or ok
+    long_ = [o for o in ok if o.kind == "long"]
+    tpot = [(o.latency - o.ttft) / (o.tokens - 1) for o in short if o.tokens > 1]
+    itl = [x for o in short for x in o.itl]
+    ttft = [o.ttft for o in (long_ or ok)]
+    ms = 1000.0
+    return {
+        "ok": len(ok),
+        "failed": len(outs) - len(ok),
+        "errors": sorted({o.error[:300] for o in outs if not o.ok})[:3],
+        "duration_s": dur,
+        "wall_s": wall,
+        "output_tokens": sum(o.tokens for o in ok),
+        "tok_s": sum(o.tokens for o in ok) / dur,
+        "tpot_p50_ms": (_pct(tpot, 50) or 0) * ms,
+        "tpot_p99_ms": (_pct(tpot, 99) or 0) * ms,
+        "itl_p50_ms": (_pct(itl, 50) or 0) * ms,
+        "itl_p99_ms": (_pct(itl, 99) or 0) * ms,
+        "ttft_p50_ms": (_pct(ttft, 50) or 0) * ms,
+        "ttft_p99_ms": (_pct(ttft, 99) or 0) * ms,
+        "ttft_of": "long prompts" if long_ else "all",
+        "short_ttft_p50_ms": (_pct([o.ttft for o in short], 50) or 0) * ms,
+    }
+
+
+# -- host-side probes -------------------------------------------------------------------------
+
+
+class Utilization:
+    """nvidia-smi's utilization.gpu every 100 ms while a load runs (None without it)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[str] | None = None
+        self.samples: list[int] = []
+        if shutil.which("nvidia-smi"):
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                 "-i", os.environ.get("BENCH_GPU_INDEX", "0"), "-lms", "100"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )  # fmt: skip
+            threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with contextlib.suppress(ValueError):
+                self.samples.append(int(line.strip()))
+
+    def stop(self) -> float | None:
+        if self.proc is None:
+            return None
+        self.proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        s = self.samples[1:] or self.samples
+        return statistics.fmean(s) if s else None
+
+
+def _proc_tree(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def host_rss(pids: list[int]) -> dict[str, float]:
+    """GiB of RssAnon / RssFile / RssShmem summed over the processes (shared pages count
+    once per process that maps them)."""
+    tot = {"anon": 0, "file": 0, "shmem": 0}
+    for p in pids:
+        try:
+            text = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            for k, key in (("RssAnon:", "anon"), ("RssFile:", "file"), ("RssShmem:", "shmem")):
+                if line.startswith(k):
+                    tot[key] += int(line.split()[1]) * 1024
+    return {k: v / 2**30 for k, v in tot.items()}
+
+
+def gpu_memory_by_pid() -> dict[int, float] | None:
+    """MiB per process from nvidia-smi (None without it; empty where it cannot see them)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        text = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=15, check=False,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    got = {}
+    for line in text.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        with contextlib.suppress(ValueError, IndexError):
+            got[int(parts[0])] = float(parts[1])
+    return got
+
+
+def gpu_used_total() -> float | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        text = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+             "-i", os.environ.get("BENCH_GPU_INDEX", "0")],
+            capture_output=True, text=True, timeout=15, check=False,
+        ).stdout  # fmt: skip
+        return float(text.split()[0])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]  # fmt: skip
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def resident_bytes(path: Path) -> int:
+    """Bytes of ``path`` in the page cache now (``mincore`` over a mapping nobody touches)."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    page = mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap {path}")
+        try:
+            vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+            if _libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore {path}")
+            return sum(b & 1 for b in bytes(vec)) * page
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def evict(paths: list[Path]) -> None:
+    """Drop the files' clean pages from the page cache (dirty ones are written first)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def page_cache(paths: list[Path]) -> float:
+    return sum(resident_bytes(p) for p in paths) / 2**30
+
+
+# -- servers ----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve_argv(args: argparse.Namespace, ckpt: Path, backend: str, port: int) -> list[str]:
+    graphs: dict[str, Any] = {
+        "cudagraph_mode": "FULL_DECODE_ONLY",
+        "cudagraph_capture_sizes": args.capture_sizes,
+    }
+    if args.compile == "none":
+        graphs["mode"] = "NONE"
+    extra: dict[str, Any] = {"gdn_prefill_backend": "triton"}  # FlashInfer is not bundled
+    if backend in MMAP_VARIANTS:
+        copy = MMAP_VARIANTS[backend].get("copy", args.copy)
+        extra["ple_memops"] = {"table_backend": "mmap", "copy": copy}
+    return [
+        "serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
+        "--served-model-name", SERVED, "--dtype", "bfloat16",
+        "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+        "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30)),
+        "--no-enable-prefix-caching", "--async-scheduling", "--disable-uvicorn-access-log",
+        "--compilation-config", json.dumps(graphs),
+        "--engram-config", json.dumps({"cpu_offload": backend != "gpu"}),
+        "--additional-config", json.dumps(extra),
+    ]  # fmt: skip
+
+
+@dataclass
+class Server:
+    backend: str
+    port: int
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    healthy: bool = False
+    error: str = ""
+    ready_s: float | None = None
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+def start_server(args: argparse.Namespace, ckpt: Path, backend: str, plugin_dir: Path) -> Server:
+    port = free_port()
+    srv = Server(backend, port, args.log_dir / f"server-{backend}.log")
+    env = dict(os.environ)
+    env.pop("PLE_MEMOPS_TABLE_BACKEND", None)
+    env |= {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0",
+            "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    if backend in MMAP_VARIANTS:
+        env["PLE_MEMOPS_TABLE_BACKEND"] = "mmap"
+        env |= MMAP_VARIANTS[backend].get("env", {})
+    env["PYTHONPATH"] = f"{plugin_dir}:{env.get('PYTHONPATH', '')}".rstrip(":")
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        *serve_argv(args, ckpt, backend, port),
+    ]
+    with open(srv.log_path, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        srv.proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    return srv
+
+
+def wait_healthy(servers: list[Server], limit: float) -> None:
+    """Poll every server's /health until healthy, dead, or ``limit`` seconds have passed."""
+    start = time.monotonic()
+    pending = [s for s in servers if s.proc is not None]
+    while pending and time.monotonic() - start < limit:
+        for s in list(pending):
+            assert s.proc is not None
+            if s.proc.poll() is not None:
+                s.error = f"exited with {s.proc.returncode} before it was healthy"
+                pending.remove(s)
+                continue
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{s.port}/health", timeout=3) as r:
+                    if r.status == 200:
+                        s.healthy, s.ready_s = True, time.monotonic() - start
+                        pending.remove(s)
+                        log(f"{s.backend}: healthy after {s.ready_s:.0f} s (port {s.port})")
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+        time.sleep(1)
+    for s in pending:
+        s.error = f"not healthy after {limit:.0f} s"
+    for s in servers:
+        if not s.healthy:
+            log(f"{s.backend}: FAILED to start: {s.error}; log tail:\n{tail(s.log_path, 40)}")
+
+
+def tail(path: Path, n: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def log_facts(path: Path) -> dict[str, Any]:
+    """What the server's log says about memory and the PLE tables."""
+    import re
+
+    text = path.read_text(errors="replace") if path.exists() else ""
+    facts: dict[str, Any] = {}
+    if m := re.search(r"Model loading took ([\d.]+) GiB", text):
+        facts["weights_gib"] = float(m.group(1))
+    if m := re.search(r"Graph capturing finished in (\d+) secs, took ([\d.]+) GiB", text):
+        facts["graphs_s"], facts["graphs_gib"] = int(m.group(1)), float(m.group(2))
+    if m := re.search(r"Skipped (\d+)/(\d+) safetensors shard", text):
+        facts["skipped_files"] = f"{m.group(1)}/{m.group(2)}"
+    if "deferred PLE rows are unavailable" in text:
+        line = next(ln for ln in text.splitlines() if "deferred PLE rows are unavailable" in ln)
+        facts["mmap_fallback"] = line.strip()[-400:]
+    for marker in ("TableIoError", "PlanPoisonedError", "watchdog", "Traceback"):
+        if marker in text:
+            facts.setdefault("log_markers", []).append(marker)
+    if m := re.search(
+        r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+)", text
+    ):
+        facts["init_engine_s"] = float(m.group(1))
+    return facts
+
+
+def stop_servers(servers: list[Server]) -> None:
+    for s in servers:
+        if s.proc is not None and s.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(s.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    for s in servers:
+        if s.proc is None:
+            continue
+        try:
+            s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(s.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                s.proc.wait(timeout=10)
+
+
+def server_resources(s: Server, tables: list[Path]) -> dict[str, Any]:
+    pids = _proc_tree(s.proc.pid) if s.proc is not None else []
+    res: dict[str, Any] = {"rss_gib": host_rss(pids)}
+    by_pid = gpu_memory_by_pid()
+    if by_pid is not None:
+        mine = [by_pid[p] for p in pids if p in by_pid]
+        res["gpu_mib"] = sum(mine) if mine else None
+    return res
+
+
+def write_plugin(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "h200_substitutes.py").write_text(SUBSTITUTES)
+    info = root / "h200_substitutes-0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: h200-substitutes\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nh200_substitutes = h200_substitutes:register\n"
+    )
+    return root
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+def left() -> float:
+    return DEADLINE - time.monotonic()
+
+
+DEADLINE = float("inf")
+
+
+async def measure(
+    args: argparse.Namespace,
+    servers: dict[str, Server],
+    tables: list[Path],
+    vocab: int,
+    rows: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Warm-up, then repeats x loads x backends (rotating order) until done or the deadline;
+    each measurement is appended to ``rows`` as it ends (kept when interrupted)."""
+    took: dict[str, float] = {}
+    live = [b for b in args.backends if servers[b].healthy]
+    async with Client(args.request_timeout) as client:
+        log(f"client: {client.kind}")
+        if live and args.warmup:
+            rng = random.Random("warmup")
+            lo = len(vbm.SPECIALS)
+            warm = Load(
+                "warmup", 9,
+                [Req([rng.randrange(lo, vocab) for _ in range(args.long_max)], 8)]
+                + [Req([rng.randrange(lo, vocab) for _ in range(args.input_len)], 16)
+                   for _ in range(8)],
+            )  # fmt: skip
+            t = time.monotonic()
+            res = await asyncio.gather(
+                *(run_load(client, servers[b].port, warm, min(args.load_timeout, max(left(), 1)))
+                  for b in live)
+            )  # fmt: skip
+            for b, (outs, _) in zip(live, res, strict=True):
+                bad = [o.error for o in outs if not o.ok]
+                if bad:
+                    log(f"{b}: warm-up failed: {bad[0][:300]}")
+            log(f"warm-up done in {time.monotonic() - t:.0f} s")
+        stop = False
+        for r in range(args.repeats):
+            if stop:
+                break
+            cache_before = None
+            if args.cold and tables:
+                evict(tables)
+                cache_before = page_cache(tables)
+                log(f"repeat {r + 1}: table files evicted, {cache_before:.2f} GiB still resident")
+            for li, load in enumerate(make_loads(args, vocab, r)):
+                order = [live[(i + r + li) % len(live)] for i in range(len(live))] if live else []
+                for b in order:
+                    est = took.get(load.name, 0.0) * 1.2 + 2
+                    if left() < est:
+                        log(f"deadline: {left():.0f} s left, {load.name} needs ~{est:.0f} s: stop")
+                        stop = True
+                        break
+                    srv = servers[b]
+                    if srv.proc is not None and srv.proc.poll() is not None:
+                        log(f"{b}: server died (exit {srv.proc.returncode}); skipped")
+                        continue
+                    util = Utilization()
+                    timeout = max(5.0, min(args.load_timeout, left()))
+                    outs, wall = await run_load(client, srv.port, load, timeout)
+                    busy = util.stop()
+                    m = metrics(outs, wall)
+                    took[load.name] = max(took.get(load.name, 0.0), wall)
+                    row = {"repeat": r + 1, "load": load.name, "backend": b, "gpu_busy_pct": busy,
+                           "page_cache_gib": page_cache(tables) if tables else None,
+                           "cache_after_evict_gib": cache_before, **m,
+                           **server_resources(srv, tables)}  # fmt: skip
+                    rows.append(row)
+                    if m["ok"]:
+                        log(
+                            f"r{r + 1} {load.name:6s} {b:4s}: {m['tok_s']:8.1f} tok/s  "
+                            f"ITL p50 {m['itl_p50_ms']:.2f} ms  "
+                            f"TTFT p50 {m['ttft_p50_ms']:.0f} ms  "
+                            f"busy {'-' if busy is None else round(busy)}%  ({wall:.1f} s)"
+                        )
+                    if m["failed"]:
+                        log(f"r{r + 1} {load.name} {b}: {m['failed']} failed: {m['errors'][:1]}")
+                if stop:
+                    break
+    return rows
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+def _med(rows: list[dict[str, Any]], key: str) -> float | None:
+    xs = [r[key] for r in rows if r.get(key) is not None and r.get("ok")]
+    return statistics.median(xs) if xs else None
+
+
+def summarize(
+    rows: list[dict[str, Any]], backends: list[str]
+) -> dict[tuple[str, str], dict[str, Any]]:
+    out = {}
+    loads = list(dict.fromkeys(r["load"] for r in rows))
+    for load in loads:
+        for b in backends:
+            rs = [r for r in rows if r["load"] == load and r["backend"] == b]
+            if not rs:
+                continue
+            good = [r for r in rs if r.get("ok")]
+            s: dict[str, Any] = {"n": len(good), "failed_runs": len(rs) - len(good)}
+            for k in ("tok_s", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms",
+                      "ttft_p50_ms", "ttft_p99_ms", "gpu_busy_pct"):  # fmt: skip
+                s[k] = _med(rs, k)
+            toks = [r["tok_s"] for r in good]
+            s["tok_s_range"] = (min(toks), max(toks)) if toks else None
+            s["ttft_of"] = rs[0].get("ttft_of", "all")
+            s["failed_requests"] = sum(r.get("failed", 0) for r in rs)
+            out[(load, b)] = s
+    return out
+
+
+def _f(x: float | None, nd: int = 1) -> str:
+    return "-" if x is None else f"{x:,.{nd}f}"
+
+
+def verdict(summary: dict[tuple[str, str], dict[str, Any]]) -> str:
+    notes, misses = [], []
+
+    def get(load: str, b: str, k: str) -> float | None:
+        s = summary.get((load, b))
+        return None if s is None else s.get(k)
+
+    loads = list(dict.fromkeys(load for load, _ in summary))
+    for load in loads:
+        m, g, u = (get(load, b, "tok_s") for b in ("mmap", "gpu", "uva"))
+        for b, x in (("mmap", m), ("gpu", g), ("uva", u)):
+            if x is None:
+                misses.append(f"{load}: no {b} result")
+        if m is None:
+            continue
+        if g:
+            d = (m / g - 1) * 100
+            notes.append(f"{load} tok/s {d:+.2f}% vs gpu")
+            if d < -1:
+                misses.append(f"{load}: throughput {d:+.2f}% vs gpu (target >= -1%)")
+            mi, gi = get(load, "mmap", "itl_p50_ms"), get(load, "gpu", "itl_p50_ms")
+            if mi and gi and load != "mixed":
+                di = (mi / gi - 1) * 100
+                notes.append(f"ITL {di:+.2f}%")
+                if di > 1:
+                    misses.append(f"{load}: ITL p50 {di:+.2f}% vs gpu (target <= +1%)")
+        if u and m < u:
+            misses.append(f"{load}: throughput below uva ({(m / u - 1) * 100:+.2f}%)")
+    mt, ut = get("mixed", "mmap", "ttft_p50_ms"), get("mixed", "uva", "ttft_p50_ms")
+    if mt is not None and ut is not None:
+        notes.append(f"mixed TTFT p50 {mt:.0f} vs uva {ut:.0f} ms")
+        if mt > ut:
+            misses.append(f"mixed: TTFT p50 {mt:.0f} ms > uva {ut:.0f} ms")
+    if not summary:
+        return "VERDICT (reported, not asserted): nothing was measured."
+    head = "all targets met" if not misses else "targets missed: " + "; ".join(misses)
+    return f"VERDICT (reported, not asserted): {head}. [{'; '.join(notes)}]"
+
+
+def markdown(
+    summary: dict[tuple[str, str], dict[str, Any]],
+    servers: dict[str, dict[str, Any]],
+    meta: dict[str, Any],
+) -> str:
+    lines = [
+        f"Qwen4Exp random weights, {meta.get('model', '')}; {meta.get('setup', '')}",
+        "",
+        "| load | backend | runs | output tok/s (range) | TPOT p50 / p99 ms | ITL p50 / p99 ms "
+        "| TTFT p50 / p99 ms | GPU busy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (load, b), s in summary.items():
+        rng = s.get("tok_s_range")
+        rs = f" ({_f(rng[0], 0)}-{_f(rng[1], 0)})" if rng else ""
+        ttft_note = " (long)" if s.get("ttft_of") == "long prompts" else ""
+        fail = f", {s['failed_requests']} failed" if s.get("failed_requests") else ""
+        lines.append(
+            f"| {load} | {b} | {s['n']}{fail} | {_f(s['tok_s'])}{rs} "
+            f"| {_f(s['tpot_p50_ms'], 2)} / {_f(s['tpot_p99_ms'], 2)} "
+            f"| {_f(s['itl_p50_ms'], 2)} / {_f(s['itl_p99_ms'], 2)} "
+            f"| {_f(s['ttft_p50_ms'], 0)} / {_f(s['ttft_p99_ms'], 0)}{ttft_note} "
+            f"| {_f(s['gpu_busy_pct'], 0)}% |"
+        )
+    lines += [
+        "",
+        "| backend | ready after | weights (vLLM log) | GPU memory (nvidia-smi) | host RSS anon / "
+        "file / shmem | table page cache | notes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for b, s in servers.items():
+        rss = s.get("rss_gib") or {}
+        notes = s.get("error") or ""
+        facts = s.get("facts", {})
+        if facts.get("skipped_files"):
+            notes += f" table files skipped at load: {facts['skipped_files']}"
+        if facts.get("mmap_fallback"):
+            notes += f" FELL BACK: {facts['mmap_fallback']}"
+        if facts.get("log_markers"):
+            notes += f" log mentions {facts['log_markers']}"
+        gpu = s.get("gpu_mib")
+        lines.append(
+            f"| {b} | {_f(s.get('ready_s'), 0)} s | {_f(facts.get('weights_gib'), 2)} GiB "
+            f"| {'-' if gpu is None else f'{gpu / 1024:,.2f} GiB'} "
+            f"| {_f(rss.get('anon'), 2)} / {_f(rss.get('file'), 2)} / "
+            f"{_f(rss.get('shmem'), 2)} GiB "
+            f"| {_f(s.get('page_cache_gib'), 2)} GiB | {notes.strip()} |"
+        )
+    w = {b: s.get("facts", {}).get("weights_gib") for b, s in servers.items()}
+    if w.get("gpu") is not None:
+        freed = [f"{b} {w['gpu'] - w[b]:.2f} GiB" for b in w if b != "gpu" and w[b] is not None]
+        if freed:
+            lines += ["", f"GPU memory freed against the GPU table (weights): {', '.join(freed)}"]
+    return "\n".join(lines)
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    p.add_argument("--model", choices=["bench", "tiny"], default="bench")
+    p.add_argument("--checkpoint", type=Path, help="serve this checkpoint instead of building one")
+    p.add_argument("--ckpt-root", type=Path, default=Path("/tmp/ple-bench-ckpt"))
+    p.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--topk", type=int, default=10)
+    p.add_argument("--ple-layers", type=int, default=4)
+    p.add_argument("--table-gib", type=float, default=4.0)
+    p.add_argument("--attention-every", type=int, default=4,
+                   help="every N-th layer full attention (0: all GatedDeltaNet)")  # fmt: skip
+    p.add_argument("--vocab", type=int, default=248_320)
+    p.add_argument("--split-parts", type=int, default=16, help="shards per PLE table")
+    p.add_argument("--build-only", action="store_true", help="write the checkpoint and exit")
+    p.add_argument(
+        "--backends",
+        type=lambda s: s.split(","),
+        default=list(BACKENDS),
+        help=f"of {', '.join(dict.fromkeys([*BACKENDS, *MMAP_VARIANTS]))}",
+    )
+    p.add_argument("--concurrency", type=ints, default=[1, 8, 64])
+    p.add_argument("--requests", type=int, help="requests per decode load (default max(4, 2c))")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--mixed-decoders", type=int, default=16)
+    p.add_argument("--mixed-output-len", type=int, default=256)
+    p.add_argument("--mixed-long", type=int, default=8, help="long prompts (0: no mixed load)")
+    p.add_argument("--mixed-gap", type=float, default=0.4)
+    p.add_argument("--long-min", type=int, default=2048)
+    p.add_argument("--long-max", type=int, default=3072)
+    p.add_argument("--long-output-len", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--cold", action="store_true", help="evict the table files before each repeat")
+    p.add_argument("--deadline", type=float, default=480, help="seconds from start (all phases)")
+    p.add_argument("--start-timeout", type=float, default=300)
+    p.add_argument("--load-timeout", type=float, default=90)
+    p.add_argument("--request-timeout", type=float, default=90)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--capture-sizes", type=ints, default=[1, 2, 4, 8, 16, 24, 32, 48, 64])
+    p.add_argument("--kv-cache-gib", type=float, default=12.0)
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.25,
+        help="only vLLM's start-up check (free memory >= this share); the KV cache is fixed",
+    )
+    p.add_argument("--compile", choices=["none", "default"], default="none")
+    p.add_argument("--copy", choices=["auto", "kernel", "memop"], default="auto")
+    p.add_argument("--log-dir", type=Path, default=Path(os.environ.get("OUT", "/tmp/ple-out")))
+    p.add_argument("--markdown", type=Path)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--dry-run", action="store_true", help="CPU checks, fake servers (no GPU)")
+    return p.parse_args(argv)
+
+
+def model_config(args: argparse.Namespace) -> dict[str, Any]:
+    if args.model == "tiny":
+        return vbm.bench_config(
+            layers=8, experts=4, topk=2, ple_layers=2, table_gib=0.002, dtype=args.dtype,
+            attention_every=args.attention_every, vocab=512, split_parts=4, tiny=True,
+        )  # fmt: skip
+    return vbm.bench_config(
+        layers=args.layers, experts=args.experts, topk=args.topk, ple_layers=args.ple_layers,
+        table_gib=args.table_gib, dtype=args.dtype, attention_every=args.attention_every,
+        vocab=args.vocab, split_parts=args.split_parts,
+        max_positions=max(8192, args.max_model_len),
+    )  # fmt: skip
+
+
+def describe(cfg: dict[str, Any], ckpt: Path) -> str:
+    tables = vbm.table_files(ckpt)
+    tgib = sum(p.stat().st_size for p in tables) / 2**30
+    allgib = sum(p.stat().st_size for p in ckpt.glob("*.safetensors")) / 2**30
+    full = sum(t == vbm.FULL for t in cfg["layer_types"])
+    return (
+        f"{cfg['num_hidden_layers']} layers ({full} full attention), {cfg['num_experts']} "
+        f"experts top-{cfg['num_experts_per_tok']}, hidden {cfg['hidden_size']}, PLE on layers "
+        f"{cfg['ple_layer_ids']} (1-based), {cfg['_dtype']} tables {tgib:.2f} GiB "
+        f"(checkpoint {allgib:.2f} GiB)"
+    )
+
+
+def report(
+    args: argparse.Namespace,
+    rows: list[dict[str, Any]],
+    servers: dict[str, Server],
+    meta: dict[str, Any],
+    tables: list[Path],
+) -> None:
+    summary = summarize(rows, args.backends)
+    per_server: dict[str, dict[str, Any]] = {}
+    for b, s in servers.items():
+        last = [r for r in rows if r["backend"] == b]
+        res = server_resources(s, tables) if s.proc is not None and s.proc.poll() is None else {}
+        per_server[b] = {
+            "ready_s": s.ready_s, "error": s.error, "facts": s.facts,
+            "rss_gib": res.get("rss_gib") or (last[-1]["rss_gib"] if last else None),
+            "gpu_mib": res.get("gpu_mib") if res else (last[-1].get("gpu_mib") if last else None),
+            "page_cache_gib": page_cache(tables) if tables else None,
+        }  # fmt: skip
+    md = markdown(summary, per_server, meta)
+    v = verdict(summary)
+    print("\n" + md + "\n\n" + v + "\n", flush=True)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(md + "\n\n" + v + "\n\n" + f"command: `{meta['command']}`\n")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps(
+                {"meta": meta, "servers": per_server, "runs": rows, "verdict": v,
+                 "summary": [{"load": k[0], "backend": k[1], **s} for k, s in summary.items()]},
+                indent=1, default=str,
+            )
+        )  # fmt: skip
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    global DEADLINE
+    args = parse_args(argv)
+    unknown = [b for b in args.backends if b not in BACKENDS and b not in MMAP_VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown backends {unknown}; known: {[*BACKENDS, *MMAP_VARIANTS]}")
+    if args.dry_run:
+        return dry_run(args)
+    DEADLINE = T0 + args.deadline
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    cfg = model_config(args)
+    signal.signal(signal.SIGTERM, _interrupt)  # `timeout` stops us: report, stop servers
+    if args.checkpoint:
+        ckpt = args.checkpoint
+    elif args.build_only:
+        log(f"checkpoint: {vbm.config_hash(cfg)} under {args.ckpt_root}")
+        ckpt, built = vbm.ensure_checkpoint(args.ckpt_root, cfg, log=log)
+        log(f"checkpoint {'written' if built else 'cached'}: {ckpt}")
+        print(describe(cfg, ckpt))
+        return 0
+    else:
+        ckpt = args.ckpt_root / f"qwen4exp-{vbm.config_hash(cfg)}"
+        if not (ckpt / "tokenizer.json").exists():
+            # In a process of its own: the writer's CUDA context and cached blocks must not
+            # stay on the GPU the servers share.
+            cmd = [sys.executable, str(Path(__file__).resolve()), *(argv or sys.argv[1:])]
+            log(f"building the checkpoint: {' '.join(cmd)} --build-only")
+            try:
+                subprocess.run([*cmd, "--build-only"], check=True, timeout=max(left(), 1))
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+                log(f"the checkpoint could not be built: {exc}")
+                return 1
+        log(f"checkpoint: {ckpt}")
+    tables = vbm.table_files(ckpt)
+    meta: dict[str, Any] = {
+        "model": describe(cfg, ckpt),
+        "setup": (
+            f"{args.input_len} in / {args.output_len} out, mixed: {args.mixed_decoders} x "
+            f"{args.input_len}/{args.mixed_output_len} + {args.mixed_long} x "
+            f"{args.long_min}-{args.long_max}/{args.long_output_len} every {args.mixed_gap} s; "
+            f"{'cold' if args.cold else 'warm'} page cache; compile {args.compile}; "
+            f"FULL_DECODE_ONLY {args.capture_sizes}; max_num_batched_tokens "
+            f"{args.max_num_batched_tokens}; median of up to {args.repeats} interleaved repeats"
+        ),
+        "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        "checkpoint": str(ckpt),
+        "config": cfg,
+    }
+    log(meta["model"])
+    plugin_dir = write_plugin(Path(tempfile.mkdtemp(prefix="ple-bench-plugin-")))
+    servers: dict[str, Server] = {}
+    rows: list[dict[str, Any]] = []
+    try:
+        for b in args.backends:
+            servers[b] = start_server(args, ckpt, b, plugin_dir)
+        log(f"started {', '.join(args.backends)}; waiting up to {args.start_timeout:.0f} s")
+        wait_healthy(list(servers.values()), min(args.start_timeout, max(left(), 1)))
+        for s in servers.values():
+            s.facts = log_facts(s.log_path)
+        meta["gpu_used_mib_all_servers"] = gpu_used_total()
+        asyncio.run(measure(args, servers, tables, int(cfg["vocab_size"]), rows))
+    except KeyboardInterrupt:
+        log("interrupted: reporting what was measured")
+    finally:
+        for s in servers.values():
+            s.facts = log_facts(s.log_path)
+        try:
+            report(args, rows, servers, meta, tables)
+        finally:
+            stop_servers(list(servers.values()))
+    return 0 if rows else 1
+
+
+# -- the dry run ------------------------------------------------------------------------------
+
+
+class _Fake(threading.Thread):
+    """A streaming completions server: ``step_s`` per token; ``fail`` answers 500."""
+
+    def __init__(self, step_s: float, fail: bool = False) -> None:
+        super().__init__(daemon=True)
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.end_headers()
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if outer.fail:
+                    self.send_response(500)
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                time.sleep(len(body["prompt"]) * 2e-6)  # "prefill"
+                for i in range(body["max_tokens"]):
+                    time.sleep(outer.step_s)
+                    chunk = {"choices": [{"text": f" w{i}", "index": 0}]}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+                usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
+                self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+
+        self.fail = fail
+        self.step_s = step_s
+        ThreadingHTTPServer.request_queue_size = 256  # no SYN retries at concurrency 64
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.httpd.daemon_threads = True
+        self.port = int(self.httpd.server_address[1])
+
+    def run(self) -> None:
+        self.httpd.serve_forever()
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    """The CPU side, here: checkpoint writer (tiny) against save_pretrained and vLLM's CPU
+    loader, the tokenizer, the serve command lines, the loop and report on fake servers."""
+    global DEADLINE
+    work = Path(tempfile.mkdtemp(prefix="ple-bench-dry-"))
+    args.log_dir = work
+    ok = True
+    for dtype in ("bf16", "fp8"):
+        for every in (0, 4):
+            cfg = vbm.bench_config(
+                layers=8, experts=4, topk=2, ple_layers=2, table_gib=0.002, dtype=dtype,
+                attention_every=every, vocab=512, split_parts=4, tiny=True,
+            )  # fmt: skip
+            problems = vbm.verify_against_save_pretrained(cfg, work / f"verify-{dtype}-{every}")
+            log(f"writer vs save_pretrained ({dtype}, attention every {every}): "
+                f"{'identical' if not problems else problems[:5]}")  # fmt: skip
+            ok &= not problems
+    args.model = "tiny"
+    args.attention_every = 4
+    for dtype in ("bf16", "fp8"):
+        args.dtype = dtype
+        cfg = model_config(args)
+        ckpt, _ = vbm.ensure_checkpoint(work / "ckpt", cfg, log=lambda _: None)
+        log(f"tiny {dtype} checkpoint: {describe(cfg, ckpt)}")
+        log(f"tokenizer: {vbm.check_tokenizer(ckpt)}")
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            log("vLLM is not importable here: its loader and parser checks are skipped")
+            continue
+        # mmap first: vLLM remembers the model class it resolved for a checkpoint, so a
+        # stock load before would make the mmap one build vLLM's pinned table (CUDA).
+        for mm in (True, False):
+            try:
+                log(f"vLLM's CPU loader (mmap={mm}): {vbm.check_vllm_loads(ckpt, mmap=mm)}")
+            except Exception as exc:
+                import traceback
+
+                ok = False
+                log(f"vLLM's CPU loader (mmap={mm}) FAILED: {type(exc).__name__}: {exc}")
+                traceback.print_exc()
+        ok &= check_serve_args(args, ckpt)
+    # The loop and the report against fake servers (one failing), a short deadline.
+    fakes = {
+        "gpu": _Fake(0.0010),
+        "uva": _Fake(0.0012),
+        "mmap": _Fake(0.0010),
+        "bad": _Fake(0, True),
+    }
+    for f in fakes.values():
+        f.start()
+    args.backends = list(fakes)
+    args.concurrency, args.repeats, args.output_len = [1, 8], 3, 24
+    args.mixed_decoders, args.mixed_long, args.mixed_output_len, args.mixed_gap = 4, 2, 24, 0.05
+    args.long_min, args.long_max, args.warmup = 300, 400, True
+    servers = {
+        b: Server(b, f.port, work / f"{b}.log", healthy=True, ready_s=0.0) for b, f in fakes.items()
+    }
+    tables = vbm.table_files(ckpt)
+    DEADLINE = time.monotonic() + 20
+    rows: list[dict[str, Any]] = []
+    asyncio.run(measure(args, servers, tables, 512, rows))
+    args.markdown, args.json = work / "bench.md", work / "bench.json"
+    meta = {"model": describe(cfg, ckpt), "setup": "DRY RUN against fake servers",
+            "command": "bench_vllm.py --dry-run"}  # fmt: skip
+    report(args, rows, servers, meta, tables)
+    fake_rows = [dict(r, backend={"gpu": "uva", "uva": "gpu"}.get(r["backend"], r["backend"]))
+                 for r in rows]  # fmt: skip
+    log("the verdict with gpu and uva swapped (a report that misses targets):")
+    print(verdict(summarize(fake_rows, args.backends)))
+    evict(tables)
+    log(f"page cache of the tiny tables after eviction: {page_cache(tables) * 2**30:.0f} bytes")
+    for t in tables:
+        t.read_bytes()
+    log(f"after reading them: {page_cache(tables) * 2**30:.0f} bytes "
+        f"(files {sum(t.stat().st_size for t in tables)} bytes)")  # fmt: skip
+    log(f"dry run {'PASSED' if ok and rows else 'FAILED'}; files under {work}")
+    return 0 if ok and rows else 1
+
+
+def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
+    """Every backend's ``vllm serve`` arguments through vLLM's own parser and EngineArgs."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    ok = True
+    for b in BACKENDS:
+        parser = FlexibleArgumentParser()
+        sub = parser.add_subparsers(dest="cmd")
+        ServeSubcommand().subparser_init(sub)
+        try:
+            ns = parser.parse_args(serve_argv(args, ckpt, b, 8000))
+            ns.model = ns.model_tag
+            ea = AsyncEngineArgs.from_cli_args(ns)
+            log(f"serve args ({b}): parsed; engram {ea.engram_config}, additional "
+                f"{ea.additional_config}, compilation {ea.compilation_config}, kv "
+                f"{ea.kv_cache_memory_bytes}, prefix caching {ea.enable_prefix_caching}, "
+                f"async {ea.async_scheduling}")  # fmt: skip
+        except (SystemExit, Exception) as exc:
+            ok = False
+            log(f"serve args ({b}) REFUSED: {exc!r}")
+    return ok
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# benchmarks/bench_vllm.py on the lent H200: three `vllm serve` servers of a random-weight
+# Qwen4Exp (PLE tables on the GPU, pinned + UVA, and ple-memops' mmap), interleaved loads,
+# the table in BENCHMARKS.md form. Run from the repository root after
+# scripts/vllm-h200/setup.sh (vLLM in /tmp/vllm-site, our wheel in /tmp/site), as
+# scripts/gpu/vllm_engine.sh is. Writes under $OUT: bench_vllm_<dtype>.{log,md,json}, the
+# servers' logs (server-<backend>.log) and bench_env.txt.
+#
+# The checkpoint is written once per configuration under /tmp/ple-bench-ckpt (a hash of
+# the config names it; about 17 GiB at the defaults) and reused while the host lives.
+#
+# Settings (environment):
+#   DTYPE=bf16|fp8   the PLE tables' dtype (default bf16)
+#   DEADLINE=480     seconds after which the bench starts no new measurement (all phases:
+#                    checkpoint, server start, warm-up, loads); the whole script stays
+#                    under DEADLINE + 90 s
+#   SMOKE=1          the tiny model, one repeat: checks the plumbing in ~3 minutes
+#   BENCH_ARGS=...   more arguments, e.g. "--cold", "--attention-every 0" (no full-attention
+#                    layers, if vLLM's dense attention fails here), "--layers 16",
+#                    "--output-len 256", "--repeats 5", "--backends gpu,mmap", "--compile default"
+#
+# Expected wall time on a fresh host at the defaults: checkpoint ~30-60 s (first time only),
+# servers healthy after ~150-250 s (vLLM's Triton kernels compile on a fresh host; a warm
+# host is faster), warm-up ~10 s, then ~45 s a repeat (3 backends x c1, c8, c64, mixed).
+set -uo pipefail
+OUT=${OUT:-/tmp/ple-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_BREAKABLE_CUDAGRAPH=0
+export PYTHONPATH=/tmp/vllm-site:/tmp/site:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
+unset PLE_MEMOPS_TABLE_BACKEND  # the bench sets it in the mmap server only
+DTYPE=${DTYPE:-bf16}
+DEADLINE=${DEADLINE:-480}
+EXTRA=()
+if [ "${SMOKE:-0}" = 1 ]; then
+    EXTRA=(--model tiny --repeats 1)
+fi
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+    python3 -c 'import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)'
+    free -g | head -2
+    df -h /tmp | tail -1
+    python3 -m ple_memops.vllm check 2>&1 | tail -3
+} 2>&1 | tee "$OUT/bench_env.txt"
+start=$(date +%s)
+# shellcheck disable=SC2086  # BENCH_ARGS is split on purpose
+timeout -k 20 $((DEADLINE + 70)) python3 benchmarks/bench_vllm.py \
+    --dtype "$DTYPE" --deadline "$DEADLINE" --log-dir "$OUT" \
+    --markdown "$OUT/bench_vllm_$DTYPE.md" --json "$OUT/bench_vllm_$DTYPE.json" \
+    ${EXTRA[@]+"${EXTRA[@]}"} ${BENCH_ARGS:-} >"$OUT/bench_vllm_$DTYPE.log" 2>&1
+rc=$?
+echo "== bench_vllm: exit $rc in $(( $(date +%s) - start )) s (124 = hit the time limit)"
+# The progress lines, the table and the verdict (the full log is in $OUT).
+grep -E "^\[ *[0-9.]+ s\]|^\||^VERDICT|^Qwen4Exp|Traceback|Error" "$OUT/bench_vllm_$DTYPE.log" \
+    | grep -vE "Warning|warn" | tail -90
+for f in "$OUT"/server-*.log; do
+    [ -f "$f" ] || continue
+    echo "== $(basename "$f"): $(grep -cE "ERROR|Traceback" "$f") error lines; key lines:"
+    grep -E "Model loading took|Graph capturing finished|init engine|ple-memops|Skipped [0-9]+/|KV cache memory|deferred PLE rows" "$f" \
+        | sed 's/^.*\] //' | cut -c1-220 | head -8
+done
+exit $rc
