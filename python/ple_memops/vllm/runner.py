@@ -179,7 +179,11 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
         )
     else:
         mode = compilation.cudagraph_mode
-        if mode is not None and mode != CUDAGraphMode.NONE:
+        if hooks.plan.mode == "host" and mode is not None and mode != CUDAGraphMode.NONE:
+            # No CUDA device: no graph to keep.
+            compilation.cudagraph_mode = CUDAGraphMode.NONE
+            graphs = f"CUDA graphs are turned off (cudagraph_mode {mode.name} -> NONE)"
+        elif mode is not None and mode != CUDAGraphMode.NONE:
             graphs = (
                 f"CUDA graphs stay on (cudagraph_mode {mode.name}): before each replay a "
                 "small graph computes the step's ids, they come to the host in one copy, "
