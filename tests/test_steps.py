@@ -5,6 +5,7 @@ transformers runner."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -94,6 +95,29 @@ def test_a_failed_step_aborts_the_plan_and_raises_its_error(table: Any) -> None:
     with pytest.raises(pm.PoisonedError):
         driver.arm(1)
     driver.drain_for_shutdown()  # never raises
+    driver.shutdown()
+
+
+def test_raise_if_failed_stops_a_step_whose_rows_failed(table: Any) -> None:
+    """Before an engine hands out a step's output: nothing while the rows are good; once
+    a fill failed (its consumer read zeros), the worker's typed error comes out."""
+    p = _worker_plan(table)
+    driver = StepDriver(p)
+    driver.arm(1)
+    driver.publish_host("t", [2])
+    driver.drain()
+    driver.raise_if_failed()  # good rows: nothing
+    assert p.poison_cause is None
+    driver.arm(1)
+    driver.publish_host("t", [ROWS + 5])  # the fill fails in the worker
+    deadline = time.monotonic() + 5
+    while p.poison_cause is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert "out of range" in (p.poison_cause or "")
+    with pytest.raises(pm.RowIdError):
+        driver.raise_if_failed()
+    with pytest.raises(pm.PoisonedError):
+        driver.raise_if_failed()  # and every later check
     driver.shutdown()
 
 

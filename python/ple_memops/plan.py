@@ -493,6 +493,16 @@ class RowsPlan:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def poison_cause(self) -> str | None:
+        """Why a table's rows were poisoned (a failed fill, an abort, the watchdog), or
+        ``None`` while every table is usable. Cheap: one native read a table."""
+        for layer in self._layers.values():
+            cause = layer.rows.poison_cause
+            if cause is not None:
+                return f"{layer.name}: {cause}"
+        return None
+
     def stats(self) -> dict[str, tuple[Any, WorkerStats | None]]:
         """Per table: the rows' :class:`~ple_memops.Stats` and the worker's, if any."""
         return {

@@ -271,6 +271,20 @@ class StepDriver:
 
     # -- failures and lifecycle ---------------------------------------------------------------
 
+    def raise_if_failed(self) -> None:
+        """Raise now if any table's rows failed (a fill that failed, an abort): the armed
+        steps are completed so the worker's typed error comes out (or
+        :class:`~ple_memops.PoisonedError`). An engine calls it before it hands out a
+        step's results, once the GPU finished the step: a step whose rows failed read
+        zeros, and its output must not reach anyone."""
+        cause = self.plan.poison_cause
+        if cause is None:
+            return
+        self.drain()  # raises the first failure (the plan is aborted)
+        from .errors import PoisonedError
+
+        raise PoisonedError(cause)
+
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:
         """Any exception inside (``KeyboardInterrupt`` included) aborts the plan, so no

@@ -142,6 +142,8 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         f"from {_MR} import",
         "imports the runner class when it builds one",
     ),
+    _signature(f"{_MR}:GPUModelRunner.sample_tokens", "(self, grammar_output)"),
+    _exists("vllm.v1.worker.gpu.async_utils:AsyncOutput.get_output"),
     _source_has(
         f"{_MR}:GPUModelRunner.initialize_kv_cache",
         "self.cudagraph_manager = ModelCudaGraphManager(",

@@ -408,6 +408,12 @@ class PleRunnerHooks:
         """Release every GPU wait for good; later calls raise ``PoisonedError``."""
         self.driver.abort(reason)
 
+    def raise_if_failed(self) -> None:
+        """Before the engine hands out a step's output (the GPU finished the step): raise
+        the typed error if any step's rows failed, so no token computed from the zeros a
+        released consumer read is ever returned."""
+        self.driver.raise_if_failed()
+
     def drain_for_shutdown(self) -> None:
         """Complete pending steps (bounded; a failure is logged and aborts the plan, so
         no captured wait can hold the device): before the engine synchronises the device

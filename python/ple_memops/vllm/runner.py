@@ -284,6 +284,24 @@ class PleGPUModelRunner(_BaseRunner):
         with hooks.step(dummy=dummy):
             return super().execute_model(*args, **kwargs)
 
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().sample_tokens(*args, **kwargs)
+        hooks = self.ple_rows
+        if hooks is None or out is None:
+            return out
+        get_output = getattr(out, "get_output", None)
+        if get_output is None:
+            hooks.raise_if_failed()  # synchronous scheduling: the step is done on the GPU
+            return out
+
+        def checked_output() -> Any:
+            result = get_output()  # waits for the step's results on the GPU
+            hooks.raise_if_failed()
+            return result
+
+        out.get_output = checked_output  # async scheduling: checked when handed out
+        return out
+
     def capture_model(self, *args: Any, **kwargs: Any) -> int:
         hooks = self.ple_rows
         if hooks is not None:
