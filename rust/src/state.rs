@@ -167,17 +167,23 @@ impl Phase {
     /// wait on a fill that the calling thread makes later (an implicit synchronisation
     /// before it would deadlock), so the step must already be filled, unless a gather
     /// worker armed it: the worker fills it when the GPU publishes its ids, which no host
-    /// synchronisation can block. Only with exactly one step in flight.
+    /// synchronisation can block.
+    ///
+    /// It applies to the newest step. A host-filled step must be the only one in flight.
+    /// A worker's step may follow older ones (graph replays, earlier eager steps, each
+    /// with its consumer already on the stream): enqueued right after its `begin`, its
+    /// consumer comes after theirs, and the worker fills the steps in order as the GPU
+    /// consumes them, as for consecutive replays.
     pub fn eager_enqueue(&mut self) -> Result<usize> {
         let steps = self.steps_mut()?;
         let n = steps.len();
-        let Some(step) = steps.front_mut() else {
+        let Some(step) = steps.back_mut() else {
             return Err(Error::state(
                 Op::Enqueue,
                 "nothing pending; call begin() first",
             ));
         };
-        if n > 1 {
+        if n > 1 && !step.worker {
             return Err(Error::state(
                 Op::Enqueue,
                 format!("eager enqueue with {n} steps in flight: complete the older steps first"),
@@ -270,6 +276,24 @@ mod tests {
     }
 
     #[test]
+    fn a_worker_step_enqueues_eagerly_behind_older_steps() {
+        let mut p = Phase::default();
+        // A replay's step (its consumer in the graph), then an eager forward's.
+        p.begin(3, 8, 1, 2, true).unwrap();
+        p.begin(5, 8, 2, 2, true).unwrap();
+        assert_eq!(p.eager_enqueue().unwrap(), 5, "the newest step's rows");
+        assert_eq!(kind(p.eager_enqueue()), ErrorKind::State);
+        p.mark_filled();
+        assert_eq!(p.complete().unwrap().seq, 1);
+        p.mark_filled();
+        assert_eq!(p.complete().unwrap().seq, 2);
+        // A host-filled step behind another must be filled and alone: refused.
+        p.begin(3, 8, 3, 2, true).unwrap();
+        p.begin(4, 8, 4, 2, false).unwrap();
+        assert_eq!(kind(p.eager_enqueue()), ErrorKind::State);
+    }
+
+    #[test]
     fn two_steps_in_flight_fill_and_complete_in_order() {
         let mut p = Phase::default();
         p.begin(3, 8, 1, 2, true).unwrap();
@@ -286,7 +310,8 @@ mod tests {
         assert!(!p.is_unfilled(1) && p.is_unfilled(2));
         assert_eq!(p.oldest_unfilled().unwrap().seq, 2);
         assert_eq!(p.check_fill(Op::Fill, 5).unwrap(), 5);
-        // No eager enqueue while two steps are in flight.
+        // An eager enqueue goes to the newest (worker) step, once.
+        assert_eq!(p.eager_enqueue().unwrap(), 5);
         assert_eq!(kind(p.eager_enqueue()), ErrorKind::State);
         assert_eq!(p.complete().unwrap().seq, 1);
         // Step 2 is not filled yet.
