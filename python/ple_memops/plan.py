@@ -367,19 +367,8 @@ class RowsPlan:
         (``allow_device_sync=True``); :meth:`publish_host` never does."""
         layer = self._layer(name)
         # The eager path: a CUDA tensor is copied to the host, which waits for the device.
-        host = host_ids(ids, allow_device_sync=True, dtype=np.int64, flatten=True)
-        n = len(host) if rows is None else int(rows)
-        if len(host) > n:
-            raise InvalidArgumentError(f"{len(host)} ids for a step of {n} rows")
-        self._check_idle(layer)
-        layer.table.check_ids(host)  # a bad id raises before the step begins
-        return self._eager_step(
-            layer,
-            n,
-            "gather_now",
-            lambda r: r.fill_from(layer.table, host, stream=stream),
-            stream,
-        )
+        host, n = self._checked_ids(layer, ids, rows, allow_device_sync=True)
+        return self._fill_host(layer, host, n, stream, "gather_now")
 
     def gather_many_now(
         self, ids: Mapping[str, Any], rows: int | None = None, *, stream: Any = None
@@ -395,12 +384,7 @@ class RowsPlan:
         work = []
         for name, table_ids in ids.items():
             layer = self._layer(name)
-            host = host_ids(table_ids, allow_device_sync=False, dtype=np.int64, flatten=True)
-            n = len(host) if rows is None else int(rows)
-            if len(host) > n:
-                raise InvalidArgumentError(f"{len(host)} ids of {name!r} for a step of {n} rows")
-            self._check_idle(layer)
-            layer.table.check_ids(host)  # a bad id raises before any step begins
+            host, n = self._checked_ids(layer, table_ids, rows, allow_device_sync=False)
             work.append((layer, host, n))
         if stream is None and self._device is not None:
             torch = optional_torch()
@@ -433,13 +417,24 @@ class RowsPlan:
             raise first
         return out
 
-    def _fill_host(self, layer: PlanLayer, host: Any, n: int, stream: Any) -> Any:
+    def _checked_ids(
+        self, layer: PlanLayer, ids: Any, rows: int | None, *, allow_device_sync: bool
+    ) -> tuple[Any, int]:
+        """``ids`` on the host and the step's extent; a bad id raises before any step
+        begins, and the table must have no step in flight."""
+        host = host_ids(ids, allow_device_sync=allow_device_sync, dtype=np.int64, flatten=True)
+        n = len(host) if rows is None else int(rows)
+        if len(host) > n:
+            raise InvalidArgumentError(f"{len(host)} ids of {layer.name!r} for a step of {n} rows")
+        self._check_idle(layer)
+        layer.table.check_ids(host)
+        return host, n
+
+    def _fill_host(
+        self, layer: PlanLayer, host: Any, n: int, stream: Any, what: str = "gather_many_now"
+    ) -> Any:
         return self._eager_step(
-            layer,
-            n,
-            "gather_many_now",
-            lambda r: r.fill_from(layer.table, host, stream=stream),
-            stream,
+            layer, n, what, lambda r: r.fill_from(layer.table, host, stream=stream), stream
         )
 
     def dummy_now(self, name: str, rows: int, *, stream: Any = None) -> Any:
