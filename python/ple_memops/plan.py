@@ -425,7 +425,9 @@ class RowsPlan:
         host = host_ids(ids, allow_device_sync=allow_device_sync, dtype=np.int64, flatten=True)
         n = len(host) if rows is None else int(rows)
         if len(host) > n:
-            raise InvalidArgumentError(f"{len(host)} ids of {layer.name!r} for a step of {n} rows")
+            raise InvalidArgumentError(
+                f"{len(host)} ids for a step of {n} rows (table {layer.name!r})"
+            )
         self._check_idle(layer)
         layer.table.check_ids(host)
         return host, n
