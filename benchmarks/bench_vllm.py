@@ -97,6 +97,10 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 import vllm_bench_model as vbm  # noqa: E402
 
+# The offline bundle leaves CuTe DSL out: the model then takes its unfused hyper-connection
+# path in every vLLM process (a vLLM general plugin on PYTHONPATH).
+from vllm_serve_check import write_test_plugin as write_plugin  # noqa: E402
+
 BACKENDS = ("gpu", "uva", "mmap")
 # More mmap servers on request (--backends): the device side of a deferred step forced to
 # the polling kernel or to stream memory operations, and the synchronous fallback (the
@@ -110,20 +114,6 @@ MMAP_VARIANTS = {
 }
 SERVED = "qwen4exp-bench"
 T0 = time.monotonic()
-
-# The offline bundle leaves CuTe DSL out: the model then takes its unfused hyper-connection
-# path, in every vLLM process (a vLLM general plugin on PYTHONPATH; tests/vllm_serve_check.py).
-SUBSTITUTES = """
-def register():
-    try:
-        import cutlass  # noqa: F401
-    except ImportError:
-        from vllm.models.qwen4_exp.nvidia import hyperconnection
-        from vllm.models.qwen4_exp.nvidia.ops.cute_dsl import hc_down_silu
-
-        hyperconnection.MAX_FUSED_M = 0
-        hc_down_silu.MAX_FUSED_M = 0
-"""
 
 
 def log(msg: str) -> None:
@@ -684,18 +674,6 @@ def server_resources(s: Server, tables: list[Path]) -> dict[str, Any]:
         mine = [by_pid[p] for p in pids if p in by_pid]
         res["gpu_mib"] = sum(mine) if mine else None
     return res
-
-
-def write_plugin(root: Path) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "h200_substitutes.py").write_text(SUBSTITUTES)
-    info = root / "h200_substitutes-0.dist-info"
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: h200-substitutes\nVersion: 0\n")
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nh200_substitutes = h200_substitutes:register\n"
-    )
-    return root
 
 
 # -- the run ----------------------------------------------------------------------------------

@@ -192,12 +192,9 @@ def test_tokens_equal_the_stock_engine(
     async_scheduling: bool,
     copy: str,
 ) -> None:
-    llm = _engine(checkpoints[kind], backend, async_scheduling=async_scheduling, copy=copy)
-    try:
-        got = _generate(llm)
-        (stats,) = llm.collective_rpc(_rows_stats)
-    finally:
-        _close(llm)
+    got, stats = _serve(
+        _engine(checkpoints[kind], backend, async_scheduling=async_scheduling, copy=copy)
+    )
     print(f"\n{kind} {backend} async={async_scheduling} copy={copy}: {stats}")
     _assert_same_tokens(reference[kind], got)
     if backend == "mmap":
@@ -208,6 +205,16 @@ def test_tokens_equal_the_stock_engine(
         assert stats["eager"] >= len(WORKLOAD) and stats["watchdog_releases"] == 0, stats
     else:
         assert stats == {"hooks": False}
+
+
+def _serve(llm: LLM) -> tuple[list[list[list[int]]], dict[str, Any]]:
+    """The workload's tokens and the rows' statistics; the engine is shut down after."""
+    try:
+        got = _generate(llm)
+        (stats,) = llm.collective_rpc(_rows_stats)
+    finally:
+        _close(llm)
+    return got, stats
 
 
 def _assert_same_tokens(reference: list[Any], got: list[Any]) -> None:
@@ -229,12 +236,7 @@ def test_a_sync_plan_keeps_full_graphs(
     keeps its FULL decode graphs: each replay is preceded by the ids graph, one host wait
     for the ids, and the parallel gathers; prefills gather with one copy of their ids."""
     monkeypatch.setenv("PLE_MEMOPS_FORCE_SYNC", "1")
-    llm = _engine(checkpoints["bf16"], "mmap")
-    try:
-        got = _generate(llm)
-        (stats,) = llm.collective_rpc(_rows_stats)
-    finally:
-        _close(llm)
+    got, stats = _serve(_engine(checkpoints["bf16"], "mmap"))
     print(f"\nbf16 mmap, synchronous plan: {stats}")
     _assert_same_tokens(reference["bf16"], got)
     assert stats["hooks"] and stats["mode"] == "sync", stats

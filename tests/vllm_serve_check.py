@@ -42,7 +42,10 @@ def register():
 GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8]}
 
 
-def _test_plugin(root: Path) -> Path:
+def write_test_plugin(root: Path) -> Path:
+    """A vLLM general plugin under ``root`` (a module and its dist-info, for ``PYTHONPATH``)
+    that makes the Qwen4Exp model take its unfused path where CuTe DSL is missing, in
+    every vLLM process."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "h200_substitutes.py").write_text(SUBSTITUTES)
     info = root / "h200_substitutes-0.dist-info"
@@ -70,7 +73,7 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="ple-serve-"))
     ckpt = ckpts.write_checkpoint(work / "ckpt", fp8=False, max_position_embeddings=8192)
-    plugin_dir = _test_plugin(work / "plugins")
+    plugin_dir = write_test_plugin(work / "plugins")
     port = _port()
     env = dict(os.environ, PLE_MEMOPS_TABLE_BACKEND="mmap", VLLM_USE_FLASHINFER_SAMPLER="0")
     env["PYTHONPATH"] = f"{plugin_dir}:{env.get('PYTHONPATH', '')}"
