@@ -4,8 +4,9 @@
 (ple-memops: the tables read from the checkpoint's files through the page cache, FULL decode
 graphs waiting for rows the host gathers after the launch).
 
-The model has the real Qwen4Exp's per-layer widths (hidden 2048; full-attention layers of 16
-heads of 256 with 2 KV heads; GatedDeltaNet layers of 16 key / 32 value heads of 128;
+The model has the real Qwen4Exp's per-layer widths (hidden 2048; with ``--attention-every
+N``, dense full-attention layers of 16 heads of 256 with 2 KV heads, not yet run on the
+H200, so off by default; GatedDeltaNet layers of 16 key / 32 value heads of 128;
 experts of 512 with a shared expert, top-10 routing; 4 hyper-connection streams of rank 320;
 16 n-gram heads of 128-wide rows per PLE layer: ngram_size 3 x heads_per_ngram 8,
 ple_embed_dim 2048), ``--layers`` deep with ``--experts`` experts, and PLE tables of
@@ -909,8 +910,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=10)
     p.add_argument("--ple-layers", type=int, default=4)
     p.add_argument("--table-gib", type=float, default=4.0)
-    p.add_argument("--attention-every", type=int, default=4,
-                   help="every N-th layer full attention (0: all GatedDeltaNet)")  # fmt: skip
+    p.add_argument("--attention-every", type=int, default=0,
+                   help="every N-th layer dense full attention (0, the default: all "
+                        "GatedDeltaNet layers, what has run on the H200; dense attention "
+                        "layers have not run there yet)")  # fmt: skip
     p.add_argument("--vocab", type=int, default=248_320)
     p.add_argument("--split-parts", type=int, default=16, help="shards per PLE table")
     p.add_argument("--build-only", action="store_true", help="write the checkpoint and exit")

@@ -15,8 +15,8 @@
 #                    checkpoint, server start, warm-up, loads); the whole script stays
 #                    under DEADLINE + 90 s
 #   SMOKE=1          the tiny model, one repeat: checks the plumbing in ~3 minutes
-#   BENCH_ARGS=...   more arguments, e.g. "--cold", "--attention-every 0" (no full-attention
-#                    layers, if vLLM's dense attention fails here), "--layers 16",
+#   BENCH_ARGS=...   more arguments, e.g. "--cold", "--attention-every 4" (dense full
+#                    attention every 4th layer: not yet run on the H200), "--layers 16",
 #                    "--output-len 256", "--repeats 5", "--backends gpu,mmap", "--compile default"
 #
 # Expected wall time on a fresh host at the defaults: checkpoint ~30-60 s (first time only),

@@ -39,6 +39,9 @@ scope, stream                         stage / join
 ====================================  ====================================================
 ``capture`` of a deferrable graph,    record publish + wait/copy/reset on a side stream
 capturing                             (``plan.stage``) / join it before the consumer
+``capture`` of a FULL graph, sync     nothing recorded: the graph-static ids and the
+plan with ``sync_graphs``, capturing  model's ids source are kept; each replay runs the
+                                      ids graph, gathers, copies, then launches
 any other capture                     :class:`~ple_memops.StateError`: a host gather
                                       cannot be captured
 ``step(dummy=True)``, ``warmup``      ``plan.dummy_now``: no data, no host sync
