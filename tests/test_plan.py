@@ -66,6 +66,35 @@ def test_host_plan_gathers_the_tables_bytes(
         plan.gather_now("layer2", [1])
 
 
+def test_gather_many_now_gathers_every_table_at_once(tables: dict[str, pm.MmapTable]) -> None:
+    """Several tables from host ids, each gathered on a thread of its own: the tables'
+    bytes, padded with zeros to the extent; all or none on a bad id; never a device
+    synchronisation (ids in a CUDA tensor are refused, here a CPU run can only show the
+    host kinds it takes)."""
+    with RowsPlan.build(tables, max_rows=16, device="cpu", log_fallback=False) as plan:
+        rng = np.random.default_rng(4)
+        for _ in range(10):
+            ids = {name: rng.integers(0, ROWS, int(rng.integers(1, 17))) for name in tables}
+            got = plan.gather_many_now(
+                {"layer2": torch.from_numpy(ids["layer2"]), "layer5": list(ids["layer5"])},
+                rows=16,
+            )
+            for name, table in tables.items():
+                n = len(ids[name])
+                np.testing.assert_array_equal(got[name][:n].numpy(), table.gather(ids[name]))
+                assert not got[name][n:].any()
+                assert got[name].data_ptr() == plan.staging(name).data_ptr()
+        before = {name: plan.staging(name).clone() for name in tables}
+        with pytest.raises(pm.RowIdError):
+            plan.gather_many_now({"layer2": [1, 2], "layer5": [3, ROWS]})
+        for name in tables:  # nothing was written to either table
+            assert torch.equal(plan.staging(name), before[name])
+        with pytest.raises(pm.InvalidArgumentError, match="ids for a step of 1 rows"):
+            plan.gather_many_now({"layer2": [1, 2]}, rows=1)
+        one = plan.gather_many_now({"layer5": [7]})  # one table: no thread
+        np.testing.assert_array_equal(one["layer5"].numpy(), tables["layer5"].gather([7]))
+
+
 def test_bad_ids_raise_before_anything_changes(tables: dict[str, pm.MmapTable]) -> None:
     with RowsPlan.build(tables, max_rows=8, device="cpu") as plan:
         before = plan.gather_now("layer2", [1, 2], rows=4).clone()

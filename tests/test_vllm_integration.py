@@ -343,6 +343,32 @@ def _eager_ops_gather(
         t.close()
 
 
+def test_an_eager_forward_of_a_sync_plan_gathers_every_layer_at_once(
+    ckpt: tuple[Path, dict[int, np.ndarray]],
+) -> None:
+    """Every PLE layer staged at the top of the forward, then joined: the rows of both
+    layers come from one copy of their ids and the parallel gathers, right at the first
+    consumer; a second forward in the same engine step gets its own rows."""
+    root, data = ckpt
+    hk, tables, layers = _host_plan(root)
+    names = list(tables)
+    try:
+        g = torch.Generator().manual_seed(5)
+        with hk.step(dummy=False), ops.layers(layers):
+            for _ in range(2):
+                ids = {n: torch.randint(0, 2048, (3, H), generator=g) for n in names}
+                for n in names:
+                    ops.stage_rows(ids[n], hk.output(n, 3), n)
+                for n, i in zip(names, (1, 3), strict=True):
+                    ops.join_rows(hk.output(n, 3), n)
+                    got = hk.output(n, 3).numpy()
+                    np.testing.assert_array_equal(got, data[i][ids[n].reshape(-1).numpy()])
+    finally:
+        hk.shutdown()
+        for t in tables.values():
+            t.close()
+
+
 def test_op_output_must_be_the_staging_for_eager_copy(
     ckpt: tuple[Path, dict[int, np.ndarray]],
 ) -> None:
