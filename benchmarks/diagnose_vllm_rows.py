@@ -193,26 +193,8 @@ def main() -> int:
         if base == "mmap-sync":
             os.environ["PLE_MEMOPS_FORCE_SYNC"] = "1"
         _CHECKS.clear()
-        kw: dict[str, Any] = {"enforce_eager": True} if eager else {}
-        if eager:
-            llm = engine_tests.LLM(
-                model=str(ckpt),
-                skip_tokenizer_init=True,
-                dtype="bfloat16",
-                max_model_len=4096,
-                max_num_seqs=8,
-                max_num_batched_tokens=1024,
-                enable_prefix_caching=True,
-                gpu_memory_utilization=0.15,
-                engram_config={"cpu_offload": backend != "gpu"},
-                additional_config={
-                    "gdn_prefill_backend": "triton",
-                    "ple_memops": {"table_backend": "mmap" if backend == "mmap" else "default"},
-                },
-                **kw,
-            )
-        else:
-            llm = engine_tests._engine(ckpt, backend)
+        # The engine tests' own engine (eagerly: vLLM's enforce_eager turns the graphs off).
+        llm = engine_tests._engine(ckpt, backend, **({"enforce_eager": True} if eager else {}))
         try:
             tokens = engine_tests._generate(llm)
             torch.cuda.synchronize()
