@@ -26,7 +26,7 @@ only in the mmap server. Then, for each repeat, each load and each backend in a 
 order (interleaved), one load runs against that server alone:
 
 * ``c1``, ``c8``, ``c64``: decode-heavy, ``--input-len`` tokens in, ``--output-len`` out
-  (greedy, ignore_eos), ``max(4, 2c)`` requests at concurrency c (closed loop, as
+  (greedy, ignore_eos), ``max(8, 6c)`` requests at concurrency c (closed loop, as
   ``vllm bench serve --max-concurrency c``);
 * ``mixed``: ``--mixed-decoders`` short requests decoding from t=0 while
   ``--mixed-long`` prompts of 2-3k tokens arrive every ``--mixed-gap`` s (chunked prefill
@@ -150,7 +150,7 @@ def make_loads(args: argparse.Namespace, vocab: int, repeat: int) -> list[Load]:
     loads = []
     for c in args.concurrency:
         rng = random.Random(f"c{c}-{repeat}")
-        n = max(4, 2 * c) if args.requests is None else args.requests
+        n = max(8, 6 * c) if args.requests is None else args.requests
         reqs = [Req(ids(rng, args.input_len), args.output_len) for _ in range(n)]
         loads.append(Load(f"c{c}", c, reqs))
     if args.mixed_long > 0:
@@ -701,24 +701,24 @@ async def measure(
     async with Client(args.request_timeout) as client:
         log(f"client: {client.kind}")
         if live and args.warmup:
-            rng = random.Random("warmup")
-            lo = len(vbm.SPECIALS)
-            warm = Load(
-                "warmup", 9,
-                [Req([rng.randrange(lo, vocab) for _ in range(args.long_max)], 8)]
-                + [Req([rng.randrange(lo, vocab) for _ in range(args.input_len)], 16)
-                   for _ in range(8)],
-            )  # fmt: skip
+            # Every load once, untimed, on every server at once (prompts of its own; a
+            # decode load's first wave, 16 tokens out): the first steps at a batch size or
+            # prefill shape pay one-time costs (Triton's compiles, allocations) that no
+            # measured load should carry.
             t = time.monotonic()
-            res = await asyncio.gather(
-                *(run_load(client, servers[b].port, warm, min(args.load_timeout, max(left(), 1)))
-                  for b in live)
-            )  # fmt: skip
-            for b, (outs, _) in zip(live, res, strict=True):
-                bad = [o.error for o in outs if not o.ok]
-                if bad:
-                    log(f"{b}: warm-up failed: {bad[0][:300]}")
-            log(f"warm-up done in {time.monotonic() - t:.0f} s")
+            for warm in make_loads(args, vocab, -1):
+                if warm.name != "mixed":
+                    first = warm.requests[: warm.concurrency]
+                    warm.requests = [Req(q.prompt, min(16, q.output_len)) for q in first]
+                res = await asyncio.gather(
+                    *(run_load(client, servers[b].port, warm,
+                               min(args.load_timeout, max(left(), 1))) for b in live)
+                )  # fmt: skip
+                for b, (outs, _) in zip(live, res, strict=True):
+                    bad = [o.error for o in outs if not o.ok]
+                    if bad:
+                        log(f"{b}: warm-up {warm.name} failed: {bad[0][:300]}")
+            log(f"warm-up (every load once) done in {time.monotonic() - t:.0f} s")
         stop = False
         for r in range(args.repeats):
             if stop:
@@ -924,7 +924,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"of {', '.join(dict.fromkeys([*BACKENDS, *MMAP_VARIANTS]))}",
     )
     p.add_argument("--concurrency", type=ints, default=[1, 8, 64])
-    p.add_argument("--requests", type=int, help="requests per decode load (default max(4, 2c))")
+    p.add_argument("--requests", type=int, help="requests per decode load (default max(8, 6c))")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--mixed-decoders", type=int, default=16)

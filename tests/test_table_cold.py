@@ -7,6 +7,7 @@ RSS budget for Zipf ids; and the same under a cgroup memory limit where one can 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -124,6 +125,28 @@ def test_every_way_gathers_the_rows_of_an_evicted_table(
             again = t.page_stats()
             assert again["row_misses"] == after["row_misses"]
             assert again["row_hits"] == after["row_hits"] + n
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_a_table_whose_files_are_removed_keeps_its_rows(
+    tmp_path: Path, way: str, uring: bool
+) -> None:
+    """Files removed (and their pages evicted) under an open table: the table holds the
+    open files, so every way still reads the right rows, cold, from the removed inodes
+    (what a user who deletes or replaces a checkpoint under a running server gets)."""
+    if way == "uring" and not uring:
+        pytest.skip("io_uring is not available here")
+    path = _table(tmp_path, 20_000, 80, torch.bfloat16, seed=5)
+    ref = load_file(str(path))["w"].clone()  # nothing else maps the file
+    gc.collect()
+    with MmapTable.open(path, "w", cold_reads=way) as t:  # type: ignore[arg-type]
+        path.unlink()
+        assert not path.exists()
+        _cold(t)
+        ids = np.random.default_rng(4).integers(0, t.rows, 300)
+        want = torch.index_select(ref, 0, torch.from_numpy(ids)).view(torch.uint8).numpy()
+        np.testing.assert_array_equal(t.gather(ids), want)
+        assert t.page_stats()["row_misses"] >= 1
 
 
 def test_a_cold_row_costs_its_own_pages(tmp_path: Path) -> None:

@@ -10,10 +10,12 @@ for token:
   batches); a shared prefix (prefix-cache hits);
 * the GPU table (``cpu_offload=False``), the mmap backend with async scheduling on and
   off, BF16 and FP8 tables; the mmap engines must really have deferred (armed replays);
+* a KV cache small enough that running requests are preempted and recomputed;
 * engines shut down and built again in one process, one after the other;
-* faults: a table file truncated under a running engine (a typed error naming the file
-  comes out of the engine, no hang, the GPU usable after), and a checkpoint whose table
-  does not match the model (refused at load, naming the tensor).
+* faults: a table file removed under a running engine (nothing changes: the open file
+  holds it), then one truncated (a typed error naming the file comes out of the engine, no
+  hang, the GPU usable after), and a checkpoint whose table does not match the model
+  (refused at load, naming the tensor).
 
 Run alone (``scripts/gpu/vllm_engine.sh``): the switch is process-wide. Skipped, with the
 reason, without vLLM or a GPU.
@@ -229,6 +231,94 @@ def _assert_same_tokens(reference: list[Any], got: list[Any]) -> None:
     assert not wrong, "differs from the stock engine:\n" + "\n".join(wrong)
 
 
+# KV cache blocks to try, fewest first: a few of the tiny model's requests at a time (each
+# holds about two blocks per KV cache group; vLLM refuses a cache that cannot hold one).
+PREEMPT_BLOCKS = (16, 24, 40)
+
+
+def _preempting_engine(ckpt: Path, backend: str, blocks: int | None) -> tuple[LLM, int]:
+    """An engine with the smallest KV cache of :data:`PREEMPT_BLOCKS` vLLM accepts (or
+    exactly ``blocks``), and that block count."""
+    for n in PREEMPT_BLOCKS if blocks is None else (blocks,):
+        try:
+            return _engine(ckpt, backend, num_gpu_blocks_override=n), n
+        except Exception as exc:
+            if blocks is not None or "KV cache is needed" not in _chain(exc):
+                raise
+            print(f"\n{n} blocks refused: {_chain(exc)[:300]}")
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            gc.collect()
+            cleanup_dist_env_and_memory()
+    raise AssertionError(f"vLLM refused every KV cache size of {PREEMPT_BLOCKS}")
+
+
+def _chain(exc: BaseException | None) -> str:
+    parts = []
+    while exc is not None:
+        parts.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    return "\n".join(parts)
+
+
+def _preemption_workload() -> list[list[int]]:
+    """More requests than the blocks hold at once, each decoding across two block
+    boundaries (a GatedDeltaNet state takes a new block at each, in vLLM's "align" cache
+    mode), so running requests run out of blocks and are preempted (recomputed later)."""
+    g = torch.Generator().manual_seed(11)
+    return [[int(x) for x in torch.randint(8, 128, (40 + 23 * i,), generator=g)] for i in range(16)]
+
+
+def test_preempted_requests_get_the_stock_engines_tokens(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KV cache small enough that vLLM's scheduler preempts running requests (counted in
+    its own ``Scheduler._preempt_request``) and recomputes them: the mmap engine's greedy
+    tokens equal the stock engine's with the same cache, and its steps stayed deferred."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preempted: list[str] = []
+    original = Scheduler._preempt_request
+
+    def counting(self: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+        preempted.append(request.request_id)
+        original(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", counting)
+    results = {}
+    blocks = None
+    for backend in ("stock", "mmap"):
+        preempted.clear()
+        llm, blocks = _preempting_engine(checkpoints["bf16"], backend, blocks)
+        try:
+            cache = llm.llm_engine.vllm_config.cache_config
+            block = int(cache.mamba_block_size or cache.block_size)
+            prompts = _preemption_workload()
+            out_len = min(2 * block + 8, 4096 - max(len(p) for p in prompts) - 1)
+            sp = SamplingParams(
+                max_tokens=out_len, temperature=0, detokenize=False, ignore_eos=True
+            )
+            done = llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False
+            )
+            tokens = [list(o.outputs[0].token_ids) for o in done]
+            (stats,) = llm.collective_rpc(_rows_stats)
+        finally:
+            _close(llm)
+        print(
+            f"\n{backend}: {len(preempted)} preemptions, block size {cache.block_size} "
+            f"(mamba {cache.mamba_block_size}), {cache.num_gpu_blocks} blocks, "
+            f"{out_len} tokens out; {stats}"
+        )
+        assert all(len(t) == out_len for t in tokens)
+        assert preempted, f"{backend}: the KV cache was not small enough to preempt"
+        results[backend] = (tokens, stats)
+    _assert_same_tokens([results["stock"][0]], [results["mmap"][0]])
+    stats = results["mmap"][1]
+    assert stats["mode"] == "deferred" and stats["armed"] >= out_len, stats
+    assert stats["aborts"] == 0 and stats["watchdog_releases"] == 0, stats
+
+
 def test_a_sync_plan_keeps_full_graphs(
     checkpoints: dict[str, Path], reference: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -244,15 +334,26 @@ def test_a_sync_plan_keeps_full_graphs(
     assert stats["armed"] == 0 and stats["eager"] == 0, stats
 
 
-def test_a_table_truncated_under_the_engine_is_a_typed_error(
-    checkpoints: dict[str, Path], tmp_path: Path
+def test_a_table_removed_then_truncated_under_the_engine(
+    checkpoints: dict[str, Path], reference: dict[str, Any], tmp_path: Path
 ) -> None:
+    """A table file removed under a running engine changes nothing (the open file and its
+    mapping hold the inode: the same tokens, its page cache dropped first); a table file
+    truncated under it is a typed error naming the file, raised by the engine well within
+    the time of a hang, and the GPU is usable after."""
     ckpt = tmp_path / "cut"
     shutil.copytree(checkpoints["bf16"], ckpt)
     llm = _engine(ckpt, "mmap")
     table = ckpt / "ple-layer-2.safetensors"
     try:
-        _generate(llm)
+        _assert_same_tokens(reference["bf16"], _generate(llm))
+        removed = ckpt / "ple-layer-0.safetensors"
+        fd = os.open(removed, os.O_RDONLY)
+        os.remove(removed)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        assert llm.reset_prefix_cache()  # the same prefills as the first time
+        _assert_same_tokens(reference["bf16"], _generate(llm))
         with open(table, "r+b") as f:
             f.truncate(16384)  # what an in-place copy does to a file being served
         os.posix_fadvise(os.open(table, os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
@@ -264,12 +365,7 @@ def test_a_table_truncated_under_the_engine_is_a_typed_error(
                     [TokensPrompt(prompt_token_ids=list(range(8, 120)))] * 4, sp, use_tqdm=False
                 )
         elapsed = time.monotonic() - start
-        chain = []
-        exc: BaseException | None = info.value
-        while exc is not None:
-            chain.append(f"{type(exc).__name__}: {exc}")
-            exc = exc.__cause__ or exc.__context__
-        text = "\n".join(chain)
+        text = _chain(info.value)
         print(f"\nwhat the engine raised after {elapsed:.1f} s:\n{text[:2000]}")
         assert elapsed < 60, "the failure took as long as a hang"
         assert "ple-layer-2.safetensors" in text or "TableIoError" in text, text[:2000]
@@ -296,10 +392,6 @@ def test_a_table_that_does_not_match_the_model_is_refused(
     save_file({k: v[:, : v.shape[1] // 2].contiguous() for k, v in tensors.items()}, str(f))
     with pytest.raises(Exception) as info:
         _engine(ckpt, "mmap")
-    text = repr(info.value)
-    exc = info.value.__cause__ or info.value.__context__
-    while exc is not None:
-        text += "\n" + repr(exc)
-        exc = exc.__cause__ or exc.__context__
+    text = _chain(info.value)
     assert "layers.2.ple.ple_embedding" in text and "does not match the model" in text, text
     assert isinstance(info.value, pm.TableError) or "TableError" in text
