@@ -201,8 +201,14 @@ class Client:
 
     async def __aenter__(self) -> Client:
         if self._erf is not None:
+            # Idle connections are dropped after 1 s, well before the server's keep-alive
+            # (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) closes them: a load reusing one the
+            # server has just closed fails with a disconnect (seen on the H200 when a c64
+            # load followed a 5 s c1 load).
             self.session = self._aiohttp.ClientSession(
-                connector=self._aiohttp.TCPConnector(limit=0, force_close=False),
+                connector=self._aiohttp.TCPConnector(
+                    limit=0, force_close=False, keepalive_timeout=1.0
+                ),
                 timeout=self._aiohttp.ClientTimeout(total=self.timeout),
             )
         return self

@@ -307,7 +307,7 @@ def test_preempted_requests_get_the_stock_engines_tokens(
             _close(llm)
         print(
             f"\n{backend}: {len(preempted)} preemptions, block size {cache.block_size} "
-            f"(mamba {cache.mamba_block_size}), {cache.num_gpu_blocks} blocks, "
+            f"(mamba {cache.mamba_block_size}), {blocks} blocks (override), "
             f"{out_len} tokens out; {stats}"
         )
         assert all(len(t) == out_len for t in tokens)
