@@ -60,7 +60,8 @@ compiles in parallel would take minutes; the decode step measured is a FULL CUDA
 replay either way, and vLLM's stock Qwen4Exp default, breakable graphs, also runs without
 it; ``--compile default`` turns it on). ``--deadline`` stops starting new measurements and
 reports what was measured; every wait is bounded and a backend that fails is reported and
-skipped.
+skipped (a server still starting ``--start-grace`` s after the first was healthy gets SIGABRT,
+which dumps its Python stacks into its log, and is stopped before the loads).
 
 Run on the H200 with ``scripts/gpu/vllm_bench.sh``; here, ``--dry-run`` checks the CPU
 side: the checkpoint writer against transformers' ``save_pretrained`` and vLLM's CPU loader
@@ -575,8 +576,10 @@ def start_server(args: argparse.Namespace, ckpt: Path, backend: str, plugin_dir:
     srv = Server(backend, port, args.log_dir / f"server-{backend}.log")
     env = dict(os.environ)
     env.pop("PLE_MEMOPS_TABLE_BACKEND", None)
+    # PYTHONFAULTHANDLER: a server that never gets healthy is sent SIGABRT, and every
+    # Python thread of its processes prints its stack into the log (wait_healthy).
     env |= {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0",
-            "PYTHONUNBUFFERED": "1"}  # fmt: skip
+            "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}  # fmt: skip
     if backend in MMAP_VARIANTS:
         env["PLE_MEMOPS_TABLE_BACKEND"] = "mmap"
         env |= MMAP_VARIANTS[backend].get("env", {})
@@ -596,11 +599,17 @@ def start_server(args: argparse.Namespace, ckpt: Path, backend: str, plugin_dir:
     return srv
 
 
-def wait_healthy(servers: list[Server], limit: float) -> None:
-    """Poll every server's /health until healthy, dead, or ``limit`` seconds have passed."""
+def wait_healthy(servers: list[Server], limit: float, grace: float = float("inf")) -> None:
+    """Poll every server's /health until healthy, dead, or ``limit`` seconds have passed,
+    and at most ``grace`` seconds after the first one got healthy. A server still starting
+    then is stuck: it gets SIGABRT (faulthandler prints its Python stacks into its log,
+    whose tail is logged) and is stopped, so it cannot share the GPU with the loads."""
     start = time.monotonic()
+    first: float | None = None
     pending = [s for s in servers if s.proc is not None]
     while pending and time.monotonic() - start < limit:
+        if first is not None and time.monotonic() - first > grace:
+            break
         for s in list(pending):
             assert s.proc is not None
             if s.proc.poll() is not None:
@@ -611,16 +620,32 @@ def wait_healthy(servers: list[Server], limit: float) -> None:
                 with urllib.request.urlopen(f"http://127.0.0.1:{s.port}/health", timeout=3) as r:
                     if r.status == 200:
                         s.healthy, s.ready_s = True, time.monotonic() - start
+                        first = first if first is not None else time.monotonic()
                         pending.remove(s)
                         log(f"{s.backend}: healthy after {s.ready_s:.0f} s (port {s.port})")
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
         time.sleep(1)
     for s in pending:
-        s.error = f"not healthy after {limit:.0f} s"
+        waited = time.monotonic() - start
+        s.error = f"not healthy after {waited:.0f} s" + (
+            f" ({grace:.0f} s after the first server)" if first is not None else ""
+        )
+        abort_stuck(s)
     for s in servers:
         if not s.healthy:
-            log(f"{s.backend}: FAILED to start: {s.error}; log tail:\n{tail(s.log_path, 40)}")
+            log(f"{s.backend}: FAILED to start: {s.error}; log tail:\n{tail(s.log_path, 60)}")
+
+
+def abort_stuck(s: Server) -> None:
+    """SIGABRT to a stuck server's process group (its API server and engine core dump their
+    Python stacks), then stop it."""
+    if s.proc is None or s.proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(s.proc.pid, signal.SIGABRT)
+    time.sleep(5)
+    stop_servers([s])
 
 
 def tail(path: Path, n: int) -> str:
@@ -945,6 +970,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cold", action="store_true", help="evict the table files before each repeat")
     p.add_argument("--deadline", type=float, default=480, help="seconds from start (all phases)")
     p.add_argument("--start-timeout", type=float, default=300)
+    p.add_argument("--start-grace", type=float, default=90,
+                   help="seconds a server may take after the first one is healthy")  # fmt: skip
     p.add_argument("--load-timeout", type=float, default=90)
     p.add_argument("--request-timeout", type=float, default=90)
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -1089,7 +1116,9 @@ def main(argv: list[str] | None = None) -> int:
         for b in args.backends:
             servers[b] = start_server(args, ckpt, b, plugin_dir)
         log(f"started {', '.join(args.backends)}; waiting up to {args.start_timeout:.0f} s")
-        wait_healthy(list(servers.values()), min(args.start_timeout, max(left(), 1)))
+        wait_healthy(
+            list(servers.values()), min(args.start_timeout, max(left(), 1)), args.start_grace
+        )
         for s in servers.values():
             s.facts = log_facts(s.log_path)
         meta["gpu_used_mib_all_servers"] = gpu_used_total()
@@ -1199,6 +1228,7 @@ def dry_run(args: argparse.Namespace) -> int:
                 log(f"vLLM's CPU loader (mmap={mm}) FAILED: {type(exc).__name__}: {exc}")
                 traceback.print_exc()
         ok &= check_serve_args(args, ckpt)
+    ok &= check_stuck_server(work)
     # The loop and the report against fake servers (one failing), a short deadline.
     fakes = {
         "gpu": _Fake(0.0010),
@@ -1235,6 +1265,52 @@ def dry_run(args: argparse.Namespace) -> int:
         f"(files {sum(t.stat().st_size for t in tables)} bytes)")  # fmt: skip
     log(f"dry run {'PASSED' if ok and rows else 'FAILED'}; files under {work}")
     return 0 if ok and rows else 1
+
+
+_HEALTHY_AFTER_1S = """
+import http.server, sys, time
+time.sleep(1)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+_STUCK = "import time\ndef waiting_forever():\n    time.sleep(3600)\nwaiting_forever()\n"
+
+
+def check_stuck_server(work: Path) -> bool:
+    """wait_healthy on real processes: one healthy after 1 s, one stuck for ever; the stuck
+    one must be given up ``grace`` s after the first was healthy, its Python stack must be
+    in its log (SIGABRT + faulthandler) and it must be gone."""
+    servers = []
+    for name, code in (("up", _HEALTHY_AFTER_1S), ("stuck", _STUCK)):
+        port = free_port()
+        srv = Server(name, port, work / f"stuck-check-{name}.log")
+        with open(srv.log_path, "w") as f:
+            srv.proc = subprocess.Popen(
+                [sys.executable, "-c", code, str(port)], stdout=f, stderr=subprocess.STDOUT,
+                env=dict(os.environ, PYTHONFAULTHANDLER="1"), start_new_session=True,
+            )  # fmt: skip
+        servers.append(srv)
+    t = time.monotonic()
+    try:
+        wait_healthy(servers, 60, grace=3)
+    finally:
+        stop_servers(servers)
+    took = time.monotonic() - t
+    up, stuck = servers
+    stack = stuck.log_path.read_text(errors="replace")
+    good = (
+        up.healthy and not stuck.healthy and "after the first server" in stuck.error
+        and took < 20 and "waiting_forever" in stack and stuck.proc is not None
+        and stuck.proc.poll() is not None
+    )  # fmt: skip
+    log(
+        f"a stuck server: {'given up, stack dumped, stopped' if good else 'NOT handled'} "
+        f"after {took:.0f} s ({stuck.error})"
+    )
+    return good
 
 
 def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
