@@ -21,7 +21,8 @@
 #
 # Expected wall time on a fresh host at the defaults: checkpoint ~30-60 s (first time only),
 # servers healthy after ~150-250 s (vLLM's Triton kernels compile on a fresh host; a warm
-# host is faster), warm-up ~10 s, then ~45 s a repeat (3 backends x c1, c8, c64, mixed).
+# host is faster), warm-up (every load once, all servers together) ~15 s, then ~25 s per
+# backend a repeat at 24 layers (c1, c8, c64, mixed: measured on the H200, 2026-12-01).
 set -uo pipefail
 OUT=${OUT:-/tmp/ple-out}
 mkdir -p "$OUT"

@@ -5,7 +5,7 @@
 # runner hooks' stand-in, transformers). Each part is bounded; logs go to $OUT. Run from the
 # repository root with carry [".vllm-bundle/c", "dist"]. Wall time: about 8 minutes on a
 # fresh host (the first engine compiles vLLM's Triton kernels).
-#   ENGINE_LIMIT=380  seconds for the engine tests    SERVE=0|1  also `vllm serve` (+~60 s)
+#   ENGINE_LIMIT=440  seconds for the engine tests    SERVE=0|1  also `vllm serve` (+~60 s)
 #   CORE_LIMIT=150    seconds for the other GPU tests
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder that comes back}
@@ -15,7 +15,7 @@ if ! bash .vllm-bundle/c/setup.sh >"$OUT/setup.log" 2>&1; then
 fi
 tail -1 "$OUT/setup.log"
 rm -rf /tmp/site && python3 -m pip install -q --no-deps --target /tmp/site dist/*.whl || exit 1
-ENGINE_LIMIT=${ENGINE_LIMIT:-380} SERVE=${SERVE:-0} OUT=$OUT bash scripts/gpu/vllm_engine.sh
+ENGINE_LIMIT=${ENGINE_LIMIT:-440} SERVE=${SERVE:-0} OUT=$OUT bash scripts/gpu/vllm_engine.sh
 erc=$?
 echo "== the other GPU tests (limit ${CORE_LIMIT:-150} s)"
 # The engine file installs the plugin process-wide; test_vllm_real.py is the CPU environment's.
