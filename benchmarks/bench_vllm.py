@@ -79,6 +79,7 @@ import json
 import mmap
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -108,11 +109,16 @@ BACKENDS = ("gpu", "uva", "mmap")
 # the polling kernel or to stream memory operations, and the synchronous fallback (the
 # probe's failure forced: FULL graphs kept, each replay after an ids graph and a host
 # gather), the way issue 13 asks them measured in the real engine.
-MMAP_VARIANTS = {
+MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     "mmap": {},
     "mmap-kernel": {"copy": "kernel"},
     "mmap-memop": {"copy": "memop"},
+    # The gather workers hot (spinning, then yielding) for 50 ms instead of 2 ms: a worker
+    # armed one step ahead no longer naps before the GPU publishes the step's ids.
+    "mmap-spin": {"spin": 0.05},
     "mmap-sync": {"env": {"PLE_MEMOPS_FORCE_SYNC": "1"}},
+    # What the synchronous fallback did before it kept FULL graphs: graphs off.
+    "mmap-sync-eager": {"env": {"PLE_MEMOPS_FORCE_SYNC": "1"}, "cudagraph_mode": "NONE"},
 }
 SERVED = "qwen4exp-bench"
 T0 = time.monotonic()
@@ -535,24 +541,38 @@ def free_port() -> int:
 
 
 def serve_argv(args: argparse.Namespace, ckpt: Path, backend: str, port: int) -> list[str]:
+    return [
+        "serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
+        "--served-model-name", SERVED, "--disable-uvicorn-access-log",
+        *engine_argv(args, backend),
+    ]  # fmt: skip
+
+
+def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
+    """The engine's arguments for ``backend``: the same for ``vllm serve`` and for
+    ``vllm bench latency|throughput``."""
+    variant = MMAP_VARIANTS.get(backend, {})
     graphs: dict[str, Any] = {
-        "cudagraph_mode": "FULL_DECODE_ONLY",
+        "cudagraph_mode": variant.get("cudagraph_mode", "FULL_DECODE_ONLY"),
         "cudagraph_capture_sizes": args.capture_sizes,
     }
     if args.compile == "none":
         graphs["mode"] = "NONE"
     extra: dict[str, Any] = {"gdn_prefill_backend": "triton"}  # FlashInfer is not bundled
     if backend in MMAP_VARIANTS:
-        copy = MMAP_VARIANTS[backend].get("copy", args.copy)
-        extra["ple_memops"] = {"table_backend": "mmap", "copy": copy}
+        ours = {"table_backend": "mmap", "copy": variant.get("copy", args.copy)}
+        if "spin" in variant:
+            ours["spin"] = variant["spin"]
+        if args.stats_every:
+            ours["stats_every"] = args.stats_every
+        extra["ple_memops"] = ours
     return [
-        "serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
-        "--served-model-name", SERVED, "--dtype", "bfloat16",
+        "--dtype", "bfloat16",
         "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30)),
-        "--no-enable-prefix-caching", "--async-scheduling", "--disable-uvicorn-access-log",
+        "--no-enable-prefix-caching", "--async-scheduling",
         "--compilation-config", json.dumps(graphs),
         "--engram-config", json.dumps({"cpu_offload": backend != "gpu"}),
         "--additional-config", json.dumps(extra),
@@ -571,9 +591,8 @@ class Server:
     facts: dict[str, Any] = field(default_factory=dict)
 
 
-def start_server(args: argparse.Namespace, ckpt: Path, backend: str, plugin_dir: Path) -> Server:
-    port = free_port()
-    srv = Server(backend, port, args.log_dir / f"server-{backend}.log")
+def engine_env(backend: str, plugin_dir: Path) -> dict[str, str]:
+    """The environment of a vLLM process serving ``backend`` (server or ``vllm bench``)."""
     env = dict(os.environ)
     env.pop("PLE_MEMOPS_TABLE_BACKEND", None)
     # PYTHONFAULTHANDLER: a server that never gets healthy is sent SIGABRT, and every
@@ -584,6 +603,13 @@ def start_server(args: argparse.Namespace, ckpt: Path, backend: str, plugin_dir:
         env["PLE_MEMOPS_TABLE_BACKEND"] = "mmap"
         env |= MMAP_VARIANTS[backend].get("env", {})
     env["PYTHONPATH"] = f"{plugin_dir}:{env.get('PYTHONPATH', '')}".rstrip(":")
+    return env
+
+
+def start_server(args: argparse.Namespace, ckpt: Path, backend: str, plugin_dir: Path) -> Server:
+    port = free_port()
+    srv = Server(backend, port, args.log_dir / f"server-{backend}.log")
+    env = engine_env(backend, plugin_dir)
     cmd = [
         sys.executable,
         "-m",
@@ -657,8 +683,6 @@ def tail(path: Path, n: int) -> str:
 
 def log_facts(path: Path) -> dict[str, Any]:
     """What the server's log says about memory and the PLE tables."""
-    import re
-
     text = path.read_text(errors="replace") if path.exists() else ""
     facts: dict[str, Any] = {}
     if m := re.search(r"Model loading took ([\d.]+) GiB", text):
@@ -773,9 +797,10 @@ async def measure(
                         continue
                     util = Utilization()
                     timeout = max(5.0, min(args.load_timeout, left()))
+                    log_at = _log_size(srv.log_path)
                     outs, wall = await run_load(client, srv.port, load, timeout)
                     busy = util.stop()
-                    m = metrics(outs, wall)
+                    m = metrics(outs, wall) | delivery_stats(_log_since(srv.log_path, log_at))
                     took[load.name] = max(took.get(load.name, 0.0), wall)
                     row = {"repeat": r + 1, "load": load.name, "backend": b, "gpu_busy_pct": busy,
                            "page_cache_gib": page_cache(tables) if tables else None,
@@ -794,6 +819,55 @@ async def measure(
                 if stop:
                     break
     return rows
+
+
+def _log_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _log_since(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+_STATS = re.compile(
+    r"ple-memops stats, last ([\d.]+) s: (\d+) deferred steps \((\d+) replays, (\d+) eager\), "
+    r"(\d+) synchronous replays; per layer, fills and mean READY -> FILLED: (.*)$"
+)
+_LAYER_STATS = re.compile(r"(\S+) (\d+) fills(?:, ([\d.]+) us)?")
+
+
+def delivery_stats(text: str) -> dict[str, Any]:
+    """What an mmap server's ``ple-memops stats`` lines (``--stats-every``) say about one
+    load: deferred steps, replays, eager steps, synchronous replays, and each layer's
+    fill-weighted mean READY -> FILLED (the host gather of a step's rows). The first line
+    after a load starts covers the end of the server's previous load, so it is dropped."""
+    lines = [m for ln in text.splitlines() if (m := _STATS.search(ln))][1:]
+    if not lines:
+        return {}
+    out: dict[str, Any] = {
+        "ple_steps": sum(int(m.group(2)) for m in lines),
+        "ple_replays": sum(int(m.group(3)) for m in lines),
+        "ple_eager": sum(int(m.group(4)) for m in lines),
+        "ple_sync_replays": sum(int(m.group(5)) for m in lines),
+    }
+    fills: dict[str, list[tuple[int, float]]] = {}
+    for m in lines:
+        for name, n, us in _LAYER_STATS.findall(m.group(6)):
+            if us:
+                fills.setdefault(name, []).append((int(n), float(us)))
+    out["fill_us"] = {
+        name: sum(n * us for n, us in xs) / max(1, sum(n for n, _ in xs))
+        for name, xs in fills.items()
+    }
+    return out
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -823,6 +897,13 @@ def summarize(
             s["tok_s_range"] = (min(toks), max(toks)) if toks else None
             s["ttft_of"] = rs[0].get("ttft_of", "all")
             s["failed_requests"] = sum(r.get("failed", 0) for r in rs)
+            for k in ("ple_steps", "ple_replays", "ple_eager", "ple_sync_replays"):
+                s[k] = _med(rs, k)
+            layers = list(dict.fromkeys(n for r in good for n in r.get("fill_us", {})))
+            s["fill_us"] = {
+                n: statistics.median(r["fill_us"][n] for r in good if n in r.get("fill_us", {}))
+                for n in layers
+            }
             out[(load, b)] = s
     return out
 
@@ -894,6 +975,24 @@ def markdown(
             f"| {_f(s['ttft_p50_ms'], 0)} / {_f(s['ttft_p99_ms'], 0)}{ttft_note} "
             f"| {_f(s['gpu_busy_pct'], 0)}% |"
         )
+    delivery = [(k, s) for k, s in summary.items() if s.get("ple_steps") is not None]
+    if delivery:
+        lines += [
+            "",
+            "ple-memops stats of the mmap servers during each load (medians over the runs): "
+            "steps, and each PLE layer's mean READY -> FILLED, the host gather from the GPU's "
+            "publish being seen to the rows being ready",
+            "",
+            "| load | backend | steps (replays / eager / synchronous replays) | READY -> FILLED "
+            "mean us, per layer |",
+            "|---|---|---|---|",
+        ]
+        for (load, b), s in delivery:
+            fills = ", ".join(f"{n} {us:.1f}" for n, us in s["fill_us"].items()) or "-"
+            lines.append(
+                f"| {load} | {b} | {_f(s['ple_steps'], 0)} ({_f(s['ple_replays'], 0)} / "
+                f"{_f(s['ple_eager'], 0)} / {_f(s['ple_sync_replays'], 0)}) | {fills} |"
+            )
     lines += [
         "",
         "| backend | ready after | weights (vLLM log) | GPU memory (nvidia-smi) | host RSS anon / "
@@ -987,6 +1086,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--compile", choices=["none", "default"], default="none")
     p.add_argument("--copy", choices=["auto", "kernel", "memop"], default="auto")
+    p.add_argument(
+        "--vllm-bench",
+        type=lambda v: [x for x in v.split(",") if x],
+        default=[],
+        help="instead of the servers: vLLM's own `vllm bench` commands, of "
+        "latency,throughput, one engine a run for each backend",
+    )
+    p.add_argument("--latency-batch", type=int, default=8)
+    p.add_argument("--latency-iters", type=int, default=10)
+    p.add_argument("--latency-warmup", type=int, default=3)
+    p.add_argument("--throughput-prompts", type=int, default=512)
+    p.add_argument(
+        "--stats-every",
+        type=float,
+        default=2.0,
+        help="mmap servers log ple-memops stats every N s (0: off); each load "
+        "reports its mean READY -> FILLED time per layer from them",
+    )
     p.add_argument("--log-dir", type=Path, default=Path(os.environ.get("OUT", "/tmp/ple-out")))
     p.add_argument("--markdown", type=Path)
     p.add_argument("--json", type=Path)
@@ -1056,6 +1173,108 @@ def report(
         )  # fmt: skip
 
 
+# -- vLLM's own offline benchmarks -----------------------------------------------------------
+
+
+def cli_argv(args: argparse.Namespace, kind: str, ckpt: Path, backend: str, out: Path) -> list[str]:
+    """``vllm bench latency|throughput`` on the bench checkpoint, the engine set up as the
+    servers are."""
+    common = ["--model", str(ckpt), *engine_argv(args, backend), "--output-json", str(out)]
+    if kind == "latency":
+        return [
+            "bench", "latency", *common, "--batch-size", str(args.latency_batch),
+            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+            "--num-iters-warmup", str(args.latency_warmup),
+            "--num-iters", str(args.latency_iters),
+        ]  # fmt: skip
+    return [
+        "bench", "throughput", *common, "--dataset-name", "random",
+        "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+        "--num-prompts", str(args.throughput_prompts),
+    ]  # fmt: skip
+
+
+def run_cli_benches(
+    args: argparse.Namespace, ckpt: Path, plugin_dir: Path, rows: list[dict[str, Any]]
+) -> None:
+    """Each of ``--vllm-bench``'s commands for each backend (one engine a run, the order
+    rotating between repeats), until done or the deadline; rows appended as they end."""
+    took = 0.0
+    for r in range(args.repeats):
+        for kind in args.vllm_bench:
+            order = [args.backends[(i + r) % len(args.backends)] for i in range(len(args.backends))]
+            for b in order:
+                if left() < took * 1.2 + 10:
+                    log(f"deadline: {left():.0f} s left, a {kind} run needs ~{took:.0f} s: stop")
+                    return
+                out = args.log_dir / f"cli-{kind}-{b}-r{r + 1}.json"
+                log_path = args.log_dir / f"cli-{kind}-{b}.log"
+                cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main",
+                       *cli_argv(args, kind, ckpt, b, out)]  # fmt: skip
+                t = time.monotonic()
+                with open(log_path, "a") as f:
+                    f.write(" ".join(cmd) + "\n")
+                    f.flush()
+                    try:
+                        done = subprocess.run(
+                            cmd, stdout=f, stderr=subprocess.STDOUT, env=engine_env(b, plugin_dir),
+                            timeout=max(10.0, left()), start_new_session=True,
+                        )  # fmt: skip
+                        rc: int | str = done.returncode
+                    except subprocess.TimeoutExpired:
+                        rc = "timeout"
+                wall = time.monotonic() - t
+                took = max(took, wall)
+                row: dict[str, Any] = {"repeat": r + 1, "kind": kind, "backend": b, "rc": rc,
+                                       "wall_s": wall}  # fmt: skip
+                if rc == 0 and out.exists():
+                    got = json.loads(out.read_text())
+                    if kind == "latency":
+                        row |= {"avg_s": got["avg_latency"],
+                                "p50_s": got["percentiles"]["50"],
+                                "p99_s": got["percentiles"]["99"]}  # fmt: skip
+                    else:
+                        req_s = got["requests_per_second"]
+                        row |= {"req_s": req_s, "tok_s": got["tokens_per_second"],
+                                "out_tok_s": req_s * args.output_len}  # fmt: skip
+                    row |= delivery_stats(log_path.read_text(errors="replace"))
+                rows.append(row)
+                log(f"vllm bench {kind} {b} r{r + 1}: rc {rc} in {wall:.0f} s: "
+                    + ", ".join(f"{k} {v:.4g}" for k, v in row.items()
+                                if k in ("avg_s", "p50_s", "p99_s", "req_s", "tok_s")))  # fmt: skip
+
+
+def cli_markdown(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"vLLM's own `vllm bench latency` (batch {args.latency_batch}, {args.input_len} in / "
+        f"{args.output_len} out, {args.latency_iters} iterations after {args.latency_warmup} "
+        f"warm-up) and "
+        f"`vllm bench throughput` ({args.throughput_prompts} random prompts, "
+        f"{args.input_len} in / {args.output_len} out), one engine a run, medians over runs",
+        "",
+        "| command | backend | runs | latency avg / p50 / p99 s | requests/s | total tok/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for kind in args.vllm_bench:
+        for b in args.backends:
+            rs = [x for x in rows if x["kind"] == kind and x["backend"] == b]
+            good = [x for x in rs if x["rc"] == 0]
+
+            def med(k: str, good: list[dict[str, Any]] = good) -> float | None:
+                xs = [x[k] for x in good if x.get(k) is not None]
+                return statistics.median(xs) if xs else None
+
+            bad = f", {len(rs) - len(good)} failed" if len(rs) > len(good) else ""
+            lat = (f"{_f(med('avg_s'), 3)} / {_f(med('p50_s'), 3)} / {_f(med('p99_s'), 3)}"
+                   if kind == "latency" else "-")  # fmt: skip
+            lines.append(
+                f"| {kind} | {b} | {len(good)}{bad} | {lat} | "
+                f"{_f(med('req_s'), 2) if kind == 'throughput' else '-'} | "
+                f"{_f(med('tok_s'), 0) if kind == 'throughput' else '-'} |"
+            )
+    return "\n".join(lines)
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -1066,6 +1285,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [b for b in args.backends if b not in BACKENDS and b not in MMAP_VARIANTS]
     if unknown:
         raise SystemExit(f"unknown backends {unknown}; known: {[*BACKENDS, *MMAP_VARIANTS]}")
+    if set(args.vllm_bench) - {"latency", "throughput"}:
+        raise SystemExit(f"--vllm-bench takes latency and/or throughput, got {args.vllm_bench}")
     if args.dry_run:
         return dry_run(args)
     DEADLINE = T0 + args.deadline
@@ -1110,6 +1331,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     log(meta["model"])
     plugin_dir = write_plugin(Path(tempfile.mkdtemp(prefix="ple-bench-plugin-")))
+    if args.vllm_bench:
+        cli_rows: list[dict[str, Any]] = []
+        try:
+            run_cli_benches(args, ckpt, plugin_dir, cli_rows)
+        except KeyboardInterrupt:
+            log("interrupted: reporting what was measured")
+        md = meta["model"] + "\n\n" + cli_markdown(args, cli_rows)
+        print("\n" + md + "\n", flush=True)
+        if args.markdown:
+            args.markdown.write_text(md + f"\n\ncommand: `{meta['command']}`\n")
+        if args.json:
+            runs = {"meta": meta, "runs": cli_rows}
+            args.json.write_text(json.dumps(runs, indent=1, default=str))
+        return 0 if any(x["rc"] == 0 for x in cli_rows) else 1
     servers: dict[str, Server] = {}
     rows: list[dict[str, Any]] = []
     try:
@@ -1228,6 +1463,7 @@ def dry_run(args: argparse.Namespace) -> int:
                 log(f"vLLM's CPU loader (mmap={mm}) FAILED: {type(exc).__name__}: {exc}")
                 traceback.print_exc()
         ok &= check_serve_args(args, ckpt)
+        ok &= check_delivery_stats(ckpt)
     ok &= check_stuck_server(work)
     # The loop and the report against fake servers (one failing), a short deadline.
     fakes = {
@@ -1314,13 +1550,18 @@ def check_stuck_server(work: Path) -> bool:
 
 
 def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
-    """Every backend's ``vllm serve`` arguments through vLLM's own parser and EngineArgs."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
+    """Every backend's ``vllm serve`` arguments through vLLM's own parser and EngineArgs
+    (our settings through ple-memops' own checks), and the ``vllm bench latency`` and
+    ``throughput`` command lines through those commands' parsers."""
+    from vllm.benchmarks import latency, throughput
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from ple_memops.vllm.settings import Settings
+
     ok = True
-    for b in BACKENDS:
+    for b in dict.fromkeys([*BACKENDS, *MMAP_VARIANTS]):
         parser = FlexibleArgumentParser()
         sub = parser.add_subparsers(dest="cmd")
         ServeSubcommand().subparser_init(sub)
@@ -1328,14 +1569,64 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
             ns = parser.parse_args(serve_argv(args, ckpt, b, 8000))
             ns.model = ns.model_tag
             ea = AsyncEngineArgs.from_cli_args(ns)
-            log(f"serve args ({b}): parsed; engram {ea.engram_config}, additional "
-                f"{ea.additional_config}, compilation {ea.compilation_config}, kv "
+            ours = Settings.for_engine(ea.additional_config, engine_env(b, Path("/nonexistent")))
+            if ours.mmap != (b in MMAP_VARIANTS):
+                raise AssertionError(f"{b}: table backend {ours.table_backend}")
+            log(f"serve args ({b}): parsed; engram {ea.engram_config}, ple-memops {ours}, "
+                f"cudagraph_mode {ea.compilation_config.cudagraph_mode}, kv "
                 f"{ea.kv_cache_memory_bytes}, prefix caching {ea.enable_prefix_caching}, "
                 f"async {ea.async_scheduling}")  # fmt: skip
+            for kind, module in (("latency", latency), ("throughput", throughput)):
+                cli = FlexibleArgumentParser()
+                module.add_cli_args(cli)
+                cns = cli.parse_args(cli_argv(args, kind, ckpt, b, Path("/tmp/x.json"))[2:])
+                cea = EngineArgs.from_cli_args(cns)
+                if cea.additional_config != ea.additional_config or cea.model != str(ckpt):
+                    raise AssertionError(f"vllm bench {kind} ({b}): engine args differ")
+            log(f"vllm bench latency|throughput args ({b}): parsed, the servers' engine")
         except (SystemExit, Exception) as exc:
             ok = False
-            log(f"serve args ({b}) REFUSED: {exc!r}")
+            log(f"serve or vllm bench args ({b}) REFUSED: {exc!r}")
     return ok
+
+
+def check_delivery_stats(ckpt: Path) -> bool:
+    """``delivery_stats`` reads the lines the runner hooks write (their own format, from
+    hooks on the tiny checkpoint's tables, a host plan), and adds up fills per layer."""
+    from ple_memops.vllm.hooks import build_hooks
+    from ple_memops.vllm.tables import checkpoint_tensor_names, find_layer_table, open_layer_table
+
+    names = checkpoint_tensor_names(ckpt)
+    layers = sorted({int(m.group(1)) for n in names
+                     if (m := re.search(r"layers\.(\d+)\.ple\.ple_embedding", n))})  # fmt: skip
+    tables = {
+        f"model.layers.{i}.ple.ple_embedding.ngram_embedding": open_layer_table(
+            ckpt, find_layer_table(names, i)
+        )
+        for i in layers
+    }
+    hooks = build_hooks(tables, rows_per_token=16, max_rows=64, device="cpu", stats_every=1.0)
+    try:
+        real = [hooks.log_stats(force=True) for _ in range(3)]
+    finally:
+        hooks.shutdown()
+        for t in tables.values():
+            t.close()
+    gpu_like = (
+        "ple-memops stats, last 2.0 s: 400 deferred steps (390 replays, 10 eager), 0 "
+        "synchronous replays; per layer, fills and mean READY -> FILLED: layers.0 400 fills, "
+        "30.0 us; layers.6 400 fills, 20.0 us"
+    )
+    got = delivery_stats("\n".join(["INFO x " + str(x) for x in real]))
+    # The first line is dropped: 60, 30, 60 us over 400 fills each.
+    two = delivery_stats("\n".join([gpu_like, gpu_like.replace("30.0 us", "60.0 us")] * 2))
+    good = (
+        got.get("ple_steps") == 0 and got.get("fill_us") == {}
+        and two == {"ple_steps": 1200, "ple_replays": 1170, "ple_eager": 30,
+                    "ple_sync_replays": 0, "fill_us": {"layers.0": 50.0, "layers.6": 20.0}}
+    )  # fmt: skip
+    log(f"stats lines: {'parsed' if good else 'NOT parsed'} ({real[0]!r} -> {got}; {two})")
+    return good
 
 
 if __name__ == "__main__":

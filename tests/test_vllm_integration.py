@@ -885,6 +885,28 @@ def test_settings_per_engine() -> None:
         S.for_engine({"ple_memops": "mmap"}, env)
 
 
+def test_settings_spin_and_stats_interval() -> None:
+    S = settings.Settings
+    assert S.from_env({}).spin is None and S.from_env({}).stats_every is None
+    env = {"PLE_MEMOPS_SPIN": "0.05", "PLE_MEMOPS_STATS_EVERY": "10"}
+    assert (S.from_env(env).spin, S.from_env(env).stats_every) == (0.05, 10.0)
+    # 0 is the default (spin) and off (stats), as an empty value is.
+    assert S.from_env({"PLE_MEMOPS_SPIN": "0", "PLE_MEMOPS_STATS_EVERY": ""}) == S()
+    got = S.for_engine({"ple_memops": {"spin": 0.01, "stats_every": 30}}, env)
+    assert (got.spin, got.stats_every) == (0.01, 30.0)
+    assert S.for_engine({"ple_memops": {"stats_every": 0}}, env).stats_every is None
+    assert S.for_engine({"ple_memops": {"timeout": 60}}, env).spin == 0.05  # env kept
+    for bad in ("-1", "nan", "inf", "fast"):
+        with pytest.raises(InvalidArgumentError, match="PLE_MEMOPS_SPIN must be a number"):
+            S.from_env({"PLE_MEMOPS_SPIN": bad})
+    for value in (True, -0.5, "soon", [1]):
+        with pytest.raises(InvalidArgumentError, match=r"\['stats_every'\] must be a number"):
+            S.for_engine({"ple_memops": {"stats_every": value}}, {})
+    known = "known: 'table_backend', 'timeout', 'copy', 'spin', 'stats_every'"
+    with pytest.raises(InvalidArgumentError, match=known):
+        S.for_engine({"ple_memops": {"spinning": 1}}, {})
+
+
 def test_cli_check_without_vllm(capsys: pytest.CaptureFixture[str]) -> None:
     try:
         import vllm  # noqa: F401

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -189,6 +190,17 @@ _PROBE = """
     }))
 """
 
+_LOG_PROBE = """
+    import logging
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    configure_logging(LoggingConfig())  # what an engine (or `vllm serve`) does
+    logging.getLogger("ple_memops").info("ple-memops: an info line")
+    logging.getLogger("ple_memops").debug("ple-memops: a debug line")
+"""
+
 
 def test_the_entry_point_is_discovered() -> None:
     from importlib.metadata import entry_points
@@ -220,6 +232,19 @@ def test_switch_on_vllms_loader_installs_everything() -> None:
         "Qwen4ExpForConditionalGeneration",
     ]
     assert all(h.startswith("PleMemops") for h in seen["hooks"].values())
+
+
+def test_our_log_lines_are_vllms_log_lines() -> None:
+    """Switched on, the plugin's records go through vLLM's handler, in its format and at
+    its level (they reached only Python's last-resort handler before: info lines lost)."""
+    done = _run_python(_LOG_PROBE, PLE_MEMOPS_TABLE_BACKEND="mmap")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout + done.stderr
+    line = next(ln for ln in out.splitlines() if "an info line" in ln)
+    assert re.search(r"INFO \d\d-\d\d [\d:]+ \[<string>:\d+\] ple-memops: an info line", line), line
+    assert "a debug line" not in out
+    done = _run_python(_LOG_PROBE, PLE_MEMOPS_TABLE_BACKEND="mmap", VLLM_LOGGING_LEVEL="DEBUG")
+    assert "ple-memops: a debug line" in done.stdout + done.stderr
 
 
 def test_a_bad_switch_value_stops_the_engine_with_its_name() -> None:
@@ -390,8 +415,14 @@ def test_model_loads_without_its_tables_and_rows_match_the_device_table(
     assert not hasattr(device_model, "is_unused_checkpoint_weight")
 
     fake = types.SimpleNamespace(model=model, vllm_config=mmap_cfg, device=torch.device("cpu"))
-    with caplog.at_level(logging.WARNING, logger="ple_memops"), set_current_vllm_config(mmap_cfg):
-        hooks = runner.attach_runner(fake)
+    ours = logging.getLogger("ple_memops")
+    ours.addHandler(caplog.handler)  # the plugin routes it to vLLM's handler, not the root's
+    try:
+        with caplog.at_level(logging.WARNING, logger="ple_memops"):
+            with set_current_vllm_config(mmap_cfg):
+                hooks = runner.attach_runner(fake)
+    finally:
+        ours.removeHandler(caplog.handler)
     assert hooks is not None and hooks.plan.mode == "host"
     # What a user sees when the plan cannot defer: the reason and what changes.
     assert "deferred PLE rows are unavailable (no CUDA device" in caplog.text

@@ -22,6 +22,7 @@ wrong rows (the consumer reads zeros), a typed error at the next call.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -236,7 +237,9 @@ class StandInRunner:
     """Model Runner V2's steps, around :class:`PleRunnerHooks` (the same calls the patch
     adds to vLLM)."""
 
-    def __init__(self, ckpt: Path, device: Any, *, deferred: bool = True) -> None:
+    def __init__(
+        self, ckpt: Path, device: Any, *, deferred: bool = True, stats_every: float | None = None
+    ) -> None:
         self.device = torch.device(device)
         names = checkpoint_tensor_names(ckpt)
         self.tables = {}
@@ -256,6 +259,7 @@ class StandInRunner:
             device=plan_device,
             timeout=TIMEOUT,
             deferred=deferred,
+            stats_every=stats_every,
         )
         self.model = StandInModel(self.hooks, self.device)
         z = dict(device=self.device)
@@ -444,8 +448,10 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.n
     return write_checkpoint(tmp_path_factory.mktemp("standin"))
 
 
-def _boot(ckpt: Path, device: str, *, deferred: bool = True) -> StandInRunner:
-    r = StandInRunner(ckpt, device, deferred=deferred)
+def _boot(
+    ckpt: Path, device: str, *, deferred: bool = True, stats_every: float | None = None
+) -> StandInRunner:
+    r = StandInRunner(ckpt, device, deferred=deferred, stats_every=stats_every)
     r.reqs = 0
     return r
 
@@ -505,6 +511,19 @@ def test_mrv2_sequence_every_step_checked(ckpt: tuple[Path, dict[str, np.ndarray
         stats = r.hooks.plan.stats()
         for _name, (_rows, worker) in stats.items():
             assert worker is not None and worker.failures == 0 and worker.unarmed_replays == 0
+        # The stats line over the whole run: every armed step, each layer's fills and
+        # their mean READY -> FILLED time, as the workers counted them.
+        line = r.hooks.log_stats(force=True)
+        assert line is not None
+        print(line)
+        armed = r.hooks.driver.armed_steps
+        eager = r.hooks.eager_steps
+        assert f"{armed} deferred steps ({armed - eager} replays, {eager} eager)" in line
+        for name, (_rows, worker) in stats.items():
+            short = name[name.index("layers.") :].split(".ple")[0]
+            mean = worker.ready_to_filled_ns_total / worker.fills / 1e3
+            assert f"{short} {worker.fills} fills, {mean:.1f} us" in line, (short, line)
+        assert r.hooks.log_stats() is None  # no stats_every: only forced lines
     finally:
         r.shutdown()
 
@@ -662,3 +681,30 @@ def test_stand_in_eager_on_the_host(ckpt: tuple[Path, dict[str, np.ndarray]]) ->
         assert r.check_ring(0, tables) == 2 * 8
     finally:
         r.shutdown()
+
+
+def test_stats_lines_every_interval(
+    ckpt: tuple[Path, dict[str, np.ndarray]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``stats_every``: a ``ple-memops stats`` line once the interval passed, checked at
+    each step, and a last one at shutdown; none in between."""
+    path, _tables = ckpt
+    caplog.set_level(logging.INFO, logger="ple_memops")
+    r = _boot(path, "cpu", stats_every=3600.0)
+    try:
+        r.profile_run()
+        r.eager_step([[5, 6, 7, 8], [EOS, 9, 10]])
+        assert not [m for m in caplog.messages if m.startswith("ple-memops stats")]
+        r.hooks.stats_every = 1e-9  # every step from now on
+        r.eager_step([])
+        r.eager_step([])
+        lines = [m for m in caplog.messages if m.startswith("ple-memops stats")]
+        assert len(lines) == 2, lines
+        assert "0 deferred steps (0 replays, 0 eager), 0 synchronous replays" in lines[0]
+        assert "layers." in lines[0] and "0 fills" in lines[0]  # a host plan: no workers
+    finally:
+        r.shutdown()
+    lines = [m for m in caplog.messages if m.startswith("ple-memops stats")]
+    assert len(lines) == 3, lines  # the last interval's, at shutdown
+    with pytest.raises(pm.InvalidArgumentError, match="stats_every must be > 0"):
+        PleRunnerHooks(r.hooks.plan, rows_per_token=H, stats_every=0)

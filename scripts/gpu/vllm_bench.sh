@@ -3,21 +3,25 @@
 # Qwen4Exp (PLE tables on the GPU, pinned + UVA, and ple-memops' mmap), interleaved loads,
 # the table in BENCHMARKS.md form. Run from the repository root after
 # scripts/vllm-h200/setup.sh (vLLM in /tmp/vllm-site, our wheel in /tmp/site), as
-# scripts/gpu/vllm_engine.sh is. Writes under $OUT: bench_vllm_<dtype>.{log,md,json}, the
-# servers' logs (server-<backend>.log) and bench_env.txt.
+# scripts/gpu/vllm_engine.sh is. Writes under $OUT: bench_vllm_<tag>.{log,md,json},
+# bench_env.txt and bench_logs_<tag>.tgz (the servers' logs, server-<backend>.log, and
+# with --vllm-bench the commands' logs and JSON, cli-*).
 #
 # The checkpoint is written once per configuration under /tmp/ple-bench-ckpt (a hash of
 # the config names it; about 17 GiB at the defaults) and reused while the host lives.
 #
 # Settings (environment):
 #   DTYPE=bf16|fp8   the PLE tables' dtype (default bf16)
+#   TAG=...          names the outputs (default: DTYPE)
 #   DEADLINE=480     seconds after which the bench starts no new measurement (all phases:
 #                    checkpoint, server start, warm-up, loads); the whole script stays
 #                    under DEADLINE + 90 s
 #   SMOKE=1          the tiny model, one repeat: checks the plumbing in ~3 minutes
 #   BENCH_ARGS=...   more arguments, e.g. "--cold", "--attention-every 4" (dense full
 #                    attention every 4th layer: not yet run on the H200), "--layers 16",
-#                    "--output-len 256", "--repeats 5", "--backends gpu,mmap", "--compile default"
+#                    "--output-len 256", "--repeats 5", "--backends gpu,mmap", "--compile default",
+#                    "--vllm-bench latency,throughput" (vLLM's own offline benchmarks
+#                    instead of the servers: one engine a run for each backend)
 #
 # Expected wall time on a fresh host at the defaults: checkpoint ~30-60 s (first time only),
 # servers healthy after ~150-250 s (vLLM's Triton kernels compile on a fresh host; a warm
@@ -30,6 +34,7 @@ export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_BREAKABLE_CUDAG
 export PYTHONPATH=/tmp/vllm-site:/tmp/site:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
 unset PLE_MEMOPS_TABLE_BACKEND  # the bench sets it in the mmap server only
 DTYPE=${DTYPE:-bf16}
+TAG=${TAG:-$DTYPE}  # names the outputs: two runs in one call need two tags
 DEADLINE=${DEADLINE:-480}
 EXTRA=()
 if [ "${SMOKE:-0}" = 1 ]; then
@@ -46,17 +51,24 @@ start=$(date +%s)
 # shellcheck disable=SC2086  # BENCH_ARGS is split on purpose
 timeout -k 20 $((DEADLINE + 70)) python3 benchmarks/bench_vllm.py \
     --dtype "$DTYPE" --deadline "$DEADLINE" --log-dir "$OUT" \
-    --markdown "$OUT/bench_vllm_$DTYPE.md" --json "$OUT/bench_vllm_$DTYPE.json" \
-    ${EXTRA[@]+"${EXTRA[@]}"} ${BENCH_ARGS:-} >"$OUT/bench_vllm_$DTYPE.log" 2>&1
+    --markdown "$OUT/bench_vllm_$TAG.md" --json "$OUT/bench_vllm_$TAG.json" \
+    ${EXTRA[@]+"${EXTRA[@]}"} ${BENCH_ARGS:-} >"$OUT/bench_vllm_$TAG.log" 2>&1
 rc=$?
 echo "== bench_vllm: exit $rc in $(( $(date +%s) - start )) s (124 = hit the time limit)"
 # The progress lines, the table and the verdict (the full log is in $OUT).
-grep -E "^\[ *[0-9.]+ s\]|^\||^VERDICT|^Qwen4Exp|Traceback|Error" "$OUT/bench_vllm_$DTYPE.log" \
+grep -E "^\[ *[0-9.]+ s\]|^\||^VERDICT|^Qwen4Exp|Traceback|Error" "$OUT/bench_vllm_$TAG.log" \
     | grep -vE "Warning|warn" | tail -90
-for f in "$OUT"/server-*.log; do
+for f in "$OUT"/server-*.log "$OUT"/cli-*.log; do
     [ -f "$f" ] || continue
     echo "== $(basename "$f"): $(grep -cE "ERROR|Traceback" "$f") error lines; key lines:"
-    grep -E "Model loading took|Graph capturing finished|init engine|ple-memops|Skipped [0-9]+/|KV cache memory|deferred PLE rows" "$f" \
-        | sed 's/^.*\] //' | cut -c1-220 | head -8
+    grep -E "Model loading took|Graph capturing finished|init engine|ple-memops|Skipped [0-9]+/|KV cache memory|deferred PLE rows|Throughput:|Avg latency" "$f" \
+        | grep -v "ple-memops stats" | sed 's/^.*\] //' | cut -c1-220 | head -8
+    grep "ple-memops stats" "$f" | tail -1 | sed 's/^.*\] //' | cut -c1-400
 done
+# At most 8 files come back from the device: the servers' and commands' logs in one archive.
+logs=$(cd "$OUT" && ls server-*.log cli-*.log cli-*.json 2>/dev/null)
+if [ -n "$logs" ]; then
+    # shellcheck disable=SC2086  # one name a word
+    tar -C "$OUT" -czf "$OUT/bench_logs_$TAG.tgz" $logs && (cd "$OUT" && rm -f $logs)
+fi
 exit $rc

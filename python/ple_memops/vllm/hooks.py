@@ -56,6 +56,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -195,6 +197,9 @@ class PleRunnerHooks:
         timeout: seconds to wait for a pending step's fill when it must be completed
             (above the longest step that can be queued ahead of it).
         depth: steps armed at once (the plan must allow as many).
+        stats_every: seconds between ``ple-memops stats`` log lines (steps armed,
+            replays, eager steps, each layer's fills and mean READY -> FILLED time over
+            the interval), checked at each step; ``None``: none.
     """
 
     def __init__(
@@ -205,9 +210,12 @@ class PleRunnerHooks:
         timeout: float = DEFAULT_TIMEOUT,
         depth: int = DEPTH,
         sync_graphs: bool = False,
+        stats_every: float | None = None,
     ) -> None:
         if rows_per_token < 1 or depth < 1 or not timeout > 0:
             raise InvalidArgumentError("rows_per_token and depth must be >= 1, timeout > 0")
+        if stats_every is not None and not stats_every > 0:
+            raise InvalidArgumentError(f"stats_every must be > 0 seconds, got {stats_every!r}")
         self.plan = plan
         # Every step (arm, complete, drain, abort, shutdown) goes through the
         # engine-neutral driver; what stays here is vLLM's: scopes, graphs, the op.
@@ -220,6 +228,11 @@ class PleRunnerHooks:
         self.eager_steps = 0
         self.sync_replays = 0
         self.recorded_graphs = 0
+        self.stats_every = stats_every
+        self._stats_at = time.monotonic()
+        self._stats_base: tuple[int, int, int, dict[str, Any]] | None = None
+        if stats_every is not None:
+            self._stats_base = self._stats_now()
 
     # -- state ------------------------------------------------------------------------
 
@@ -313,6 +326,8 @@ class PleRunnerHooks:
         with self.driver.guard("an engine step"), self._scoped(scope):
             yield
             self._end_eager(scope)
+        if self.stats_every is not None:
+            self.log_stats()
 
     @contextlib.contextmanager
     def eager(self, *, dummy: bool) -> Iterator[None]:
@@ -334,7 +349,42 @@ class PleRunnerHooks:
         if entry is not None:
             return self._replay_sync(desc, entry, launch)
         rows = int(desc.num_tokens) * self.rows_per_token
-        return self.driver.launch(rows, launch, what=f"the replay of {desc}")
+        out = self.driver.launch(rows, launch, what=f"the replay of {desc}")
+        if self.stats_every is not None:
+            self.log_stats()
+        return out
+
+    def log_stats(self, *, force: bool = False) -> str | None:
+        """Log (and return) one ``ple-memops stats`` line about the steps since the last
+        one, when :attr:`stats_every` seconds have passed (or ``force``); else ``None``.
+        The step hooks call it after every step when ``stats_every`` is set."""
+        now = time.monotonic()
+        if not force and (self.stats_every is None or now - self._stats_at < self.stats_every):
+            return None
+        if self.driver.closed:
+            return None
+        current = self._stats_now()
+        base = self._stats_base or (0, 0, 0, {})
+        armed, eager, sync = (current[0] - base[0], current[1] - base[1], current[2] - base[2])
+        layers = []
+        for name, counters in current[3].items():
+            got = counters.since(base[3][name]) if name in base[3] else counters
+            mean = got.mean_fill_us
+            layers.append(
+                f"{_short(name)} {got.fills} fills" + ("" if mean is None else f", {mean:.1f} us")
+            )
+        line = (
+            f"ple-memops stats, last {now - self._stats_at:.1f} s: {armed} deferred steps "
+            f"({armed - eager} replays, {eager} eager), {sync} synchronous replays; "
+            f"per layer, fills and mean READY -> FILLED: {'; '.join(layers)}"
+        )
+        self._stats_at, self._stats_base = now, current
+        logger.info("%s", line)
+        return line
+
+    def _stats_now(self) -> tuple[int, int, int, dict[str, Any]]:
+        per_layer = {name: self.driver.counters(name) for name in self.plan.layers}
+        return (self.driver.armed_steps, self.eager_steps, self.sync_replays, per_layer)
 
     def note_ids_source(self, source: Callable[[], None]) -> None:
         """The model's glue, inside a capture: ``source()`` recomputes every PLE layer's
@@ -426,7 +476,11 @@ class PleRunnerHooks:
     def shutdown(self) -> None:
         """:meth:`drain_for_shutdown`, then close the plan. Idempotent. A caller that
         synchronises the device drains first, synchronises, then calls this, so nothing
-        the GPU may still read is freed."""
+        the GPU may still read is freed. With :attr:`stats_every` set, the last
+        interval's stats line is logged first."""
+        if self.stats_every is not None:
+            with contextlib.suppress(Exception):  # a poisoned plan still shuts down
+                self.log_stats(force=True)
         self.driver.shutdown()
         self._wait_descs.clear()
         self._ids_graphs.clear()
@@ -624,6 +678,15 @@ class PleRunnerHooks:
             self._scope = None
 
 
+_LAYER_NAME = re.compile(r"layers\.\d+")
+
+
+def _short(name: str) -> str:
+    """``model.layers.6.ple.ple_embedding.ngram_embedding`` -> ``layers.6``."""
+    match = _LAYER_NAME.search(name)
+    return match.group(0) if match else name
+
+
 def _copy_unless_same(rows: Any, output: Any) -> None:
     if int(rows.data_ptr()) != int(output.data_ptr()):
         output.copy_(rows)
@@ -662,11 +725,15 @@ def build_hooks(
     deferred: bool = True,
     copy: str = "auto",
     sync_graphs: bool = True,
+    spin: float | None = None,
+    stats_every: float | None = None,
 ) -> PleRunnerHooks:
     """Build the all-or-none rows plan for ``tables`` (name -> :class:`~ple_memops.MmapTable`,
     outside any capture) and the runner hooks around it. ``timeout`` bounds both the
     watchdog of a waiting graph and the completion of a pending step. ``sync_graphs``: a
-    synchronous plan keeps FULL graphs (the model gives an ids source while captured)."""
+    synchronous plan keeps FULL graphs (the model gives an ids source while captured).
+    ``spin``: the workers' hot window (``None``: the core's default); ``stats_every``:
+    see :class:`PleRunnerHooks`."""
     from ..plan import RowsPlan
 
     plan = RowsPlan.build(
@@ -679,6 +746,7 @@ def build_hooks(
         timeout=timeout,
         depth=DEPTH,
         copy=copy,
+        spin=spin,
         log_fallback=False,  # the engine's integration says it once, with what it changes
     )
     try:
@@ -688,6 +756,7 @@ def build_hooks(
             timeout=timeout,
             depth=DEPTH,
             sync_graphs=sync_graphs,
+            stats_every=stats_every,
         )
     except BaseException:
         plan.close()

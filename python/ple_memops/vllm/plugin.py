@@ -103,6 +103,7 @@ def install() -> Installed:
 
         record = Installed(version)
         try:
+            _log_through_vllm(record)
             _set(
                 record,
                 vllm_model_runner,
@@ -142,6 +143,39 @@ def install() -> Installed:
             "; ".join(record.changes),
         )
         return record
+
+
+class _ToVllmLogger(logging.Handler):
+    """Hands each record to vLLM's ``vllm`` logger, whose handlers (set up by vLLM when
+    an engine or a command configures logging, and replaced when it reconfigures) format
+    and filter it as vLLM's own (``VLLM_LOGGING_LEVEL``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
+def _log_through_vllm(record: Installed) -> None:
+    """Our records in vLLM's log. vLLM configures only its ``vllm`` logger (a handler of
+    its own, no propagation), so without this the ``ple_memops`` logger's records reached
+    Python's last-resort handler alone: warnings unformatted, info lines (what was
+    mapped, the stats) lost. A ``ple_memops`` logger that already has handlers (its user
+    configured it) is left alone."""
+    ours = logging.getLogger("ple_memops")
+    if ours.handlers:
+        return
+    saved = (ours.level, ours.propagate)
+    handler = _ToVllmLogger()
+
+    def restore() -> None:
+        ours.removeHandler(handler)
+        ours.setLevel(saved[0])
+        ours.propagate = saved[1]
+
+    ours.addHandler(handler)
+    ours.setLevel(logging.DEBUG)  # vLLM's handler filters by its level
+    ours.propagate = False  # as vLLM's own loggers: once, through vLLM's handler
+    record._undo.append(restore)
+    record.changes.append("logger ple_memops -> vLLM's")
 
 
 def installed() -> Installed | None:

@@ -150,6 +150,8 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
             device=plan_device(runner.device),
             timeout=settings.timeout,
             copy=settings.copy,
+            spin=settings.spin,
+            stats_every=settings.stats_every,
         )
         forced = os.environ.get(FORCE_SYNC_ENV, "") == "1"
         hooks = build_hooks(tables, deferred=not forced, **build)

@@ -4,8 +4,9 @@ this, the API server's included).
 Two sources, the second overriding the first field by field:
 
 * the environment, read by every vLLM process (workers inherit it):
-  ``PLE_MEMOPS_TABLE_BACKEND=mmap`` (``default`` or unset: off) and ``PLE_MEMOPS_TIMEOUT``
-  (seconds, default 30);
+  ``PLE_MEMOPS_TABLE_BACKEND=mmap`` (``default`` or unset: off), ``PLE_MEMOPS_TIMEOUT``
+  (seconds, default 30), ``PLE_MEMOPS_COPY``, ``PLE_MEMOPS_SPIN`` and
+  ``PLE_MEMOPS_STATS_EVERY`` (see :class:`Settings`);
 * an engine's ``additional_config={"ple_memops": {"table_backend": "mmap", "timeout": 60}}``
   (``--additional-config`` on the command line), which is part of vLLM's config hash.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import InvalidArgumentError
@@ -32,6 +33,9 @@ __all__ = [
     "CONFIG_KEY",
     "DEFAULT_TIMEOUT",
     "DEPTH",
+    "KEYS",
+    "SPIN_ENV",
+    "STATS_ENV",
     "TIMEOUT_ENV",
     "Settings",
 ]
@@ -39,6 +43,8 @@ __all__ = [
 BACKEND_ENV = "PLE_MEMOPS_TABLE_BACKEND"
 TIMEOUT_ENV = "PLE_MEMOPS_TIMEOUT"
 COPY_ENV = "PLE_MEMOPS_COPY"
+SPIN_ENV = "PLE_MEMOPS_SPIN"
+STATS_ENV = "PLE_MEMOPS_STATS_EVERY"
 CONFIG_KEY = "ple_memops"
 """The key of ``additional_config`` that holds these settings."""
 BACKENDS = ("default", "mmap")
@@ -78,6 +84,19 @@ def _timeout(value: object, where: str) -> float:
     return seconds
 
 
+def _seconds_or_off(value: object, where: str) -> float | None:
+    """A number of seconds >= 0; ``0`` (or empty) is ``None``: off, or the default."""
+    if value is None or (isinstance(value, str) and value.strip() == ""):
+        return None
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if isinstance(value, bool) or not (seconds >= 0 and math.isfinite(seconds)):
+        raise InvalidArgumentError(f"{where} must be a number of seconds >= 0, got {value!r}")
+    return seconds or None
+
+
 @dataclass(frozen=True)
 class Settings:
     """What the integration does for one engine (see the module)."""
@@ -88,6 +107,14 @@ class Settings:
     """The device side of a deferred step (:class:`~ple_memops.DeferredRows`'s ``copy``):
     ``"auto"``, ``"kernel"`` (one polling block) or ``"memop"`` (stream memory operations
     and a copy-engine H2D)."""
+    spin: float | None = None
+    """Seconds each layer's gather worker stays hot (spinning, then yielding) while it
+    waits for a step's ids before it naps (``None``: the core's default, 2 ms). A worker
+    armed one step ahead (async scheduling) waits a whole step for the GPU; past ``spin``
+    it sees the ids up to a nap (20-70 us on a VM) late."""
+    stats_every: float | None = None
+    """Seconds between ``ple-memops stats`` log lines (steps, fills and each layer's
+    READY -> FILLED time over the interval); ``None``: no stats lines."""
 
     @property
     def mmap(self) -> bool:
@@ -101,39 +128,47 @@ class Settings:
         backend = _backend(env.get(BACKEND_ENV), BACKEND_ENV)
         raw = env.get(TIMEOUT_ENV)
         timeout = DEFAULT_TIMEOUT if raw is None else _timeout(raw, TIMEOUT_ENV)
-        return cls(backend, timeout, _copy(env.get(COPY_ENV), COPY_ENV))
+        return cls(
+            backend,
+            timeout,
+            _copy(env.get(COPY_ENV), COPY_ENV),
+            _seconds_or_off(env.get(SPIN_ENV), SPIN_ENV),
+            _seconds_or_off(env.get(STATS_ENV), STATS_ENV),
+        )
 
     @classmethod
     def for_engine(
         cls, additional_config: object, environ: Mapping[str, str] | None = None
     ) -> Settings:
         """An engine's settings: the environment's, overridden by
-        ``additional_config["ple_memops"]`` (a mapping with the keys ``table_backend`` and
-        ``timeout``, each optional). Unknown keys and bad values raise."""
+        ``additional_config["ple_memops"]`` (a mapping with the keys of :data:`KEYS`,
+        each optional). Unknown keys and bad values raise."""
         base = cls.from_env(environ)
         section = _section(additional_config)
         if section is None:
             return base
-        unknown = sorted(set(section) - {"table_backend", "timeout", "copy"})
+        unknown = sorted(set(section) - set(KEYS))
         if unknown:
             raise InvalidArgumentError(
                 f"additional_config[{CONFIG_KEY!r}] has unknown keys {unknown}; "
-                "known: 'table_backend', 'timeout', 'copy'"
+                f"known: {', '.join(repr(k) for k in KEYS)}"
             )
-        backend = base.table_backend
-        if "table_backend" in section:
-            backend = _backend(
-                section["table_backend"], f"additional_config[{CONFIG_KEY!r}]['table_backend']"
-            )
-            if section["table_backend"] in (None, ""):
-                backend = "default"
-        timeout = base.timeout
-        if "timeout" in section:
-            timeout = _timeout(section["timeout"], f"additional_config[{CONFIG_KEY!r}]['timeout']")
-        copy = base.copy
-        if "copy" in section:
-            copy = _copy(section["copy"], f"additional_config[{CONFIG_KEY!r}]['copy']")
-        return cls(backend, timeout, copy)
+        changes: dict[str, Any] = {}
+        for key, value in section.items():
+            where = f"additional_config[{CONFIG_KEY!r}][{key!r}]"
+            if key == "table_backend":
+                changes[key] = "default" if value in (None, "") else _backend(value, where)
+            elif key == "timeout":
+                changes[key] = _timeout(value, where)
+            elif key == "copy":
+                changes[key] = _copy(value, where)
+            else:
+                changes[key] = _seconds_or_off(value, where)
+        return replace(base, **changes)
+
+
+KEYS = ("table_backend", "timeout", "copy", "spin", "stats_every")
+"""The keys ``additional_config["ple_memops"]`` may hold (:class:`Settings`' fields)."""
 
 
 def _section(additional_config: object) -> Mapping[str, Any] | None:
