@@ -386,3 +386,58 @@ def test_host_ids_behind_thousands_of_kernels(  # type: ignore[no-untyped-def]
         worker.close()
         rows.close()
         torch.cuda.synchronize()
+
+
+_PUBLISH_UNDER_CAPTURE = """
+import sys, time
+import numpy as np
+import torch
+from safetensors.numpy import save_file
+import ple_memops as pm
+
+path, publish, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+data = np.zeros((1024, 160), dtype=np.uint8)
+save_file({"t.weight": data.view(np.float16)}, path)
+table = pm.MmapTable.open(path, "t.weight")
+rows = pm.DeferredRows(64, 160, device=0, watchdog=10.0)
+worker = pm.GatherWorker(rows, table, publish=publish)
+ids = torch.zeros(16, dtype=torch.int64, device="cuda")
+side = torch.cuda.Stream()
+t0 = time.monotonic()
+for i in range(count):
+    if i % 256 == 0:
+        time.sleep(0.003)  # past the worker's hot window: idle, checking every 1 ms
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        worker.publish(ids)
+    del graph
+print(f"published {count} times under capture in {time.monotonic() - t0:.1f} s", flush=True)
+worker.close()
+rows.close()
+"""
+
+
+@pytest.mark.parametrize("publish", ["kernel", "memop"])
+def test_publishes_under_capture_never_deadlock_an_idle_worker(  # type: ignore[no-untyped-def]
+    torch, tmp_path, publish: str
+) -> None:
+    """An engine's captures publish while the worker has nothing armed and checks its
+    mailbox under its control lock every millisecond. A publish that held the mailbox's
+    lock while taking the control lock deadlocked with it, with the GIL held: the vLLM
+    engine froze at its first FULL capture (seen on the H200, 2026-12-01). Thousands of
+    captured publishes against an idle worker, in a subprocess bounded by a timeout."""
+    import subprocess
+    import sys
+
+    count = 6000
+    try:
+        done_ = subprocess.run(
+            [sys.executable, "-c", _PUBLISH_UNDER_CAPTURE, str(tmp_path / "t.safetensors"),
+             publish, str(count)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"deadlocked: {count} publishes under capture did not finish in 120 s: {exc}")
+    assert done_.returncode == 0, done_.stderr[-3000:]
+    assert f"published {count} times under capture" in done_.stdout
+    print(done_.stdout.strip())

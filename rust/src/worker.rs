@@ -210,6 +210,10 @@ impl Ctl {
     }
 }
 
+/// Lock order: `ctl` before `mailbox`, never the reverse. The worker checks the mailbox
+/// while holding `ctl` (a READY with nothing armed must be judged under `ctl`); a caller
+/// that held `mailbox` while taking `ctl` deadlocked with it (a publish under capture
+/// against an idle worker: the engine froze at its first CUDA graph capture, the GPU idle).
 struct Shared {
     rows: DeferredRows,
     source: Arc<dyn RowSource>,
@@ -461,11 +465,22 @@ impl GatherWorker {
         sh.rows
             .poison_cause()
             .map_or(Ok(()), |cause| Err(Error::Poisoned { cause }))?;
-        let mailbox = sh.mailbox();
-        if n_ids == 0 || n_ids > mailbox.max_ids() {
+        // What the enqueue needs of the mailbox, read and the lock released before `ctl`
+        // is taken (the lock order is ctl, then mailbox: see `Shared`). Its addresses
+        // are fixed for its life, so nothing here needs the lock held.
+        let (max_ids, (m_ids, m_count, m_ready), elem, ids_host, count_host) = {
+            let mailbox = sh.mailbox();
+            (
+                mailbox.max_ids(),
+                mailbox.device_ptrs().expect("pinned mailbox"),
+                mailbox.id_bytes(),
+                mailbox.ids_host_ptr(),
+                mailbox.count_host_ptr(),
+            )
+        };
+        if n_ids == 0 || n_ids > max_ids {
             return Err(Error::rows(format!(
-                "publish of {n_ids} ids: the mailbox holds 1..={}",
-                mailbox.max_ids()
+                "publish of {n_ids} ids: the mailbox holds 1..={max_ids}"
             )));
         }
         let dev = ctx.ordinal();
@@ -488,8 +503,6 @@ impl GatherWorker {
             }
             _ => {}
         }
-        let (m_ids, m_count, m_ready) = mailbox.device_ptrs().expect("pinned mailbox");
-        let elem = mailbox.id_bytes();
         // SAFETY: the mailbox is retained forever once anything was published (see drop),
         // the caller vouches for `ids`, `count_dev` and `stream`.
         unsafe {
@@ -497,15 +510,9 @@ impl GatherWorker {
                 PublishPath::Kernel => kernels
                     .publish_ids(stream, ids, n_ids, count_dev, elem, m_ids, m_count, m_ready)?,
                 PublishPath::Memop => {
-                    driver::copy_d2h_async(mailbox.ids_host_ptr(), ids, n_ids * elem, stream, dev)?;
+                    driver::copy_d2h_async(ids_host, ids, n_ids * elem, stream, dev)?;
                     if count_dev != 0 {
-                        driver::copy_d2h_async(
-                            mailbox.count_host_ptr(),
-                            count_dev,
-                            4,
-                            stream,
-                            dev,
-                        )?;
+                        driver::copy_d2h_async(count_host, count_dev, 4, stream, dev)?;
                     } else {
                         driver::write_u32(stream, m_count, n_ids as u32, dev)?;
                     }
