@@ -165,6 +165,55 @@ def test_a_cold_row_costs_its_own_pages(tmp_path: Path) -> None:
     assert growth["old"] > 4 * growth["new"], growth
 
 
+def test_pages_already_cached_are_adopted(tmp_path: Path) -> None:
+    """A warm host: the table's pages are in the page cache when it opens (another
+    process read them). Open takes them as read, so gathers copy them straight from the
+    mapping, with the bytes the safetensors package loads; without adoption every first
+    row of a page goes through a cold read; under an RSS budget open adopts nothing;
+    ``adopt_resident()`` takes what was cached since."""
+    path = _table(tmp_path, 1 << 14, 64, torch.float32)  # 4 MiB, 256 B rows
+    want = load_file(str(path))["w"].numpy().copy().view(np.uint8)  # rows as bytes
+    gc.collect()  # nothing of the loader may keep the file mapped
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 1 << 14, 512)
+    with MmapTable.open(path, "w", adopt_resident=False) as t:
+        _cold(t)
+    path.read_bytes()  # someone else's read: the whole file is cached, nothing mapped
+    with MmapTable.open(path, "w") as t:
+        st = t.page_stats()
+        assert st["pages_adopted"] * PAGE >= t.page_stats()["data_bytes"], st
+        np.testing.assert_array_equal(t.gather(ids), want[ids])
+        st = t.page_stats()
+        assert (st["row_hits"], st["row_misses"], st["pages_read"]) == (512, 0, 0), st
+    with MmapTable.open(path, "w", adopt_resident=False) as t:
+        np.testing.assert_array_equal(t.gather(ids), want[ids])
+        st = t.page_stats()
+        assert st["pages_adopted"] == 0 and st["row_misses"] > 0, st
+    with MmapTable.open(path, "w", rss_budget_bytes=1 << 20) as t:
+        assert t.page_stats()["pages_adopted"] == 0
+        np.testing.assert_array_equal(t.gather(ids), want[ids])
+    # Cold at open, then the first half of the file cached by a reader: adopted on request.
+    with MmapTable.open(path, "w") as t:
+        _cold(t)
+        assert t.adopt_resident() == 0
+        fd = os.open(path, os.O_RDONLY)
+        try:  # the first half only: no readahead past it
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            for off in range(0, path.stat().st_size // 2, PAGE):
+                os.pread(fd, PAGE, off)
+        finally:
+            os.close(fd)
+        got = t.adopt_resident()
+        assert 0 < got <= path.stat().st_size // 2 + PAGE, got
+        assert t.adopt_resident() == 0  # nothing new
+        first = ids[ids < (1 << 13) - 64]
+        np.testing.assert_array_equal(t.gather(first), want[first])
+        assert t.page_stats()["row_misses"] == 0
+        last = ids[ids >= (1 << 13) + 64]
+        np.testing.assert_array_equal(t.gather(last), want[last])
+        assert t.page_stats()["row_misses"] > 0
+
+
 def test_options_are_validated(tmp_path: Path) -> None:
     path = _table(tmp_path, 64, 8, torch.float32)
     for kw in ({"cold_reads": "io_uring"}, {"cold_reads": 1}, {"access": "sequential"}):

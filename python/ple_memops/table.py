@@ -81,6 +81,7 @@ class MmapTable:
         parallel_min_bytes: int | None = None,
         access: Access = "random",
         cold_reads: ColdReads = "auto",
+        adopt_resident: bool = True,
     ) -> MmapTable:
         """Open a table.
 
@@ -113,6 +114,11 @@ class MmapTable:
                 :class:`~ple_memops.TableIoError` where io_uring is unavailable),
                 ``"willneed"`` (``MADV_WILLNEED`` per row, then the copy), ``"pool"``
                 (``pread`` on 32 threads), ``"fault"`` (one page fault at a time).
+            adopt_resident: take the table's pages that are in the page cache already
+                as read (:meth:`adopt_resident`), so a warm host's gathers copy them
+                straight from the mapping instead of reading each cold first (measured:
+                1024 rows of 256 B from a warm 1 GiB table, 670 -> 60 us a gather). Not
+                under an RSS budget (it accounts for the pages the table read itself).
 
         Raises:
             TableError: the checkpoint or tensor is missing, malformed or inconsistent.
@@ -149,6 +155,7 @@ class MmapTable:
             parallel_min_bytes,
             access,
             cold_reads,
+            bool(adopt_resident),
         )
         return cls(core)
 
@@ -263,6 +270,15 @@ class MmapTable:
             raise InvalidArgumentError(f"budget must be a non-negative int, got {budget!r}")
         return self._live().prewarm(min(budget, 2**64 - 1))
 
+    def adopt_resident(self) -> int:
+        """Take the table's pages that are in the page cache now as read (``mincore``):
+        their rows are then copied straight from the mapping rather than read cold
+        first. :meth:`open` does this unless ``adopt_resident=False`` or under an RSS
+        budget; call it again after something else (another process, a prewarm of the
+        files) brought pages in. Returns the bytes adopted (pages not known before),
+        within the known set's limit (half the machine's memory without a budget)."""
+        return self._live().adopt_resident()
+
     def drop_pages(self) -> None:
         """Drop the table's pages from this process (``MADV_DONTNEED``) and from the page
         cache (``POSIX_FADV_DONTNEED``; clean pages no other mapping holds). The data is
@@ -275,7 +291,8 @@ class MmapTable:
         ``touched_bytes`` (bytes of the pages the table has read and not dropped since),
         ``budget_drops`` and ``pages_evicted`` (RSS-budget evictions), ``pages_forgotten``
         (without a budget, pages no longer assumed resident once they exceed half the
-        machine's memory), ``cold_fallbacks`` / ``last_fallback`` (cold gathers that
+        machine's memory), ``pages_adopted`` (pages taken as read because they were
+        cached already: :meth:`adopt_resident`), ``cold_fallbacks`` / ``last_fallback`` (cold gathers that
         could not use io_uring on their thread), ``last_drop_error``, ``data_bytes``."""
         return self._live().page_stats()
 

@@ -100,7 +100,7 @@ impl IntoUsize for Range<*const u8> {
 impl PyMmapTable {
     /// Open a table; exactly one of `name` and `pattern`.
     #[new]
-    #[pyo3(signature = (path, name=None, pattern=None, prewarm_bytes=None, readahead=false, rss_budget_bytes=None, parallel_min_bytes=None, access="random", cold_reads="auto"))]
+    #[pyo3(signature = (path, name=None, pattern=None, prewarm_bytes=None, readahead=false, rss_budget_bytes=None, parallel_min_bytes=None, access="random", cold_reads="auto", adopt_resident=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -113,6 +113,7 @@ impl PyMmapTable {
         parallel_min_bytes: Option<usize>,
         access: &str,
         cold_reads: &str,
+        adopt_resident: bool,
     ) -> PyResult<Self> {
         let selector = match (name, pattern) {
             (Some(n), None) => Selector::Name(n),
@@ -132,6 +133,7 @@ impl PyMmapTable {
             rss_budget_bytes,
             access,
             cold_reads,
+            adopt_resident,
             ..TableOptions::default()
         };
         if let Some(m) = parallel_min_bytes {
@@ -293,6 +295,12 @@ impl PyMmapTable {
         py.detach(|| t.prewarm(budget)).map_err(|e| to_pyerr(py, e))
     }
 
+    fn adopt_resident(&self, py: Python<'_>) -> PyResult<u64> {
+        let t = &self.inner;
+        py.detach(|| t.adopt_resident())
+            .map_err(|e| to_pyerr(py, e))
+    }
+
     fn drop_pages(&self, py: Python<'_>) -> PyResult<()> {
         let t = &self.inner;
         py.detach(|| t.drop_pages()).map_err(|e| to_pyerr(py, e))
@@ -310,6 +318,7 @@ impl PyMmapTable {
         d.set_item("pages_read", s.pages_read)?;
         d.set_item("pages_evicted", s.pages_evicted)?;
         d.set_item("pages_forgotten", s.pages_forgotten)?;
+        d.set_item("pages_adopted", s.pages_adopted)?;
         d.set_item("cold_fallbacks", s.cold_fallbacks)?;
         d.set_item("last_fallback", s.last_fallback)?;
         Ok(d)

@@ -193,6 +193,11 @@ pub struct TableOptions {
     pub access: Access,
     /// How a gather reads rows that are not known to be resident.
     pub cold_reads: ColdReads,
+    /// At open, take the table's pages that are in the page cache already as known
+    /// resident ([`MmapTable::adopt_resident`]), so the gathers of a warm host copy them
+    /// straight from the mapping instead of reading each one cold first. Ignored under
+    /// an RSS budget (the budget accounts for the pages the table read itself).
+    pub adopt_resident: bool,
 }
 
 impl Default for TableOptions {
@@ -204,6 +209,7 @@ impl Default for TableOptions {
             parallel_min_bytes: PARALLEL_MIN_BYTES,
             access: Access::Random,
             cold_reads: ColdReads::Auto,
+            adopt_resident: true,
         }
     }
 }
@@ -229,6 +235,9 @@ pub struct PageStats {
     /// Pages forgotten (not evicted) to bound the known set without a budget: their next
     /// read goes through a cold read, which costs little if the page is still cached.
     pub pages_forgotten: u64,
+    /// Pages taken as known resident because they were in the page cache already
+    /// ([`MmapTable::adopt_resident`]).
+    pub pages_adopted: u64,
     /// Cold gathers that could not use io_uring on their thread and used `willneed`.
     pub cold_fallbacks: u64,
     /// Why the last such gather fell back.
@@ -243,6 +252,7 @@ struct Counters {
     pages_read: AtomicU64,
     pages_evicted: AtomicU64,
     pages_forgotten: AtomicU64,
+    pages_adopted: AtomicU64,
     cold_fallbacks: AtomicU64,
 }
 
@@ -361,6 +371,9 @@ impl MmapTable {
         };
         if let Some(budget) = table.inner.opts.prewarm_bytes {
             table.prewarm(budget)?;
+        }
+        if table.inner.opts.adopt_resident && table.inner.opts.rss_budget_bytes.is_none() {
+            table.adopt_resident()?;
         }
         Ok(table)
     }
@@ -725,6 +738,44 @@ impl MmapTable {
         Ok(warmed)
     }
 
+    /// Take the table's pages that are in the page cache now as known resident (one
+    /// `mincore` per 256 MiB of table): gathers then copy their rows straight from the
+    /// mapping (a minor fault the first time a page is touched) where they would read
+    /// each one cold first, which on a warm host costs several times the copy. A page
+    /// the kernel evicts later is faulted back in by the copy (slower, still correct), as
+    /// for any known page. Returns the bytes adopted (pages not known before), within
+    /// the known set's limit (half the machine's memory without an RSS budget; under a
+    /// budget, what is left of it). Open does this by default
+    /// ([`TableOptions::adopt_resident`], not under a budget).
+    pub fn adopt_resident(&self) -> Result<u64> {
+        let inner = &*self.inner;
+        let pm = &inner.pages;
+        let segs = &inner.layout.segments;
+        let ps = pagecache::page_size();
+        let mut room = inner.known_limit.saturating_sub(pm.known_pages());
+        let mut adopted = 0usize;
+        pagecache::resident_runs(&inner.layout.files, segs, |si, off, pages| {
+            let take = pages.min(room);
+            if take == 0 {
+                return;
+            }
+            // The run's pages, clipped to the segment's bytes (the first and last page
+            // may hold a neighbouring tensor's bytes too).
+            let lo = off.max(segs[si].start);
+            let hi = (off + take * ps).min(segs[si].start + segs[si].len);
+            if hi > lo {
+                let new = pm.mark(pm.span(si, lo, hi - lo));
+                adopted += new;
+                room = room.saturating_sub(new);
+            }
+        })?;
+        inner
+            .counters
+            .pages_adopted
+            .fetch_add(adopted as u64, Ordering::Relaxed);
+        Ok(adopted as u64 * ps as u64)
+    }
+
     /// Drop the table's pages now: `MADV_DONTNEED` on the mapping (this process's RSS
     /// shrinks), then `POSIX_FADV_DONTNEED` on the files (clean pages leave the page cache
     /// unless another process maps them). Data is unaffected: later gathers read it back.
@@ -761,6 +812,7 @@ impl MmapTable {
             pages_read: get(&c.pages_read),
             pages_evicted: get(&c.pages_evicted),
             pages_forgotten: get(&c.pages_forgotten),
+            pages_adopted: get(&c.pages_adopted),
             cold_fallbacks: get(&c.cold_fallbacks),
             last_fallback: lock(&inner.last_fallback),
         }

@@ -86,6 +86,53 @@ pub(crate) fn resident_bytes(files: &[MappedFile], segments: &[Segment]) -> Resu
     Ok(total)
 }
 
+/// Call `found(segment index, page-aligned file offset, pages)` for every run of the
+/// table's pages that is in the page cache now (`mincore`, one call per 256 MiB).
+pub(crate) fn resident_runs(
+    files: &[MappedFile],
+    segments: &[Segment],
+    mut found: impl FnMut(usize, usize, usize),
+) -> Result<()> {
+    const CHUNK_PAGES: usize = 1 << 16;
+    let ps = page_size();
+    let mut vec = vec![0u8; CHUNK_PAGES];
+    for (si, seg) in segments.iter().enumerate() {
+        let f = &files[seg.file];
+        let (lo, hi) = page_span(seg.start, seg.len);
+        let hi = hi.min(f.map.len().div_ceil(ps) * ps);
+        let mut off = lo;
+        while off < hi {
+            let pages = ((hi - off) / ps).min(CHUNK_PAGES);
+            // SAFETY: as in `resident_bytes`: a page-aligned range inside our live
+            // mapping, `vec` holds `pages` bytes.
+            let rc = unsafe {
+                libc::mincore(
+                    f.map.as_ptr().add(off) as *mut libc::c_void,
+                    pages * ps,
+                    vec.as_mut_ptr(),
+                )
+            };
+            if rc != 0 {
+                return Err(io_err(&f.path, "mincore", std::io::Error::last_os_error()));
+            }
+            let mut i = 0;
+            while i < pages {
+                if vec[i] & 1 == 0 {
+                    i += 1;
+                    continue;
+                }
+                let start = i;
+                while i < pages && vec[i] & 1 != 0 {
+                    i += 1;
+                }
+                found(si, off + start * ps, i - start);
+            }
+            off += pages * ps;
+        }
+    }
+    Ok(())
+}
+
 /// Fault in the table's pages, in row order, until `budget` bytes; returns the bytes
 /// warmed. `mark` is told each warmed span (for the RSS budget's accounting).
 pub(crate) fn prewarm(

@@ -716,6 +716,68 @@ fn a_cold_row_reads_its_own_pages_only() {
 }
 
 #[test]
+fn pages_in_the_page_cache_are_adopted_at_open() {
+    let d = TempDir::new();
+    let p = big_table(&d, 1 << 14); // 4 MiB, 256 B rows
+    let data = tensor("w", Dtype::BF16, &[1 << 14, 128], 7).3;
+    let ids: Vec<i64> = (0..200).map(|i| (i * 7919 + 3) % (1 << 14)).collect();
+    let want = reference(&[&data], 256, &ids);
+    let cold = |t: &MmapTable| {
+        t.drop_pages().unwrap();
+        assert_eq!(
+            t.resident_bytes().unwrap(),
+            0,
+            "pages must be able to leave the cache"
+        );
+    };
+    cold(&with(TableOptions::default(), &p, &name("w")));
+    // Cached by another reader (nothing mapped).
+    std::fs::read(&p).unwrap();
+    for way in ways() {
+        let opts = TableOptions {
+            cold_reads: way,
+            ..Default::default()
+        };
+        let t = with(opts.clone(), &p, &name("w"));
+        let s = t.page_stats();
+        assert!(
+            s.pages_adopted > 0 && s.touched_bytes >= t.data_bytes(),
+            "{way:?} {s:?}"
+        );
+        assert_eq!(t.gather(RowIds::I64(&ids)).unwrap(), want, "{way:?}");
+        let s = t.page_stats();
+        assert_eq!((s.row_hits, s.row_misses), (ids.len() as u64, 0), "{way:?}");
+        assert_eq!(t.adopt_resident().unwrap(), 0, "{way:?}: adopted twice");
+        drop(t);
+        let off = with(
+            TableOptions {
+                adopt_resident: false,
+                ..opts.clone()
+            },
+            &p,
+            &name("w"),
+        );
+        assert_eq!(off.gather(RowIds::I64(&ids)).unwrap(), want, "{way:?}");
+        let s = off.page_stats();
+        assert_eq!(s.pages_adopted, 0);
+        assert!(s.row_misses > 0, "{way:?}: {s:?}");
+        let budget = with(
+            TableOptions {
+                rss_budget_bytes: Some(1 << 20),
+                ..opts
+            },
+            &p,
+            &name("w"),
+        );
+        assert_eq!(
+            budget.page_stats().pages_adopted,
+            0,
+            "{way:?}: adopted under a budget"
+        );
+    }
+}
+
+#[test]
 fn rss_budget_keeps_hot_pages_and_evicts_cold_ones() {
     let d = TempDir::new();
     let p = big_table(&d, 1 << 16); // 16 MiB, 256 B rows: 16 rows a page
