@@ -839,9 +839,10 @@ def _log_since(path: Path, offset: int) -> str:
 
 _STATS = re.compile(
     r"ple-memops stats, last ([\d.]+) s: (\d+) deferred steps \((\d+) replays, (\d+) eager\), "
-    r"(\d+) synchronous replays; per layer, fills and mean READY -> FILLED: (.*)$"
+    r"(\d+) synchronous replays; per layer, fills, mean READY -> FILLED and rows read cold: "
+    r"(.*)$"
 )
-_LAYER_STATS = re.compile(r"(\S+) (\d+) fills(?:, ([\d.]+) us)?")
+_LAYER_STATS = re.compile(r"(\S+) (\d+) fills(?:, ([\d.]+) us)?(?:, ([\d.]+)% rows cold)?")
 
 
 def delivery_stats(text: str) -> dict[str, Any]:
@@ -859,14 +860,18 @@ def delivery_stats(text: str) -> dict[str, Any]:
         "ple_sync_replays": sum(int(m.group(5)) for m in lines),
     }
     fills: dict[str, list[tuple[int, float]]] = {}
+    cold: dict[str, list[tuple[int, float]]] = {}
     for m in lines:
-        for name, n, us in _LAYER_STATS.findall(m.group(6)):
+        for name, n, us, pct in _LAYER_STATS.findall(m.group(6)):
             if us:
                 fills.setdefault(name, []).append((int(n), float(us)))
-    out["fill_us"] = {
-        name: sum(n * us for n, us in xs) / max(1, sum(n for n, _ in xs))
-        for name, xs in fills.items()
-    }
+            if pct:
+                cold.setdefault(name, []).append((int(n), float(pct)))
+
+    def weighted(d: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
+        return {k: sum(n * x for n, x in v) / max(1, sum(n for n, _ in v)) for k, v in d.items()}
+
+    out["fill_us"], out["cold_pct"] = weighted(fills), weighted(cold)
     return out
 
 
@@ -904,6 +909,10 @@ def summarize(
                 n: statistics.median(r["fill_us"][n] for r in good if n in r.get("fill_us", {}))
                 for n in layers
             }
+            colds = [r["cold_pct"] for r in good if r.get("cold_pct")]
+            s["cold_pct"] = (
+                statistics.median(statistics.mean(c.values()) for c in colds) if colds else None
+            )
             out[(load, b)] = s
     return out
 
@@ -984,14 +993,15 @@ def markdown(
             "publish being seen to the rows being ready",
             "",
             "| load | backend | steps (replays / eager / synchronous replays) | READY -> FILLED "
-            "mean us, per layer |",
-            "|---|---|---|---|",
+            "mean us, per layer | rows read cold |",
+            "|---|---|---|---|---|",
         ]
         for (load, b), s in delivery:
             fills = ", ".join(f"{n} {us:.1f}" for n, us in s["fill_us"].items()) or "-"
+            cold = "-" if s.get("cold_pct") is None else f"{s['cold_pct']:.1f}%"
             lines.append(
                 f"| {load} | {b} | {_f(s['ple_steps'], 0)} ({_f(s['ple_replays'], 0)} / "
-                f"{_f(s['ple_eager'], 0)} / {_f(s['ple_sync_replays'], 0)}) | {fills} |"
+                f"{_f(s['ple_eager'], 0)} / {_f(s['ple_sync_replays'], 0)}) | {fills} | {cold} |"
             )
     lines += [
         "",
@@ -1614,16 +1624,17 @@ def check_delivery_stats(ckpt: Path) -> bool:
             t.close()
     gpu_like = (
         "ple-memops stats, last 2.0 s: 400 deferred steps (390 replays, 10 eager), 0 "
-        "synchronous replays; per layer, fills and mean READY -> FILLED: layers.0 400 fills, "
-        "30.0 us; layers.6 400 fills, 20.0 us"
+        "synchronous replays; per layer, fills, mean READY -> FILLED and rows read cold: "
+        "layers.0 400 fills, 30.0 us, 10.0% rows cold; layers.6 400 fills, 20.0 us, 0.0% rows cold"
     )
     got = delivery_stats("\n".join(["INFO x " + str(x) for x in real]))
     # The first line is dropped: 60, 30, 60 us over 400 fills each.
     two = delivery_stats("\n".join([gpu_like, gpu_like.replace("30.0 us", "60.0 us")] * 2))
     good = (
-        got.get("ple_steps") == 0 and got.get("fill_us") == {}
+        got.get("ple_steps") == 0 and got.get("fill_us") == {} and got.get("cold_pct") == {}
         and two == {"ple_steps": 1200, "ple_replays": 1170, "ple_eager": 30,
-                    "ple_sync_replays": 0, "fill_us": {"layers.0": 50.0, "layers.6": 20.0}}
+                    "ple_sync_replays": 0, "fill_us": {"layers.0": 50.0, "layers.6": 20.0},
+                    "cold_pct": {"layers.0": 10.0, "layers.6": 0.0}}
     )  # fmt: skip
     log(f"stats lines: {'parsed' if good else 'NOT parsed'} ({real[0]!r} -> {got}; {two})")
     return good

@@ -292,8 +292,9 @@ class MmapTable:
         ``budget_drops`` and ``pages_evicted`` (RSS-budget evictions), ``pages_forgotten``
         (without a budget, pages no longer assumed resident once they exceed half the
         machine's memory), ``pages_adopted`` (pages taken as read because they were
-        cached already: :meth:`adopt_resident`), ``cold_fallbacks`` / ``last_fallback`` (cold gathers that
-        could not use io_uring on their thread), ``last_drop_error``, ``data_bytes``."""
+        cached already: :meth:`adopt_resident`), ``cold_fallbacks`` / ``last_fallback``
+        (cold gathers that could not use io_uring on their thread), ``last_drop_error``,
+        ``data_bytes``."""
         return self._live().page_stats()
 
     # -- lifecycle --------------------------------------------------------------------

@@ -198,8 +198,8 @@ class PleRunnerHooks:
             (above the longest step that can be queued ahead of it).
         depth: steps armed at once (the plan must allow as many).
         stats_every: seconds between ``ple-memops stats`` log lines (steps armed,
-            replays, eager steps, each layer's fills and mean READY -> FILLED time over
-            the interval), checked at each step; ``None``: none.
+            replays, eager steps, each layer's fills, mean READY -> FILLED time and share
+            of rows read cold over the interval), checked at each step; ``None``: none.
     """
 
     def __init__(
@@ -367,23 +367,32 @@ class PleRunnerHooks:
         base = self._stats_base or (0, 0, 0, {})
         armed, eager, sync = (current[0] - base[0], current[1] - base[1], current[2] - base[2])
         layers = []
-        for name, counters in current[3].items():
-            got = counters.since(base[3][name]) if name in base[3] else counters
+        for name, (counters, rows) in current[3].items():
+            was = base[3].get(name)
+            got = counters.since(was[0]) if was else counters
             mean = got.mean_fill_us
-            layers.append(
-                f"{_short(name)} {got.fills} fills" + ("" if mean is None else f", {mean:.1f} us")
-            )
+            hits, misses = (rows[i] - (was[1][i] if was else 0) for i in range(2))
+            cold = f", {100 * misses / (hits + misses):.1f}% rows cold" if hits + misses else ""
+            us = "" if mean is None else f", {mean:.1f} us"
+            layers.append(f"{_short(name)} {got.fills} fills{us}{cold}")
         line = (
             f"ple-memops stats, last {now - self._stats_at:.1f} s: {armed} deferred steps "
             f"({armed - eager} replays, {eager} eager), {sync} synchronous replays; "
-            f"per layer, fills and mean READY -> FILLED: {'; '.join(layers)}"
+            f"per layer, fills, mean READY -> FILLED and rows read cold: {'; '.join(layers)}"
         )
         self._stats_at, self._stats_base = now, current
         logger.info("%s", line)
         return line
 
     def _stats_now(self) -> tuple[int, int, int, dict[str, Any]]:
-        per_layer = {name: self.driver.counters(name) for name in self.plan.layers}
+        per_layer = {}
+        for name, layer in self.plan.layers.items():
+            table = getattr(layer, "table", None)
+            pages = table.page_stats() if table is not None else {}
+            # Rows copied straight from the mapping, and rows read cold (not yet known
+            # to be in the page cache: see MmapTable's cold_reads and adopt_resident).
+            rows = (int(pages.get("row_hits", 0)), int(pages.get("row_misses", 0)))
+            per_layer[name] = (self.driver.counters(name), rows)
         return (self.driver.armed_steps, self.eager_steps, self.sync_replays, per_layer)
 
     def note_ids_source(self, source: Callable[[], None]) -> None:
