@@ -682,6 +682,23 @@ fn every_cold_way_gathers_the_reference_rows() {
                 assert_eq!(dst, reference(&parts, rb, &ids64[..2]));
             }
         }
+        // Cached by another reader: a new table adopts every shard's pages (shards share
+        // a file and its boundary pages) and reads no row cold.
+        for f in [&f0, &f1] {
+            std::fs::read(f).unwrap();
+        }
+        let t = with(TableOptions::default(), &idx, &pattern(QWEN));
+        assert!(t.page_stats().touched_bytes >= t.data_bytes(), "{dtype:?}");
+        assert_eq!(
+            t.gather(RowIds::I64(&ids64)).unwrap(),
+            want,
+            "{dtype:?} adopted"
+        );
+        assert_eq!(
+            t.page_stats().row_misses,
+            0,
+            "{dtype:?}: a cached row read cold"
+        );
     }
 }
 
