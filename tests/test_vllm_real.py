@@ -290,7 +290,13 @@ def test_check_command_reports(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> 
     assert "compatible: yes" in out
     monkeypatch.setenv("PLE_MEMOPS_TABLE_BACKEND", "mmap")
     assert main(["check"]) == 0
-    assert "switch: on" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "switch: on" in out
+    assert "settings: copy auto (PLE_MEMOPS_COPY), spin the core's default" in out
+    monkeypatch.setenv("PLE_MEMOPS_STATS_EVERY", "10")
+    assert main(["check"]) == 0
+    assert "stats lines every 10 s (PLE_MEMOPS_STATS_EVERY)" in capsys.readouterr().out
+    monkeypatch.delenv("PLE_MEMOPS_STATS_EVERY")
     monkeypatch.setenv("VLLM_PLUGINS", "someone_else")
     assert main(["check"]) == 1
     assert "does not name 'ple_memops'" in capsys.readouterr().out

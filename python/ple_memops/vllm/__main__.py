@@ -10,7 +10,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, entry_points, version
 
 from ..errors import InvalidArgumentError
-from .settings import BACKEND_ENV, TIMEOUT_ENV, Settings
+from .settings import BACKEND_ENV, COPY_ENV, SPIN_ENV, STATS_ENV, TIMEOUT_ENV, Settings
 
 GROUP = "vllm.general_plugins"
 NAME = "ple_memops"
@@ -44,6 +44,12 @@ def check() -> int:
     print(
         f"switch: {state} ({BACKEND_ENV}={os.environ.get(BACKEND_ENV, '')!r}; "
         f"timeout {settings.timeout:g} s, {TIMEOUT_ENV})"
+    )
+    spin = "the core's default" if settings.spin is None else f"{settings.spin:g} s"
+    stats = "off" if settings.stats_every is None else f"every {settings.stats_every:g} s"
+    print(
+        f"settings: copy {settings.copy} ({COPY_ENV}), spin {spin} ({SPIN_ENV}), stats lines "
+        f"{stats} ({STATS_ENV}); an engine's additional_config['ple_memops'] overrides them"
     )
     from . import _compat
 

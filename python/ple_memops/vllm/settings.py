@@ -31,6 +31,7 @@ __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
     "CONFIG_KEY",
+    "COPY_ENV",
     "DEFAULT_TIMEOUT",
     "DEPTH",
     "KEYS",
