@@ -17,7 +17,10 @@
 #                    checkpoint, server start, warm-up, loads); the whole script stays
 #                    under DEADLINE + 90 s
 #   SMOKE=1          the tiny model, one repeat: checks the plumbing in ~3 minutes
-#   BENCH_ARGS=...   more arguments, e.g. "--cold", "--attention-every 4" (dense full
+#   BENCH_ARGS=...   more arguments, e.g. "--cold" (evict the tables before the servers
+#                    start and before each repeat; a live mmap server's mapped pages
+#                    stay, so a cold mmap start is "--backends mmap --cold --no-warmup"),
+#                    "--attention-every 4" (dense full
 #                    attention every 4th layer: not yet run on the H200), "--layers 16",
 #                    "--output-len 256", "--repeats 5", "--backends gpu,mmap", "--compile default",
 #                    "--vllm-bench latency,throughput" (vLLM's own offline benchmarks
