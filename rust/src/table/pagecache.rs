@@ -55,35 +55,9 @@ fn page_span(start: usize, len: usize) -> (usize, usize) {
 /// Bytes of the table's pages that are in the page cache (page-granular: a page shared
 /// with a neighbouring tensor counts whole).
 pub(crate) fn resident_bytes(files: &[MappedFile], segments: &[Segment]) -> Result<u64> {
-    const CHUNK_PAGES: usize = 1 << 16;
-    let ps = page_size();
-    let mut vec = vec![0u8; CHUNK_PAGES];
-    let mut total = 0u64;
-    for seg in segments {
-        let f = &files[seg.file];
-        let (lo, hi) = page_span(seg.start, seg.len);
-        let hi = hi.min(f.map.len().div_ceil(ps) * ps);
-        let mut off = lo;
-        while off < hi {
-            let pages = ((hi - off) / ps).min(CHUNK_PAGES);
-            // SAFETY: `off` is a page-aligned offset inside our live mapping (the mapping
-            // starts on a page boundary and `hi` is clipped to its page-rounded length), so
-            // `ptr + off .. + pages * ps` lies within it; `vec` holds `pages` bytes.
-            let rc = unsafe {
-                libc::mincore(
-                    f.map.as_ptr().add(off) as *mut libc::c_void,
-                    pages * ps,
-                    vec.as_mut_ptr(),
-                )
-            };
-            if rc != 0 {
-                return Err(io_err(&f.path, "mincore", std::io::Error::last_os_error()));
-            }
-            total += vec[..pages].iter().filter(|&&b| b & 1 != 0).count() as u64 * ps as u64;
-            off += pages * ps;
-        }
-    }
-    Ok(total)
+    let mut pages = 0u64;
+    resident_runs(files, segments, |_, _, n| pages += n as u64)?;
+    Ok(pages * page_size() as u64)
 }
 
 /// Call `found(segment index, page-aligned file offset, pages)` for every run of the
@@ -103,8 +77,9 @@ pub(crate) fn resident_runs(
         let mut off = lo;
         while off < hi {
             let pages = ((hi - off) / ps).min(CHUNK_PAGES);
-            // SAFETY: as in `resident_bytes`: a page-aligned range inside our live
-            // mapping, `vec` holds `pages` bytes.
+            // SAFETY: `off` is a page-aligned offset inside our live mapping (the mapping
+            // starts on a page boundary and `hi` is clipped to its page-rounded length), so
+            // `ptr + off .. + pages * ps` lies within it; `vec` holds `pages` bytes.
             let rc = unsafe {
                 libc::mincore(
                     f.map.as_ptr().add(off) as *mut libc::c_void,
