@@ -350,14 +350,15 @@ class PleRunnerHooks:
             return self._replay_sync(desc, entry, launch)
         rows = int(desc.num_tokens) * self.rows_per_token
         out = self.driver.launch(rows, launch, what=f"the replay of {desc}")
-        if self.stats_every is not None:
-            self.log_stats()
+        if self.stats_every is not None and not isinstance(self._scope, _Step):
+            self.log_stats()  # a replay outside step(): step() checks its own at its end
         return out
 
     def log_stats(self, *, force: bool = False) -> str | None:
         """Log (and return) one ``ple-memops stats`` line about the steps since the last
         one, when :attr:`stats_every` seconds have passed (or ``force``); else ``None``.
-        The step hooks call it after every step when ``stats_every`` is set."""
+        With ``stats_every`` set, :meth:`step` calls it at the end of every engine step
+        and :meth:`replay` after a replay launched outside a step."""
         now = time.monotonic()
         if not force and (self.stats_every is None or now - self._stats_at < self.stats_every):
             return None
