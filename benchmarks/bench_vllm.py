@@ -842,17 +842,23 @@ def _log_since(path: Path, offset: int) -> str:
 
 _STATS = re.compile(
     r"ple-memops stats, last ([\d.]+) s: (\d+) deferred steps \((\d+) replays, (\d+) eager\), "
-    r"(\d+) synchronous replays; per layer, fills, mean READY -> FILLED and rows read cold: "
-    r"(.*)$"
+    r"(\d+) synchronous replays; per layer, fills, mean READY -> FILLED[^:]*: (.*)$"
 )
-_LAYER_STATS = re.compile(r"(\S+) (\d+) fills(?:, ([\d.]+) us)?(?:, ([\d.]+)% rows cold)?")
+# "layers.0 120 fills, 160.7 us (110 replays 35.2 us, 10 eager 1375.0 us), 0.0% rows cold";
+# lines of older wheels lack the parenthesis.
+_LAYER_STATS = re.compile(
+    r"(\S+) (\d+) fills(?:, ([\d.]+) us)?"
+    r"(?: \((\d+) replays(?: ([\d.]+) us)?, (\d+) eager(?: ([\d.]+) us)?\))?"
+    r"(?:, ([\d.]+)% rows cold)?"
+)
 
 
 def delivery_stats(text: str) -> dict[str, Any]:
     """What an mmap server's ``ple-memops stats`` lines (``--stats-every``) say about one
     load: deferred steps, replays, eager steps, synchronous replays, and each layer's
-    fill-weighted mean READY -> FILLED (the host gather of a step's rows). The first line
-    after a load starts covers the end of the server's previous load, so it is dropped."""
+    fill-weighted mean READY -> FILLED (the host gather of a step's rows), over all fills
+    and over replays' and eager steps' apart. The first line after a load starts covers
+    the end of the server's previous load, so it is dropped."""
     lines = [m for ln in text.splitlines() if (m := _STATS.search(ln))][1:]
     if not lines:
         return {}
@@ -863,18 +869,26 @@ def delivery_stats(text: str) -> dict[str, Any]:
         "ple_sync_replays": sum(int(m.group(5)) for m in lines),
     }
     fills: dict[str, list[tuple[int, float]]] = {}
+    replay: dict[str, list[tuple[int, float]]] = {}
+    eager: dict[str, list[tuple[int, float]]] = {}
     cold: dict[str, list[tuple[int, float]]] = {}
     for m in lines:
-        for name, n, us, pct in _LAYER_STATS.findall(m.group(6)):
-            if us:
-                fills.setdefault(name, []).append((int(n), float(us)))
-            if pct:
-                cold.setdefault(name, []).append((int(n), float(pct)))
+        for name, n, us, nr, rus, ne, eus, pct in _LAYER_STATS.findall(m.group(6)):
+            for d, count, x in (
+                (fills, n, us),
+                (replay, nr, rus),
+                (eager, ne, eus),
+                (cold, n, pct),
+            ):
+                if x:
+                    d.setdefault(name, []).append((int(count), float(x)))
 
     def weighted(d: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
         return {k: sum(n * x for n, x in v) / max(1, sum(n for n, _ in v)) for k, v in d.items()}
 
     out["fill_us"], out["cold_pct"] = weighted(fills), weighted(cold)
+    if replay or eager:
+        out["replay_fill_us"], out["eager_fill_us"] = weighted(replay), weighted(eager)
     return out
 
 
@@ -907,11 +921,12 @@ def summarize(
             s["failed_requests"] = sum(r.get("failed", 0) for r in rs)
             for k in ("ple_steps", "ple_replays", "ple_eager", "ple_sync_replays"):
                 s[k] = _med(rs, k)
-            layers = list(dict.fromkeys(n for r in good for n in r.get("fill_us", {})))
-            s["fill_us"] = {
-                n: statistics.median(r["fill_us"][n] for r in good if n in r.get("fill_us", {}))
-                for n in layers
-            }
+            for key in ("fill_us", "replay_fill_us", "eager_fill_us"):
+                layers = list(dict.fromkeys(n for r in good for n in r.get(key, {})))
+                s[key] = {
+                    n: statistics.median(r[key][n] for r in good if n in r.get(key, {}))
+                    for n in layers
+                }
             colds = [r["cold_pct"] for r in good if r.get("cold_pct")]
             s["cold_pct"] = (
                 statistics.median(statistics.mean(c.values()) for c in colds) if colds else None
@@ -996,15 +1011,20 @@ def markdown(
             "publish being seen to the rows being ready",
             "",
             "| load | backend | steps (replays / eager / synchronous replays) | READY -> FILLED "
-            "mean us, per layer | rows read cold |",
-            "|---|---|---|---|---|",
+            "mean us, per layer: all fills | replays' | eager steps' | rows read cold |",
+            "|---|---|---|---|---|---|---|",
         ]
+
+        def per_layer(d: dict[str, float]) -> str:
+            return ", ".join(f"{n} {us:.1f}" for n, us in d.items()) or "-"
+
         for (load, b), s in delivery:
-            fills = ", ".join(f"{n} {us:.1f}" for n, us in s["fill_us"].items()) or "-"
             cold = "-" if s.get("cold_pct") is None else f"{s['cold_pct']:.1f}%"
             lines.append(
                 f"| {load} | {b} | {_f(s['ple_steps'], 0)} ({_f(s['ple_replays'], 0)} / "
-                f"{_f(s['ple_eager'], 0)} / {_f(s['ple_sync_replays'], 0)}) | {fills} | {cold} |"
+                f"{_f(s['ple_eager'], 0)} / {_f(s['ple_sync_replays'], 0)}) "
+                f"| {per_layer(s['fill_us'])} | {per_layer(s['replay_fill_us'])} "
+                f"| {per_layer(s['eager_fill_us'])} | {cold} |"
             )
     lines += [
         "",
@@ -1646,17 +1666,21 @@ def check_delivery_stats(ckpt: Path) -> bool:
             t.close()
     gpu_like = (
         "ple-memops stats, last 2.0 s: 400 deferred steps (390 replays, 10 eager), 0 "
-        "synchronous replays; per layer, fills, mean READY -> FILLED and rows read cold: "
-        "layers.0 400 fills, 30.0 us, 10.0% rows cold; layers.6 400 fills, 20.0 us, 0.0% rows cold"
+        "synchronous replays; per layer, fills, mean READY -> FILLED (of replays', of eager "
+        "steps') and rows read cold: layers.0 400 fills, 30.0 us (390 replays 10.0 us, 10 "
+        "eager 810.0 us), 10.0% rows cold; layers.6 400 fills, 20.0 us (400 replays 20.0 us, "
+        "0 eager), 0.0% rows cold"
     )
     got = delivery_stats("\n".join(["INFO x " + str(x) for x in real]))
     # The first line is dropped: 60, 30, 60 us over 400 fills each.
-    two = delivery_stats("\n".join([gpu_like, gpu_like.replace("30.0 us", "60.0 us")] * 2))
+    two = delivery_stats("\n".join([gpu_like, gpu_like.replace("30.0 us (", "60.0 us (")] * 2))
     good = (
         got.get("ple_steps") == 0 and got.get("fill_us") == {} and got.get("cold_pct") == {}
         and two == {"ple_steps": 1200, "ple_replays": 1170, "ple_eager": 30,
                     "ple_sync_replays": 0, "fill_us": {"layers.0": 50.0, "layers.6": 20.0},
-                    "cold_pct": {"layers.0": 10.0, "layers.6": 0.0}}
+                    "cold_pct": {"layers.0": 10.0, "layers.6": 0.0},
+                    "replay_fill_us": {"layers.0": 10.0, "layers.6": 20.0},
+                    "eager_fill_us": {"layers.0": 810.0}}
     )  # fmt: skip
     log(f"stats lines: {'parsed' if good else 'NOT parsed'} ({real[0]!r} -> {got}; {two})")
     return good

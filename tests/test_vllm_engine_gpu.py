@@ -151,6 +151,8 @@ def _rows_stats(worker: Any) -> dict[str, Any]:
         "dummies": sum(int(r.dummies) for r, _ in stats.values()),
         "aborts": sum(int(r.aborts) for r, _ in stats.values()),
         "watchdog_releases": sum(int(r.watchdog_releases) for r, _ in stats.values()),
+        # Each layer's worker's fills of eager steps (counted apart from replays').
+        "eager_fills": sorted({int(w.eager_fills) for _, w in stats.values() if w is not None}),
         "copy": sorted({layer.rows.copy for layer in hooks.plan}),
     }
 
@@ -205,6 +207,8 @@ def test_tokens_equal_the_stock_engine(
         # prefills and mixed batches were deferred steps too (no host gather).
         assert stats["graphs"] == len(SIZES) and stats["armed"] >= 4 * MAX_TOKENS, stats
         assert stats["eager"] >= len(WORKLOAD) and stats["watchdog_releases"] == 0, stats
+        # Every layer's worker filled every eager step, counted as eager.
+        assert stats["eager_fills"] == [stats["eager"]], stats
     else:
         assert stats == {"hooks": False}
 

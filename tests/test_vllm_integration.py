@@ -444,6 +444,7 @@ class RecordingPlan:
         self._names, self.depth, self.mode = names, depth, mode
         self.reason = None if mode == "deferred" else "probe said sync"
         self.armed: list[int] = []
+        self.eager_begins: list[bool] = []  # begin()'s eager= for each step, in order
         self.poisoned: str | None = None
         self.closed = False
         self.fail_complete: BaseException | None = None
@@ -472,11 +473,12 @@ class RecordingPlan:
         self.log.append(f"eager {name} {rows}")
         return Staged(self.log, name)
 
-    def begin(self, rows: int) -> None:
+    def begin(self, rows: int, *, eager: bool = False) -> None:
         self._live()
         if len(self.armed) >= self.depth:
             raise StateError("depth")
         self.armed.append(rows)
+        self.eager_begins.append(eager)
         self.log.append(f"begin {rows}")
 
     def complete(self, timeout: float | None = None) -> None:
@@ -707,6 +709,7 @@ def test_replays_keep_two_steps_armed(capturing: list[bool]) -> None:
     for size in (2, 4):
         _capture(hk, mgr, Desc(FULL, size), capturing, lambda s=size: _forward(hk, names, s))
     plan.log.clear()
+    plan.eager_begins.clear()
     # Async scheduling: the host launches step N+1 before completing step N.
     assert _replay(hk, mgr, Desc(FULL, 2)) == "out2"
     assert _replay(hk, mgr, Desc(FULL, 4)) == "out4"
@@ -745,6 +748,9 @@ def test_replays_keep_two_steps_armed(capturing: list[bool]) -> None:
     # Dummy replays after capture are armed like real steps.
     _replay(hk, mgr, Desc(FULL, 2))
     assert plan.log[-1] == "begin 4"
+    # Eager forwards' steps are begun as eager (their fills are counted apart from the
+    # replays' in the stats lines), replays' not.
+    assert plan.eager_begins == [False] * 3 + [True] * 4 + [False]
     hk.quiesce()
     assert plan.log[-1] == "complete 4" and plan.in_flight == 0
     hk.shutdown()

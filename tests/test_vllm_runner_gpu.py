@@ -522,7 +522,14 @@ def test_mrv2_sequence_every_step_checked(ckpt: tuple[Path, dict[str, np.ndarray
         for name, (_rows, worker) in stats.items():
             short = name[name.index("layers.") :].split(".ple")[0]
             mean = worker.ready_to_filled_ns_total / worker.fills / 1e3
-            assert f"{short} {worker.fills} fills, {mean:.1f} us" in line, (short, line)
+            assert f"{short} {worker.fills} fills, {mean:.1f} us (" in line, (short, line)
+            # Replays' fills apart from the eager steps' (every eager step filled once).
+            assert worker.eager_fills == eager, (worker.eager_fills, eager)
+            replay_ns = worker.ready_to_filled_ns_total - worker.eager_fill_ns_total
+            replays = worker.fills - eager
+            part = f"{replays} replays {replay_ns / replays / 1e3:.1f} us, {eager} eager "
+            part += f"{worker.eager_fill_ns_total / eager / 1e3:.1f} us)"
+            assert part in line, (part, line)
         assert r.hooks.log_stats() is None  # no stats_every: only forced lines
     finally:
         r.shutdown()

@@ -40,6 +40,23 @@ def test_worker_fills_published_ids(table: pm.MmapTable) -> None:
         s = w.stats()
         assert s.fills == 200 and s.steps == 200 and s.failures == 0
         assert s.ready_to_filled_ns_last > 0
+        assert s.eager_fills == 0 and s.eager_fill_ns_total == 0
+
+
+def test_eager_steps_are_counted_apart(table: pm.MmapTable) -> None:
+    """``begin(eager=True)``: the same protocol and rows, its fill counted apart (an
+    engine's stats lines keep a prefill chunk's gather out of the replays' mean)."""
+    rows = pm.DeferredRows(64, WIDTH, device="cpu")
+    with pm.GatherWorker(rows, table) as w:
+        for k, eager in enumerate([False, True, True, False, True]):
+            ids = np.arange(k, k + 8 * (k + 1)) % ROWS
+            w.begin(64, eager=eager)
+            w.publish_from_host(ids)
+            w.complete()
+            np.testing.assert_array_equal(rows.staging[: ids.size], table.gather(ids))
+        s = w.stats()
+        assert (s.fills, s.eager_fills) == (5, 3)
+        assert 0 < s.eager_fill_ns_total < s.ready_to_filled_ns_total
 
 
 def test_per_head_mapping(table: pm.MmapTable) -> None:

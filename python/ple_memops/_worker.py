@@ -41,6 +41,11 @@ class WorkerStats:
     """From the worker seeing the GPU's READY to its FILLED store."""
     ready_to_filled_ns_max: int
     ready_to_filled_ns_total: int
+    eager_fills: int
+    """Fills of steps begun with ``begin(eager=True)`` (an engine's eager forward),
+    included in ``fills``; the others are replays."""
+    eager_fill_ns_total: int
+    """Their READY -> FILLED time, included in ``ready_to_filled_ns_total``."""
     armed_to_ready_ns_last: int
     """From ``begin()`` to READY: how far ahead of the GPU the host was."""
     publishes_captured: int
@@ -226,11 +231,13 @@ class GatherWorker:
         """Tests only: store ids and READY in the mailbox unchecked, as a replay would."""
         self._live()._simulate_replay_publish(np.ascontiguousarray(ids, dtype=np.int64))
 
-    def begin(self, rows: int | None = None) -> int:
+    def begin(self, rows: int | None = None, *, eager: bool = False) -> int:
         """Start a step of ``rows`` rows (default ``max_rows``) and arm the worker. Up to
-        :attr:`depth` steps may be armed at once; the worker fills them in order."""
+        :attr:`depth` steps may be armed at once; the worker fills them in order.
+        ``eager=True`` marks an eager forward's step (not a graph replay): the same
+        protocol, its fill counted apart in :meth:`stats` (``eager_fills``)."""
         core = self._live()
-        return core.begin(self._rows.max_rows if rows is None else int(rows))
+        return core.begin(self._rows.max_rows if rows is None else int(rows), bool(eager))
 
     def complete(self, timeout: float = DEFAULTS.worker_timeout) -> None:
         """Wait up to ``timeout`` seconds (GIL released) for the worker's fill of the

@@ -292,13 +292,14 @@ class RowsPlan:
             staged = layer.worker.stage(ids, rows)  # eagerly: issued on ``side``
         return EagerStaged(side, ids, staged)
 
-    def begin(self, n: int) -> None:
-        """Arm every table's worker for a step of ``n`` rows. All or none: if any refuses,
+    def begin(self, n: int, *, eager: bool = False) -> None:
+        """Arm every table's worker for a step of ``n`` rows (``eager``: an eager forward's
+        step, not a replay; its fills are counted apart). All or none: if any refuses,
         the plan aborts (so no captured consumer waits) and the error is raised."""
         self._check_open()
         try:
             for w in self._workers():
-                w.begin(n)
+                w.begin(n, eager=eager)
         except BaseException as exc:
             self.abort(f"begin({n}) failed: {exc!r}")
             raise

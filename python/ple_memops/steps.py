@@ -84,6 +84,11 @@ class StepCounters:
     """Fills of the gather workers (deferred mode)."""
     fill_ns_total: int = 0
     """The workers' time from seeing a step's ids to its FILLED store, summed."""
+    eager_fills: int = 0
+    """Of ``fills``, those of eager forwards' steps (:meth:`StepDriver.arm` with
+    ``eager=True``); the rest are replays."""
+    eager_fill_ns_total: int = 0
+    """Of ``fill_ns_total``, the eager forwards' fills."""
     gpu_waited: int = 0
     """Fills that found the GPU already waiting (plans built with ``track_arrival``)."""
 
@@ -97,6 +102,23 @@ class StepCounters:
     def mean_fill_us(self) -> float | None:
         """Mean worker fill time in microseconds (``None`` without fills)."""
         return self.fill_ns_total / 1e3 / self.fills if self.fills else None
+
+    @property
+    def replay_fills(self) -> int:
+        """Fills of replayed steps (``fills`` less the eager ones)."""
+        return self.fills - self.eager_fills
+
+    @property
+    def mean_replay_fill_us(self) -> float | None:
+        """Mean fill time of replayed steps in microseconds (``None`` without any)."""
+        n = self.replay_fills
+        return (self.fill_ns_total - self.eager_fill_ns_total) / 1e3 / n if n else None
+
+    @property
+    def mean_eager_fill_us(self) -> float | None:
+        """Mean fill time of eager forwards' steps in microseconds (``None`` without any)."""
+        n = self.eager_fills
+        return self.eager_fill_ns_total / 1e3 / n if n else None
 
 
 class StepDriver:
@@ -187,15 +209,16 @@ class StepDriver:
 
     # -- replayed steps ---------------------------------------------------------------------
 
-    def arm(self, rows: int) -> None:
+    def arm(self, rows: int, *, eager: bool = False) -> None:
         """Arm every table for a step of ``rows`` rows, completing the oldest steps first
         while :attr:`depth` are armed (so under asynchronous scheduling the host waits for
-        a fill only when it is ``depth`` steps ahead). A failure aborts the plan."""
+        a fill only when it is ``depth`` steps ahead). ``eager``: the step of an eager
+        forward, not a replay (its fills are counted apart). A failure aborts the plan."""
         self._check_open()
         with self.guard(f"arming a step of {rows} rows"):
             while self.in_flight >= self.depth:
                 self._complete_one()
-            self.plan.begin(int(rows))
+            self.plan.begin(int(rows), eager=eager)
             self.armed_steps += 1
 
     def launch(self, rows: int, launch: Callable[[], T], *, what: str = "") -> T:
@@ -341,7 +364,7 @@ class StepDriver:
     def counters(self, name: str | None = None) -> StepCounters:
         """The driver's step counts and the fill counters of table ``name`` (default:
         every table summed). Subtract an earlier value with :meth:`StepCounters.since`."""
-        fills = fill_ns = waited = 0
+        fills = fill_ns = waited = eager = eager_ns = 0
         for table, (rows, worker) in self.plan.stats().items():
             if name is not None and table != name:
                 continue
@@ -349,7 +372,17 @@ class StepDriver:
             if worker is not None:
                 fills += worker.fills
                 fill_ns += worker.ready_to_filled_ns_total
-        return StepCounters(self.armed_steps, self.completed_steps, fills, fill_ns, waited)
+                eager += worker.eager_fills
+                eager_ns += worker.eager_fill_ns_total
+        return StepCounters(
+            armed=self.armed_steps,
+            completed=self.completed_steps,
+            fills=fills,
+            fill_ns_total=fill_ns,
+            gpu_waited=waited,
+            eager_fills=eager,
+            eager_fill_ns_total=eager_ns,
+        )
 
     # -- helpers ----------------------------------------------------------------------------
 

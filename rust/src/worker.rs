@@ -141,6 +141,11 @@ pub struct WorkerStats {
     pub ready_to_filled_ns_last: u64,
     pub ready_to_filled_ns_max: u64,
     pub ready_to_filled_ns_total: u64,
+    /// The fills of steps begun with [`GatherWorker::begin_eager`] (an engine's eager
+    /// forward: a prefill chunk, a mixed batch), counted in `fills` and
+    /// `ready_to_filled_ns_total` too; the rest are replays.
+    pub eager_fills: u64,
+    pub eager_fill_ns_total: u64,
     /// From the worker starting to wait for a step's ids to READY seen: how early it was.
     pub armed_to_ready_ns_last: u64,
     pub publishes_captured: u64,
@@ -187,6 +192,8 @@ pub const DEFAULT_SPIN: Duration = Duration::from_millis(2);
 struct Ctl {
     /// Steps armed and not yet completed, oldest first.
     armed: VecDeque<u64>,
+    /// The armed steps begun with [`GatherWorker::begin_eager`] (a subset of `armed`).
+    eager: Vec<u64>,
     /// The newest step the worker is done with (filled, failed or given up).
     handled: u64,
     failure: Option<Error>,
@@ -317,6 +324,7 @@ impl GatherWorker {
             ctx,
             ctl: Mutex::new(Ctl {
                 armed: VecDeque::new(),
+                eager: Vec::new(),
                 handled: 0,
                 failure: None,
                 stats: WorkerStats::default(),
@@ -371,10 +379,22 @@ impl GatherWorker {
     /// Start a step of `rows` rows and arm the worker for its ids. Up to `depth` steps
     /// may be armed at once; the worker fills them in order.
     pub fn begin(&self, rows: usize) -> Result<u64> {
+        self.begin_step(rows, false)
+    }
+
+    /// [`Self::begin`] for an eager forward's step: the same protocol, its fill counted
+    /// apart in [`WorkerStats`] (`eager_fills`), so a replay's fill time is not averaged
+    /// with a prefill chunk's.
+    pub fn begin_eager(&self, rows: usize) -> Result<u64> {
+        self.begin_step(rows, true)
+    }
+
+    fn begin_step(&self, rows: usize, eager: bool) -> Result<u64> {
         let sh = &self.shared;
         let mut ctl = sh.ctl();
         if let Some(e) = ctl.failure.take() {
             ctl.armed.clear();
+            ctl.eager.clear();
             return Err(e);
         }
         if ctl.armed.len() >= sh.opts.depth {
@@ -395,6 +415,9 @@ impl GatherWorker {
         }
         let step = sh.rows.begin_for_worker(rows, sh.opts.depth)?;
         ctl.armed.push_back(step);
+        if eager {
+            ctl.eager.push(step);
+        }
         sh.armed_seq.store(step, Ordering::Release);
         sh.cv.notify_all();
         Ok(step)
@@ -408,6 +431,7 @@ impl GatherWorker {
         let mut ctl = sh.ctl();
         if let Some(e) = ctl.failure.take() {
             ctl.armed.clear();
+            ctl.eager.clear();
             return Err(e);
         }
         let Some(&step) = ctl.armed.front() else {
@@ -433,8 +457,10 @@ impl GatherWorker {
                 .0;
         }
         ctl.armed.pop_front();
+        ctl.eager.retain(|&s| s > step);
         if let Some(e) = ctl.failure.take() {
             ctl.armed.clear();
+            ctl.eager.clear();
             return Err(e);
         }
         ctl.stats.steps += 1;
@@ -572,6 +598,7 @@ impl GatherWorker {
             }
             if let Some(e) = ctl.failure.take() {
                 ctl.armed.clear();
+                ctl.eager.clear();
                 return Err(e);
             }
             sh.rows
@@ -816,12 +843,17 @@ fn run(sh: &Shared) {
         let mut ctl = sh.ctl();
         match result {
             Ok(count) => {
+                let eager = ctl.eager.contains(&step);
                 let st = &mut ctl.stats;
                 st.fills += 1;
                 st.ids_total += count as u64;
                 st.ready_to_filled_ns_last = ns;
                 st.ready_to_filled_ns_max = st.ready_to_filled_ns_max.max(ns);
                 st.ready_to_filled_ns_total += ns;
+                if eager {
+                    st.eager_fills += 1;
+                    st.eager_fill_ns_total += ns;
+                }
                 st.armed_to_ready_ns_last = (t_ready - armed_at).as_nanos() as u64;
             }
             Err(e) => {
@@ -1084,6 +1116,44 @@ mod tests {
         assert_eq!(rows.begin(8).unwrap_err().kind(), ErrorKind::State);
         w.publish_from_host(&[1], T).unwrap();
         w.complete(Duration::from_secs(5)).unwrap();
+        w.close();
+    }
+
+    #[test]
+    fn eager_steps_fills_are_counted_apart_from_replays() {
+        let mut staging = vec![0u8; 8 * 4];
+        let rows = host_rows(8, 4, &mut staging);
+        let src = Arc::new(Slow {
+            inner: Counting {
+                rows: 100,
+                width: 4,
+            },
+            delay: Duration::from_millis(20),
+        });
+        let w = GatherWorker::new(rows, src, RowMap::Identity, opts(8, 8)).unwrap();
+        // replay, eager, replay, with two armed at once (the eager one second in line).
+        w.begin(8).unwrap();
+        w.begin_eager(8).unwrap();
+        w.publish_from_host(&[1], T).unwrap();
+        w.complete(T).unwrap();
+        w.begin(8).unwrap();
+        for ids in [[2i64], [3]] {
+            w.publish_from_host(&ids, T).unwrap();
+            w.complete(T).unwrap();
+        }
+        let s = w.stats();
+        assert_eq!((s.fills, s.eager_fills), (3, 1));
+        // Every gather sleeps 20 ms: the eager share of the time is one fill's.
+        assert!(s.eager_fill_ns_total >= 20_000_000, "{s:?}");
+        assert!(
+            s.ready_to_filled_ns_total >= s.eager_fill_ns_total + 40_000_000,
+            "{s:?}"
+        );
+        // A failed eager step leaves no mark on the next steps' accounting.
+        w.begin_eager(8).unwrap();
+        w.publish_from_host(&[500], T).unwrap();
+        assert_eq!(w.complete(T).unwrap_err().kind(), ErrorKind::RowId);
+        assert_eq!(w.stats().eager_fills, 1);
         w.close();
     }
 

@@ -98,7 +98,7 @@ class PlanLike(Protocol):
     def layers(self) -> Mapping[str, Any]: ...
     def stage(self, name: str, ids: Any, *, rows: int) -> StagedLike: ...
     def stage_eager(self, name: str, ids: Any, *, rows: int) -> StagedLike: ...
-    def begin(self, rows: int) -> Any: ...
+    def begin(self, rows: int, *, eager: bool = False) -> Any: ...
     def complete(self, timeout: float | None = None) -> None: ...
     def drain(self, timeout: float | None = None) -> None: ...
     def gather_now(
@@ -375,11 +375,23 @@ class PleRunnerHooks:
             hits, misses = (rows[i] - (was[1][i] if was else 0) for i in range(2))
             cold = f", {100 * misses / (hits + misses):.1f}% rows cold" if hits + misses else ""
             us = "" if mean is None else f", {mean:.1f} us"
+            if got.fills:
+                # Replays' fills apart from eager forwards' (a prefill chunk's can be 30x a
+                # decode step's): only a replay's fill can hold up a captured graph.
+                split = (
+                    f"{n} {kind}" + ("" if m is None else f" {m:.1f} us")
+                    for n, kind, m in (
+                        (got.replay_fills, "replays", got.mean_replay_fill_us),
+                        (got.eager_fills, "eager", got.mean_eager_fill_us),
+                    )
+                )
+                us += f" ({', '.join(split)})"
             layers.append(f"{_short(name)} {got.fills} fills{us}{cold}")
         line = (
             f"ple-memops stats, last {now - self._stats_at:.1f} s: {armed} deferred steps "
             f"({armed - eager} replays, {eager} eager), {sync} synchronous replays; "
-            f"per layer, fills, mean READY -> FILLED and rows read cold: {'; '.join(layers)}"
+            "per layer, fills, mean READY -> FILLED (of replays', of eager steps') and rows "
+            f"read cold: {'; '.join(layers)}"
         )
         self._stats_at, self._stats_base = now, current
         logger.info("%s", line)
@@ -584,7 +596,7 @@ class PleRunnerHooks:
             # The forward's first PLE op (or a second forward inside one engine step).
             if scope.rows is not None:
                 self._end_eager(scope)
-            self.driver.arm(n)
+            self.driver.arm(n, eager=True)
             scope.rows = n
             scope.staged = set()
             self.eager_steps += 1

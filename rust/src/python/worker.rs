@@ -91,8 +91,13 @@ impl PyGatherWorker {
         self.inner.in_flight()
     }
 
-    fn begin(&self, py: Python<'_>, rows: usize) -> PyResult<u64> {
-        self.inner.begin(rows).py(py)
+    #[pyo3(signature = (rows, eager=false))]
+    fn begin(&self, py: Python<'_>, rows: usize, eager: bool) -> PyResult<u64> {
+        if eager {
+            self.inner.begin_eager(rows).py(py)
+        } else {
+            self.inner.begin(rows).py(py)
+        }
     }
 
     fn complete(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
@@ -158,6 +163,8 @@ impl PyGatherWorker {
                 ("ready_to_filled_ns_last", s.ready_to_filled_ns_last),
                 ("ready_to_filled_ns_max", s.ready_to_filled_ns_max),
                 ("ready_to_filled_ns_total", s.ready_to_filled_ns_total),
+                ("eager_fills", s.eager_fills),
+                ("eager_fill_ns_total", s.eager_fill_ns_total),
                 ("armed_to_ready_ns_last", s.armed_to_ready_ns_last),
                 ("publishes_captured", s.publishes_captured),
                 ("publishes_eager", s.publishes_eager),
