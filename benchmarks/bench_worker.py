@@ -13,6 +13,7 @@ consumes the rows the native worker gathered. Measured, side by side in one run:
     a host gather, then the launch (vLLM PR #54129 with asynchronous scheduling).
 
     python benchmarks/bench_worker.py [--iters 1000] [--json out.json]
+        [--table-rows 1048576 --width 160]   # 4194304 x 256: one of the vLLM bench's 1 GiB tables
 """
 
 from __future__ import annotations
@@ -31,11 +32,10 @@ from safetensors.numpy import save_file
 
 import ple_memops as pm
 
-TABLE_ROWS, WIDTH = 1 << 20, 160
 
-
-def make_table(tmp: Path) -> pm.MmapTable:
-    data = np.random.default_rng(0).integers(0, 256, (TABLE_ROWS, WIDTH), dtype=np.uint8)
+def make_table(tmp: Path, table_rows: int, width: int) -> pm.MmapTable:
+    words = np.random.default_rng(0).integers(0, 1 << 63, table_rows * width // 8, np.uint64)
+    data = words.view(np.uint8).reshape(table_rows, width)
     path = tmp / "model.safetensors"
     save_file({"ple.weight": data.view(np.float16)}, str(path))
     table = pm.MmapTable.open(path, "ple.weight")
@@ -62,7 +62,12 @@ class StepGraph:
     the prefilled baseline), run ``cycles`` of GPU work, consume the rows."""
 
     def __init__(
-        self, rows: pm.DeferredRows, worker: pm.GatherWorker | None, n: int, cycles: int
+        self,
+        rows: pm.DeferredRows,
+        worker: pm.GatherWorker | None,
+        n: int,
+        cycles: int,
+        table_rows: int,
     ) -> None:
         self.counter = torch.zeros(1, dtype=torch.int64, device="cuda")
         self.lanes = torch.arange(n, dtype=torch.int64, device="cuda")
@@ -71,7 +76,7 @@ class StepGraph:
 
         def body() -> None:
             self.counter.add_(1)
-            self.ids.copy_((self.counter * 7919 + self.lanes * 104729) % TABLE_ROWS)
+            self.ids.copy_((self.counter * 7919 + self.lanes * 104729) % table_rows)
             if worker is not None:
                 worker.publish(self.ids)
             torch.cuda._sleep(cycles)  # the layers before the first consumer
@@ -97,21 +102,22 @@ def bench(table: pm.MmapTable, n: int, iters: int, cycles: int) -> dict[str, lis
     # Two live workers: the default (hot for 2 ms after each step) and one that sleeps at
     # once (spin=0), which shows what a cold worker's late wake-up costs.
     lives = {
-        name: pm.DeferredRows(n, WIDTH, device=0, watchdog=10.0, track_arrival=True)
+        name: pm.DeferredRows(n, table.row_bytes, device=0, watchdog=10.0, track_arrival=True)
         for name in ("worker", "worker spin=0")
     }
     workers = {
         "worker": pm.GatherWorker(lives["worker"], table),
         "worker spin=0": pm.GatherWorker(lives["worker spin=0"], table, spin=0.0),
     }
-    graphs = {k: StepGraph(lives[k], w, n, cycles) for k, w in workers.items()}
+    graphs = {k: StepGraph(lives[k], w, n, cycles, table.rows) for k, w in workers.items()}
     # Baseline: the same graph without the publish, its rows filled by the host before
     # the launch. Two independent copies: their difference is the noise of this measurement.
     bases = {
-        k: pm.DeferredRows(n, WIDTH, device=0, watchdog=10.0) for k in ("prefilled", "prefilled #2")
+        k: pm.DeferredRows(n, table.row_bytes, device=0, watchdog=10.0)
+        for k in ("prefilled", "prefilled #2")
     }
     for k, b in bases.items():
-        graphs[k] = StepGraph(b, None, n, cycles)
+        graphs[k] = StepGraph(b, None, n, cycles, table.rows)
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     host_rows = table.gather(np.arange(n))
     names = list(graphs)
@@ -150,9 +156,9 @@ def bench(table: pm.MmapTable, n: int, iters: int, cycles: int) -> dict[str, lis
 def blocking_d2h(table: pm.MmapTable, n: int, iters: int) -> list[float]:
     """Host wall time per step of the replaced approach: wait for the ids on the host
     (a blocking D2H copy), gather, copy to the GPU, launch."""
-    ids = torch.randint(0, TABLE_ROWS, (n,), device="cuda")
-    staging = torch.zeros((n, WIDTH), dtype=torch.uint8, device="cuda")
-    pinned = torch.zeros((n, WIDTH), dtype=torch.uint8).pin_memory()
+    ids = torch.randint(0, table.rows, (n,), device="cuda")
+    staging = torch.zeros((n, table.row_bytes), dtype=torch.uint8, device="cuda")
+    pinned = torch.zeros((n, table.row_bytes), dtype=torch.uint8).pin_memory()
     times = []
     for i in range(iters + 20):
         torch.cuda._sleep(1000)
@@ -172,21 +178,28 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=1000)
     ap.add_argument("--work-us", type=float, default=150.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--table-rows", type=int, default=1 << 20)
+    ap.add_argument("--width", type=int, default=160, help="row bytes (a multiple of 8)")
     a = ap.parse_args()
+    if a.width % 8 or a.table_rows < 1024:
+        ap.error("--width must be a multiple of 8 and --table-rows at least 1024")
     torch.cuda.init()
     print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
     cycles = sleep_cycles_for(a.work_us)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        table = make_table(Path(tmp))
+        table = make_table(Path(tmp), a.table_rows, a.width)
+        print(
+            f"table: {a.table_rows} rows x {a.width} B ({a.table_rows * a.width / 2**20:.0f} MiB)"
+        )
         for n in (16, 1024):
             results[str(n)] = bench(table, n, a.iters, cycles)
             results[f"{n}_blocking"] = blocking_d2h(table, n, a.iters)
         table.close()
     print(f"\n{a.iters} steps each; GPU work between publish and consumer ~{a.work_us:.0f} us")
     print(
-        "| rows x 160 B | worker | graph us | prefilled us | #2 us | **stall** (graph - prefilled)"
-        " | A/A | READY seen -> FILLED med | p99 | GPU waited |"
+        f"| rows x {a.width} B | worker | graph us | prefilled us | #2 us "
+        "| **stall** (graph - prefilled) | A/A | READY seen -> FILLED med | p99 | GPU waited |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for n in ("16", "1024"):
