@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,34 @@ def test_sharded_checkpoint_matches_index_select(tmp_path: Path, dtype: str, fil
     ) as table:
         ids = np.random.default_rng(2).integers(0, total, 5000)
         np.testing.assert_array_equal(table.gather(ids), _reference(ref, ids))
+        assert table.gather_threads is None and table.parallel_min_bytes == 0
+    # And on threads of the table's own, beside a table on the shared pool, both at once.
+    own = MmapTable.open(d, pattern=QWEN, parallel_min_bytes=0, gather_threads=3)
+    shared = MmapTable.open(d, pattern=QWEN, parallel_min_bytes=0)
+    assert own.gather_threads == 3 and shared.gather_threads is None
+    ids = np.random.default_rng(3).integers(0, total, 4000)
+    want, bad = _reference(ref, ids), []
+
+    def gather(t: MmapTable) -> None:
+        for _ in range(10):
+            if not np.array_equal(t.gather(ids), want):
+                bad.append(t.gather_threads)
+
+    threads = [threading.Thread(target=gather, args=(t,)) for t in (own, shared, own, shared)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    own.close()
+    shared.close()
+    assert not bad
+
+
+@pytest.mark.parametrize("threads", [0, 1, 65, True, 2.0, "4"])
+def test_gather_threads_is_checked(tmp_path: Path, threads: object) -> None:
+    save_file({"w": _rand(8, 8, torch.float32, 1)}, str(tmp_path / "m.safetensors"))
+    with pytest.raises(InvalidArgumentError, match="gather_threads must be an int from 2 to 64"):
+        MmapTable.open(tmp_path / "m.safetensors", "w", gather_threads=threads)  # type: ignore[arg-type]
 
 
 def test_ids_in_other_forms(tmp_path: Path) -> None:

@@ -88,10 +88,15 @@ class MmapTableCore:
         readahead: bool = False,
         rss_budget_bytes: int | None = None,
         parallel_min_bytes: int | None = None,
+        gather_threads: int | None = None,
         access: str = "random",
         cold_reads: str = "auto",
         adopt_resident: bool = True,
     ) -> MmapTableCore: ...
+    @property
+    def gather_threads(self) -> int | None: ...
+    @property
+    def parallel_min_bytes(self) -> int: ...
     @property
     def rows(self) -> int: ...
     @property

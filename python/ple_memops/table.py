@@ -79,6 +79,7 @@ class MmapTable:
         readahead: bool = False,
         rss_budget_bytes: int | None = None,
         parallel_min_bytes: int | None = None,
+        gather_threads: int | None = None,
         access: Access = "random",
         cold_reads: ColdReads = "auto",
         adopt_resident: bool = True,
@@ -103,6 +104,11 @@ class MmapTable:
                 (per-page access counts with aging), not the whole table.
             parallel_min_bytes: gathers of at least this many bytes use the native thread
                 pool (default: the measured threshold, 256 KiB).
+            gather_threads: ``None`` (default): those gathers run on the process's shared
+                pool (up to 8 threads, shared by every table); 2 to 64: on that many
+                threads of this table's own, started at open, so its gathers never queue
+                behind other tables' (the first PLE layer of an engine, whose fill a step
+                waits for while the later layers gather too).
             access: ``"random"`` (default): no read-around, so a cold row costs one read
                 of its page(s) and the page cache grows by about that; ``"normal"``: the
                 kernel's read-around and readahead (for tables read in long runs).
@@ -125,8 +131,9 @@ class MmapTable:
             TableIoError: a file could not be read or advised, or ``cold_reads="uring"``
                 where io_uring cannot be used.
             InvalidArgumentError: neither or both of ``name`` and ``pattern``, a pattern
-                without exactly one ``{}``, an unknown ``access`` or ``cold_reads``, or
-                ``readahead=True`` with ``cold_reads="fault"``.
+                without exactly one ``{}``, an unknown ``access`` or ``cold_reads``,
+                ``gather_threads`` outside 2-64, or ``readahead=True`` with
+                ``cold_reads="fault"``.
         """
         if (name is None) == (pattern is None):
             raise InvalidArgumentError("give exactly one of name= and pattern=")
@@ -137,6 +144,15 @@ class MmapTable:
         ):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise InvalidArgumentError(f"{what} must be a non-negative int or None, got {v!r}")
+        if gather_threads is not None and (
+            not isinstance(gather_threads, int)
+            or isinstance(gather_threads, bool)
+            or not 2 <= gather_threads <= 64
+        ):
+            raise InvalidArgumentError(
+                f"gather_threads must be an int from 2 to 64 or None (the shared pool), "
+                f"got {gather_threads!r}"
+            )
         for what, choice, allowed in (
             ("access", access, get_args(Access)),
             ("cold_reads", cold_reads, get_args(ColdReads)),
@@ -153,6 +169,7 @@ class MmapTable:
             bool(readahead),
             rss_budget_bytes,
             parallel_min_bytes,
+            gather_threads,
             access,
             cold_reads,
             bool(adopt_resident),
@@ -165,6 +182,17 @@ class MmapTable:
     def rows(self) -> int:
         """Rows in the table (all shards)."""
         return self._live().rows
+
+    @property
+    def gather_threads(self) -> int | None:
+        """The table's own gather threads (``None``: it uses the shared pool)."""
+        threads: int | None = self._live().gather_threads
+        return threads
+
+    @property
+    def parallel_min_bytes(self) -> int:
+        """Gathers of at least this many bytes run on a pool, smaller ones inline."""
+        return int(self._live().parallel_min_bytes)
 
     @property
     def row_bytes(self) -> int:

@@ -100,7 +100,7 @@ impl IntoUsize for Range<*const u8> {
 impl PyMmapTable {
     /// Open a table; exactly one of `name` and `pattern`.
     #[new]
-    #[pyo3(signature = (path, name=None, pattern=None, prewarm_bytes=None, readahead=false, rss_budget_bytes=None, parallel_min_bytes=None, access="random", cold_reads="auto", adopt_resident=true))]
+    #[pyo3(signature = (path, name=None, pattern=None, prewarm_bytes=None, readahead=false, rss_budget_bytes=None, parallel_min_bytes=None, gather_threads=None, access="random", cold_reads="auto", adopt_resident=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -111,6 +111,7 @@ impl PyMmapTable {
         readahead: bool,
         rss_budget_bytes: Option<u64>,
         parallel_min_bytes: Option<usize>,
+        gather_threads: Option<usize>,
         access: &str,
         cold_reads: &str,
         adopt_resident: bool,
@@ -134,6 +135,7 @@ impl PyMmapTable {
             access,
             cold_reads,
             adopt_resident,
+            gather_threads,
             ..TableOptions::default()
         };
         if let Some(m) = parallel_min_bytes {
@@ -143,6 +145,16 @@ impl PyMmapTable {
             .detach(|| MmapTable::open(&path, &selector, opts))
             .map_err(|e| to_pyerr(py, e))?;
         Ok(Self { inner })
+    }
+
+    #[getter]
+    fn gather_threads(&self) -> Option<usize> {
+        self.inner.options().gather_threads
+    }
+
+    #[getter]
+    fn parallel_min_bytes(&self) -> usize {
+        self.inner.options().parallel_min_bytes
     }
 
     #[getter]

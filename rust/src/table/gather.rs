@@ -41,6 +41,22 @@ pub(crate) fn pool() -> Option<&'static rayon::ThreadPool> {
     .as_ref()
 }
 
+/// Most threads a table's own pool may have ([`super::TableOptions::gather_threads`]).
+pub const MAX_GATHER_THREADS: usize = 64;
+
+/// A pool of `n` gather threads for one table.
+pub(crate) fn own_pool(n: usize) -> crate::error::Result<rayon::ThreadPool> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .thread_name(|i| format!("ple-gather-own-{i}"))
+        .build()
+        .map_err(|e| {
+            crate::error::Error::unsupported(format!(
+                "this process could not start {n} gather threads for the table: {e}"
+            ))
+        })
+}
+
 /// Rows prefetched ahead of the copy (measured: 4-16 give the same speed-up on x86-64).
 const PREFETCH_AHEAD: usize = 8;
 
@@ -227,18 +243,23 @@ impl RowSource<'_> {
         true
     }
 
-    /// As [`Self::copy_if`], split across the pool when `dst` is at least `min_bytes`;
-    /// `false` if some row failed `known` (each chunk stops at its first such row).
+    /// As [`Self::copy_if`], split across a pool (`own`, else the shared one) when `dst`
+    /// is at least `min_bytes`; `false` if some row failed `known` (each chunk stops at
+    /// its first such row).
     pub fn copy_if_maybe_parallel<T: Id, K: Fn(usize, usize) -> bool + Sync>(
         &self,
         ids: &[T],
         dst: &mut [u8],
         min_bytes: usize,
+        own: Option<&rayon::ThreadPool>,
         known: &K,
     ) -> bool {
         let rb = self.row_bytes;
         let pool = if dst.len() >= min_bytes && ids.len() >= 2 {
-            pool()
+            match own {
+                Some(p) => Some(p),
+                None => pool(),
+            }
         } else {
             None
         };

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub use discover::{scale_candidates, supported_dtype, Selector, INDEX_FILE, SHARD_PLACEHOLDER};
-pub use gather::PARALLEL_MIN_BYTES;
+pub use gather::{MAX_GATHER_THREADS, PARALLEL_MIN_BYTES};
 pub use safetensors::Dtype;
 /// Whether tables' SIGBUS faults are caught now (see `sigbus`): a table has opened and the
 /// process's SIGBUS action is still the table's handler.
@@ -189,6 +189,12 @@ pub struct TableOptions {
     /// Gathers of at least this many bytes run on the gather pool (default
     /// [`PARALLEL_MIN_BYTES`]; `usize::MAX`: always inline).
     pub parallel_min_bytes: usize,
+    /// `None` (default): parallel gathers run on the process's shared gather pool (up to 8
+    /// threads, shared by every table). `Some(n)`, 2 to [`MAX_GATHER_THREADS`]: on `n`
+    /// threads of the table's own, started at open, so the table's gathers never queue
+    /// behind other tables' (an engine's first PLE layer, whose fill the step waits for,
+    /// while the later layers gather at the same time).
+    pub gather_threads: Option<usize>,
     /// Read-around policy of the mapping and files.
     pub access: Access,
     /// How a gather reads rows that are not known to be resident.
@@ -207,6 +213,7 @@ impl Default for TableOptions {
             readahead: false,
             rss_budget_bytes: None,
             parallel_min_bytes: PARALLEL_MIN_BYTES,
+            gather_threads: None,
             access: Access::Random,
             cold_reads: ColdReads::Auto,
             adopt_resident: true,
@@ -273,6 +280,8 @@ struct Inner {
     last_fallback: Mutex<Option<String>>,
     /// Serialises drops and evictions and holds the last eviction failure.
     drop_state: Mutex<Option<String>>,
+    /// The table's own gather threads ([`TableOptions::gather_threads`]).
+    own_pool: Option<rayon::ThreadPool>,
 }
 
 /// A memory-mapped embedding table; see the module docs. `Clone` shares the mapping.
@@ -308,6 +317,15 @@ impl MmapTable {
         let path = path.as_ref();
         let layout = discover::discover(path, selector)?;
         let label = format!("{:?} in {}", selector.text(), path.display());
+        let own_pool = match options.gather_threads {
+            None => None,
+            Some(n) if (2..=MAX_GATHER_THREADS).contains(&n) => Some(gather::own_pool(n)?),
+            Some(n) => {
+                return Err(Error::invalid(format!(
+                    "gather_threads must be 2 to {MAX_GATHER_THREADS} (or None: the shared pool), got {n}"
+                )))
+            }
+        };
         if options.readahead && options.cold_reads == ColdReads::Fault {
             return Err(Error::invalid(
                 "readahead=True asks for a gather's cold reads to go out together; \
@@ -367,6 +385,7 @@ impl MmapTable {
                 counters: Counters::default(),
                 last_fallback: Mutex::new(None),
                 drop_state: Mutex::new(None),
+                own_pool,
             }),
         };
         if let Some(budget) = table.inner.opts.prewarm_bytes {
@@ -544,13 +563,14 @@ impl MmapTable {
             pm.all_known(span)
         };
         let min = self.inner.opts.parallel_min_bytes;
+        let own = self.inner.own_pool.as_ref();
         let warm = if pm.all_known_uncounted() {
             // The whole table is known resident (e.g. prewarmed): no check at all.
-            src.copy_if_maybe_parallel(ids, dst, min, &|_, _| true)
+            src.copy_if_maybe_parallel(ids, dst, min, own, &|_, _| true)
         } else if let Some(check) = pm.single_segment_check(rb) {
-            src.copy_if_maybe_parallel(ids, dst, min, &check)
+            src.copy_if_maybe_parallel(ids, dst, min, own, &check)
         } else {
-            src.copy_if_maybe_parallel(ids, dst, min, &known)
+            src.copy_if_maybe_parallel(ids, dst, min, own, &known)
         };
         if warm {
             self.inner

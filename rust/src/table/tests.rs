@@ -1054,18 +1054,64 @@ proptest! {
         rows in proptest::collection::vec(1usize..40, 1..5),
         cols in 1usize..24,
         ids in proptest::collection::vec(any::<u32>(), 0..300),
-        parallel in any::<bool>(),
+        mode in 0u8..3,
     ) {
         let d = TempDir::new();
         let ts: Vec<T> = rows.iter().enumerate().map(|(k, &r)| tensor(&format!("p.{k}.w"), Dtype::F16, &[r, cols], k as u8)).collect();
         let p = d.write("t.safetensors", &st(&ts));
-        let opts = TableOptions { parallel_min_bytes: if parallel { 0 } else { usize::MAX }, ..Default::default() };
+        // Inline, the shared pool, and a pool of the table's own.
+        let opts = TableOptions {
+            parallel_min_bytes: if mode == 0 { usize::MAX } else { 0 },
+            gather_threads: (mode == 2).then_some(2),
+            ..Default::default()
+        };
         let t = MmapTable::open(&p, &pattern("p.{}.w"), opts).unwrap();
         let total: usize = rows.iter().sum();
         let ids: Vec<i64> = ids.iter().map(|&i| i64::from(i) % total as i64).collect();
         let parts: Vec<&[u8]> = ts.iter().map(|t| t.3.as_slice()).collect();
         prop_assert_eq!(t.gather(RowIds::I64(&ids)).unwrap(), reference(&parts, cols * 2, &ids));
     }
+}
+
+#[test]
+fn a_table_of_its_own_threads_gathers_beside_the_shared_pool() {
+    let d = TempDir::new();
+    let (rows, cols) = (4096usize, 64usize);
+    let t = tensor("w", Dtype::F16, &[rows, cols], 3);
+    let p = d.write("t.safetensors", &st(&[t.clone()]));
+    for bad in [0usize, 1, MAX_GATHER_THREADS + 1] {
+        let opts = TableOptions {
+            gather_threads: Some(bad),
+            ..Default::default()
+        };
+        let e = MmapTable::open(&p, &name("w"), opts).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+        assert!(e.to_string().contains("gather_threads"), "{e}");
+    }
+    let own = TableOptions {
+        gather_threads: Some(3),
+        parallel_min_bytes: 0,
+        ..Default::default()
+    };
+    let shared = TableOptions {
+        parallel_min_bytes: 0,
+        ..Default::default()
+    };
+    let a = with(own, &p, &name("w"));
+    let b = with(shared, &p, &name("w"));
+    let ids: Vec<i64> = (0..rows as i64).map(|i| (i * 7919) % rows as i64).collect();
+    let want = reference(&[t.3.as_slice()], cols * 2, &ids);
+    // Both at once from several threads: every gather is the reference's bytes.
+    std::thread::scope(|sc| {
+        for table in [&a, &b, &a, &b] {
+            let (ids, want) = (&ids, &want);
+            sc.spawn(move || {
+                for _ in 0..20 {
+                    assert_eq!(&table.gather(RowIds::I64(ids)).unwrap(), want);
+                }
+            });
+        }
+    });
 }
 
 /// Inline vs pool gather times on a resident table; how PARALLEL_MIN_BYTES was chosen.
