@@ -15,7 +15,10 @@ table, ``--shards`` tensors), then read once so its pages are cached, and opened
 fill size and copy mode, each round times ``--gathers`` gathers of fresh random rows (a
 decode step's rows are random in a table this size): first from one table alone, then
 from every table at once, one Python thread a table (``gather_into`` releases the GIL, so
-the native copies run in parallel, as the layers' workers do). Cells are the median over
+the native copies run in parallel, as the layers' workers do). The ``lead`` mode opens the
+first table on ``--lead-threads`` gather threads of its own (the vLLM setting
+``first_layer_threads``) and the others on the shared pool, all gathering at once, and
+reports the first table apart. Cells are the median over
 rounds of each round's median, in ns a row, with the p99 of the gathers.
 
     python benchmarks/bench_fill.py --tables 4 --table-gib 1 --shards 16 --rows 16,128,1024,32768
@@ -64,9 +67,16 @@ def write_tables(root: Path, tables: int, gib: float, shards: int, row_bytes: in
     return paths
 
 
-def open_tables(paths: list[Path], pmb: int) -> list[pm.MmapTable]:
+def open_tables(paths: list[Path], pmb: int, lead_threads: int | None) -> list[pm.MmapTable]:
+    """The tables, the first on ``lead_threads`` threads of its own (``None``: all on the
+    shared pool)."""
     return [
-        pm.MmapTable.open(path, pattern=f"t{t}.shard_{{}}.weight", parallel_min_bytes=pmb)
+        pm.MmapTable.open(
+            path,
+            pattern=f"t{t}.shard_{{}}.weight",
+            parallel_min_bytes=pmb,
+            gather_threads=lead_threads if t == 0 else None,
+        )
         for t, path in enumerate(paths)
     ]
 
@@ -113,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gathers", type=int, default=400, help="gathers a cell a round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", type=Path, default=None, help="keep the tables here (reused)")
+    p.add_argument("--lead-threads", type=int, default=8,
+                   help="the 'lead' mode: the first table on this many threads of its own "
+                        "(the vLLM setting first_layer_threads), the others on the shared "
+                        "pool, all at once; 0: no lead mode")  # fmt: skip
     args = p.parse_args(argv)
     if args.row_bytes % 2 or args.tables < 1 or args.shards < 1:
         p.error("--row-bytes must be even, --tables and --shards positive")
@@ -127,23 +141,32 @@ def main(argv: list[str] | None = None) -> int:
             f"{os.cpu_count()} CPUs; {args.rounds} rounds x {args.gathers} gathers a cell",
             flush=True,
         )
-        modes = {"pool": None, "inline": NEVER}
-        cells: dict[tuple[int, str, bool], list[tuple[float, float]]] = {}
+        modes = {"pool": THRESHOLD, "inline": NEVER}
+        if args.lead_threads and args.tables > 1:
+            modes["lead"] = THRESHOLD
+        cells: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
         for rnd in range(args.rounds):
             for mode, pmb in modes.items():
-                tabs = open_tables(paths, THRESHOLD if pmb is None else pmb)
+                lead = args.lead_threads if mode == "lead" else None
+                tabs = open_tables(paths, pmb, lead)
                 try:
                     adopted = tabs[0].page_stats().get("pages_adopted")
                     for n in args.rows:
-                        if mode == "inline" and n * args.row_bytes < THRESHOLD:
+                        if mode != "pool" and n * args.row_bytes < THRESHOLD:
                             continue  # the pool run copied these inline already
                         gathers = max(20, args.gathers * 1024 // max(n, 1024))
-                        for concurrent in (False, True):
+                        for concurrent in (False, True) if mode != "lead" else (True,):
                             per = run_cell(tabs, n, gathers, concurrent, seed=rnd * 1000 + n)
-                            flat = [x for r in per for x in r]
-                            cells.setdefault((n, mode, concurrent), []).append(
-                                (statistics.median(flat), float(np.percentile(flat, 99)))
-                            )
+                            groups = {mode: per}
+                            if mode == "lead":  # the first table apart from the others
+                                groups = {"lead: first (own threads)": per[:1],
+                                          "lead: others (shared pool)": per[1:]}  # fmt: skip
+                            for name, group in groups.items():
+                                flat = [x for r in group for x in r]
+                                key = (n, name, len(per))
+                                cells.setdefault(key, []).append(
+                                    (statistics.median(flat), float(np.percentile(flat, 99)))
+                                )
                 finally:
                     for t in tabs:
                         t.close()
@@ -154,11 +177,10 @@ def main(argv: list[str] | None = None) -> int:
             "| rows a fill | copy | tables at once | ns a row, median | us a fill | p99 ns a row |"
         )
         print("|---|---|---|---|---|---|")
-        for (n, mode, concurrent), v in cells.items():
+        for (n, mode, at_once), v in cells.items():
             med = statistics.median(x for x, _ in v)
             p99 = statistics.median(x for _, x in v)
             copy = mode if n * args.row_bytes >= THRESHOLD else "inline (under the pool threshold)"
-            at_once = args.tables if concurrent else 1
             print(f"| {n} | {copy} | {at_once} | {med:.1f} | {med * n / 1e3:.1f} | {p99:.1f} |")
         return 0
     finally:

@@ -116,6 +116,9 @@ MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     # The gather workers hot (spinning, then yielding) for 50 ms instead of 2 ms: a worker
     # armed one step ahead no longer naps before the GPU publishes the step's ids.
     "mmap-spin": {"spin": 0.05},
+    # The first PLE layer's table (the fill every step waits for: PLE at the start of decoder
+    # layer 0) on 8 gather threads of its own instead of the pool all tables share.
+    "mmap-lead": {"first_layer_threads": 8},
     "mmap-sync": {"env": {"PLE_MEMOPS_FORCE_SYNC": "1"}},
     # What the synchronous fallback did before it kept FULL graphs: graphs off.
     "mmap-sync-eager": {"env": {"PLE_MEMOPS_FORCE_SYNC": "1"}, "cudagraph_mode": "NONE"},
@@ -561,8 +564,9 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
     extra: dict[str, Any] = {"gdn_prefill_backend": "triton"}  # FlashInfer is not bundled
     if backend in MMAP_VARIANTS:
         ours = {"table_backend": "mmap", "copy": variant.get("copy", args.copy)}
-        if "spin" in variant:
-            ours["spin"] = variant["spin"]
+        for key in ("spin", "first_layer_threads"):
+            if key in variant:
+                ours[key] = variant[key]
         if args.stats_every:
             ours["stats_every"] = args.stats_every
         extra["ple_memops"] = ours

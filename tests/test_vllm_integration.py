@@ -908,9 +908,26 @@ def test_settings_spin_and_stats_interval() -> None:
     for value in (True, -0.5, "soon", [1]):
         with pytest.raises(InvalidArgumentError, match=r"\['stats_every'\] must be a number"):
             S.for_engine({"ple_memops": {"stats_every": value}}, {})
-    known = "known: 'table_backend', 'timeout', 'copy', 'spin', 'stats_every'"
+    known = "known: 'table_backend', 'timeout', 'copy', 'spin', 'stats_every', 'first_layer"
     with pytest.raises(InvalidArgumentError, match=known):
         S.for_engine({"ple_memops": {"spinning": 1}}, {})
+
+
+def test_settings_first_layer_threads() -> None:
+    S = settings.Settings
+    assert S.from_env({}).first_layer_threads is None
+    env = {"PLE_MEMOPS_FIRST_LAYER_THREADS": "8"}
+    assert S.from_env(env).first_layer_threads == 8
+    assert S.from_env({"PLE_MEMOPS_FIRST_LAYER_THREADS": "0"}) == S()  # 0: off
+    assert S.for_engine({"ple_memops": {"first_layer_threads": 4}}, env).first_layer_threads == 4
+    assert S.for_engine({"ple_memops": {"first_layer_threads": 0}}, env).first_layer_threads is None
+    assert S.for_engine({"ple_memops": {"spin": 0.01}}, env).first_layer_threads == 8  # env kept
+    for bad in ("1", "65", "-2", "4.5", "many"):
+        with pytest.raises(InvalidArgumentError, match="PLE_MEMOPS_FIRST_LAYER_THREADS must be"):
+            S.from_env({"PLE_MEMOPS_FIRST_LAYER_THREADS": bad})
+    for value in (True, 1, 2.0, [4]):
+        with pytest.raises(InvalidArgumentError, match=r"\['first_layer_threads'\] must be"):
+            S.for_engine({"ple_memops": {"first_layer_threads": value}}, {})
 
 
 def test_cli_check_without_vllm(capsys: pytest.CaptureFixture[str]) -> None:

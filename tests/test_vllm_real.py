@@ -297,6 +297,13 @@ def test_check_command_reports(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> 
     assert main(["check"]) == 0
     assert "stats lines every 10 s (PLE_MEMOPS_STATS_EVERY)" in capsys.readouterr().out
     monkeypatch.delenv("PLE_MEMOPS_STATS_EVERY")
+    monkeypatch.setenv("PLE_MEMOPS_FIRST_LAYER_THREADS", "6")
+    assert main(["check"]) == 0
+    assert "first PLE layer's gathers on 6 threads of its own" in capsys.readouterr().out
+    monkeypatch.setenv("PLE_MEMOPS_FIRST_LAYER_THREADS", "1")
+    assert main(["check"]) == 1
+    assert "PLE_MEMOPS_FIRST_LAYER_THREADS must be" in capsys.readouterr().out
+    monkeypatch.delenv("PLE_MEMOPS_FIRST_LAYER_THREADS")
     monkeypatch.setenv("VLLM_PLUGINS", "someone_else")
     assert main(["check"]) == 1
     assert "does not name 'ple_memops'" in capsys.readouterr().out
@@ -423,13 +430,21 @@ def test_model_loads_without_its_tables_and_rows_match_the_device_table(
     fake = types.SimpleNamespace(model=model, vllm_config=mmap_cfg, device=torch.device("cpu"))
     ours = logging.getLogger("ple_memops")
     ours.addHandler(caplog.handler)  # the plugin routes it to vLLM's handler, not the root's
+    monkeypatch.setenv("PLE_MEMOPS_FIRST_LAYER_THREADS", "3")
     try:
         with caplog.at_level(logging.WARNING, logger="ple_memops"):
             with set_current_vllm_config(mmap_cfg):
                 hooks = runner.attach_runner(fake)
     finally:
         ours.removeHandler(caplog.handler)
+        monkeypatch.delenv("PLE_MEMOPS_FIRST_LAYER_THREADS")
     assert hooks is not None and hooks.plan.mode == "host"
+    # The first PLE layer's table (the one every step waits for) got threads of its own.
+    by_layer = sorted(
+        (int(name.split("layers.")[1].split(".")[0]), layer.table.gather_threads)
+        for name, layer in hooks.plan.layers.items()
+    )
+    assert [t for _, t in by_layer] == [3] + [None] * (len(by_layer) - 1), by_layer
     # What a user sees when the plan cannot defer: the reason and what changes.
     assert "deferred PLE rows are unavailable (no CUDA device" in caplog.text
     assert "cudagraph_mode FULL_DECODE_ONLY -> NONE" in caplog.text

@@ -10,7 +10,15 @@ import sys
 from importlib.metadata import PackageNotFoundError, entry_points, version
 
 from ..errors import InvalidArgumentError
-from .settings import BACKEND_ENV, COPY_ENV, SPIN_ENV, STATS_ENV, TIMEOUT_ENV, Settings
+from .settings import (
+    BACKEND_ENV,
+    COPY_ENV,
+    FIRST_LAYER_THREADS_ENV,
+    SPIN_ENV,
+    STATS_ENV,
+    TIMEOUT_ENV,
+    Settings,
+)
 
 GROUP = "vllm.general_plugins"
 NAME = "ple_memops"
@@ -47,9 +55,13 @@ def check() -> int:
     )
     spin = "the core's default" if settings.spin is None else f"{settings.spin:g} s"
     stats = "off" if settings.stats_every is None else f"every {settings.stats_every:g} s"
+    lead = settings.first_layer_threads
+    lead_text = "the shared pool" if lead is None else f"{lead} threads of its own"
     print(
         f"settings: copy {settings.copy} ({COPY_ENV}), spin {spin} ({SPIN_ENV}), stats lines "
-        f"{stats} ({STATS_ENV}); an engine's additional_config['ple_memops'] overrides them"
+        f"{stats} ({STATS_ENV}), the first PLE layer's gathers on {lead_text} "
+        f"({FIRST_LAYER_THREADS_ENV}); an engine's additional_config['ple_memops'] "
+        "overrides them"
     )
     from . import _compat
 

@@ -131,18 +131,23 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
     )
     tables: dict[str, MmapTable] = {}
     try:
+        index = {}
         for module in layers:
             match = _LAYER.search(module.ple_memops_name)
             if match is None:
                 raise UnsupportedError(f"cannot tell the decoder layer of {module.ple_memops_name}")
-            spec = find_layer_table(names, int(match.group(1)))
+            index[module.ple_memops_name] = int(match.group(1))
+        first = min(index.values())  # the PLE layer every step waits for
+        for module in layers:
+            layer = index[module.ple_memops_name]
             tables[module.ple_memops_name] = open_layer_table(
                 ckpt,
-                spec,
+                find_layer_table(names, layer),
                 rows=int(module.org_vocab_size),
                 row_bytes=module.row_bytes,
                 dtype=module.table_dtype,
                 scale=layer_weight_scale(module),
+                gather_threads=settings.first_layer_threads if layer == first else None,
             )
         build: dict[str, Any] = dict(
             rows_per_token=rows_per_token,

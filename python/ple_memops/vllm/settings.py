@@ -5,8 +5,8 @@ Two sources, the second overriding the first field by field:
 
 * the environment, read by every vLLM process (workers inherit it):
   ``PLE_MEMOPS_TABLE_BACKEND=mmap`` (``default`` or unset: off), ``PLE_MEMOPS_TIMEOUT``
-  (seconds, default 30), ``PLE_MEMOPS_COPY``, ``PLE_MEMOPS_SPIN`` and
-  ``PLE_MEMOPS_STATS_EVERY`` (see :class:`Settings`);
+  (seconds, default 30), ``PLE_MEMOPS_COPY``, ``PLE_MEMOPS_SPIN``,
+  ``PLE_MEMOPS_STATS_EVERY`` and ``PLE_MEMOPS_FIRST_LAYER_THREADS`` (see :class:`Settings`);
 * an engine's ``additional_config={"ple_memops": {"table_backend": "mmap", "timeout": 60}}``
   (``--additional-config`` on the command line), which is part of vLLM's config hash.
 
@@ -34,6 +34,7 @@ __all__ = [
     "COPY_ENV",
     "DEFAULT_TIMEOUT",
     "DEPTH",
+    "FIRST_LAYER_THREADS_ENV",
     "KEYS",
     "SPIN_ENV",
     "STATS_ENV",
@@ -46,6 +47,7 @@ TIMEOUT_ENV = "PLE_MEMOPS_TIMEOUT"
 COPY_ENV = "PLE_MEMOPS_COPY"
 SPIN_ENV = "PLE_MEMOPS_SPIN"
 STATS_ENV = "PLE_MEMOPS_STATS_EVERY"
+FIRST_LAYER_THREADS_ENV = "PLE_MEMOPS_FIRST_LAYER_THREADS"
 CONFIG_KEY = "ple_memops"
 """The key of ``additional_config`` that holds these settings."""
 BACKENDS = ("default", "mmap")
@@ -85,6 +87,21 @@ def _timeout(value: object, where: str) -> float:
     return seconds
 
 
+def _threads_or_off(value: object, where: str) -> int | None:
+    """A thread count from 2 to 64; ``0`` (or empty, or ``None``) is ``None``: off."""
+    if value is None or (isinstance(value, str) and value.strip() == ""):
+        return None
+    try:
+        n = int(value.strip()) if isinstance(value, str) else value
+    except ValueError:
+        n = None
+    if isinstance(n, bool) or not isinstance(n, int) or not (n == 0 or 2 <= n <= 64):
+        raise InvalidArgumentError(
+            f"{where} must be a number of threads from 2 to 64 (0: off), got {value!r}"
+        )
+    return n or None
+
+
 def _seconds_or_off(value: object, where: str) -> float | None:
     """A number of seconds >= 0; ``0`` (or empty) is ``None``: off, or the default."""
     if value is None or (isinstance(value, str) and value.strip() == ""):
@@ -116,6 +133,12 @@ class Settings:
     stats_every: float | None = None
     """Seconds between ``ple-memops stats`` log lines (steps, fills and each layer's
     READY -> FILLED time over the interval); ``None``: no stats lines."""
+    first_layer_threads: int | None = None
+    """Gather threads of its own (2-64) for the table of the first PLE layer, the one
+    whose fill every step waits for (Qwen4Exp adds PLE at the start of a decoder layer,
+    and its first PLE layer is decoder layer 0), so its parallel gathers (256 KiB and
+    up: 1,024 BF16 rows, a 64-token decode step) never queue behind the later layers'
+    on the shared pool. ``None`` (default): every table on the shared pool."""
 
     @property
     def mmap(self) -> bool:
@@ -135,6 +158,7 @@ class Settings:
             _copy(env.get(COPY_ENV), COPY_ENV),
             _seconds_or_off(env.get(SPIN_ENV), SPIN_ENV),
             _seconds_or_off(env.get(STATS_ENV), STATS_ENV),
+            _threads_or_off(env.get(FIRST_LAYER_THREADS_ENV), FIRST_LAYER_THREADS_ENV),
         )
 
     @classmethod
@@ -163,12 +187,14 @@ class Settings:
                 changes[key] = _timeout(value, where)
             elif key == "copy":
                 changes[key] = _copy(value, where)
+            elif key == "first_layer_threads":
+                changes[key] = _threads_or_off(value, where)
             else:
                 changes[key] = _seconds_or_off(value, where)
         return replace(base, **changes)
 
 
-KEYS = ("table_backend", "timeout", "copy", "spin", "stats_every")
+KEYS = ("table_backend", "timeout", "copy", "spin", "stats_every", "first_layer_threads")
 """The keys ``additional_config["ple_memops"]`` may hold (:class:`Settings`' fields)."""
 
 

@@ -126,11 +126,15 @@ def open_layer_table(
     row_bytes: int | None = None,
     dtype: str | None = None,
     scale: float | None = None,
+    gather_threads: int | None = None,
 ) -> MmapTable:
     """Open ``spec`` in ``checkpoint`` and check it against what the model expects
     (each check only when its value is given); a mismatch raises :class:`TableError`
-    naming the layer and the tensors, and closes the table."""
-    table = MmapTable.open(checkpoint, spec.name, pattern=spec.pattern)
+    naming the layer and the tensors, and closes the table. ``gather_threads``: see
+    :meth:`MmapTable.open`."""
+    table = MmapTable.open(
+        checkpoint, spec.name, pattern=spec.pattern, gather_threads=gather_threads
+    )
     what = spec.pattern or spec.name
     problems = []
     if rows is not None and table.rows != rows:
