@@ -1078,7 +1078,7 @@ fn a_table_of_its_own_threads_gathers_beside_the_shared_pool() {
     let d = TempDir::new();
     let (rows, cols) = (4096usize, 64usize);
     let t = tensor("w", Dtype::F16, &[rows, cols], 3);
-    let p = d.write("t.safetensors", &st(&[t.clone()]));
+    let p = d.write("t.safetensors", &st(std::slice::from_ref(&t)));
     for bad in [0usize, 1, MAX_GATHER_THREADS + 1] {
         let opts = TableOptions {
             gather_threads: Some(bad),
