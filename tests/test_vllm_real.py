@@ -280,6 +280,20 @@ def test_an_incompatible_vllm_is_refused_with_nothing_installed(
         plugin.install()
 
 
+def test_forcing_the_fallback_on_some_ranks() -> None:
+    """The test switch that makes a plan synchronous: on every rank, or only on the
+    listed world ranks (the one-rank fault of a tensor-parallel engine)."""
+    from ple_memops.vllm.runner import forced_sync
+
+    assert not forced_sync(None, 0) and not forced_sync("", 1) and not forced_sync("0", 0)
+    assert forced_sync("1", 0) and forced_sync("1", 3)
+    assert forced_sync("ranks=1", 1) and not forced_sync("ranks=1", 0)
+    assert forced_sync(" ranks=0,2 ", 2) and not forced_sync("ranks=0,2", 1)
+    for bad in ("yes", "ranks=", "ranks=a", "ranks=-1", "rank=1", "2"):
+        with pytest.raises(pm.InvalidArgumentError, match="PLE_MEMOPS_FORCE_SYNC must be"):
+            forced_sync(bad, 0)
+
+
 def test_check_command_reports(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
     from ple_memops.vllm.__main__ import main
 

@@ -37,7 +37,7 @@ from vllm.v1.worker.gpu import cudagraph_utils
 from vllm.v1.worker.gpu import model_runner as vllm_model_runner
 
 from .._common import plan_device
-from ..errors import UnsupportedError
+from ..errors import InvalidArgumentError, UnsupportedError
 from ..table import MmapTable
 from .hooks import PleRunnerHooks, build_hooks
 from .qwen4exp import engine_settings, find_mmap_embeddings, layer_weight_scale
@@ -51,13 +51,46 @@ __all__ = [
     "attach_runner",
     "build_hooks",
     "checkpoint_dir",
+    "forced_sync",
 ]
 
 logger = logging.getLogger("ple_memops")
 
 FORCE_SYNC_ENV = "PLE_MEMOPS_FORCE_SYNC"
-"""``1`` makes this process's plan synchronous as if its probe had failed (for tests of
-the ranks' agreement and the fallback; a user has no reason to set it)."""
+"""``1`` makes every rank's plan synchronous as if its probe had failed; ``ranks=1`` (a
+comma-separated list of world ranks) only those ranks' (the one-rank fault of a
+tensor-parallel engine: the environment reaches every worker). For tests of the ranks'
+agreement and the fallback; a user has no reason to set it."""
+
+
+def forced_sync(value: str | None, rank: int) -> bool:
+    """Whether :data:`FORCE_SYNC_ENV`'s ``value`` forces world rank ``rank`` synchronous;
+    a value that is neither empty, ``0``, ``1`` nor ``ranks=R[,R...]`` raises
+    :class:`InvalidArgumentError` naming the variable."""
+    text = (value or "").strip()
+    if text in ("", "0"):
+        return False
+    if text == "1":
+        return True
+    head, _, tail = text.partition("=")
+    try:
+        ranks = {int(r) for r in tail.split(",")} if head.strip() == "ranks" else None
+    except ValueError:
+        ranks = None
+    if not ranks or min(ranks) < 0:
+        raise InvalidArgumentError(
+            f"{FORCE_SYNC_ENV} must be 1 (every rank), ranks=R[,R...] or empty, got {value!r}"
+        )
+    return rank in ranks
+
+
+def _world_rank() -> int:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    return int(dist.get_rank())
+
 
 _LAYER = re.compile(r"layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding$")
 
@@ -158,11 +191,12 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
             spin=settings.spin,
             stats_every=settings.stats_every,
         )
-        forced = os.environ.get(FORCE_SYNC_ENV, "") == "1"
+        raw = os.environ.get(FORCE_SYNC_ENV)
+        forced = forced_sync(raw, _world_rank())
         hooks = build_hooks(tables, deferred=not forced, **build)
         reason: str | None
         if forced:
-            reason = f"{FORCE_SYNC_ENV}=1 on this rank"
+            reason = f"{FORCE_SYNC_ENV}={raw} on this rank"
         else:
             reason = hooks.plan.reason
         if not agree_on_deferral(hooks.deferred) and hooks.deferred:
