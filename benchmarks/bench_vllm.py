@@ -571,7 +571,7 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
             ours["stats_every"] = args.stats_every
         extra["ple_memops"] = ours
     return [
-        "--dtype", "bfloat16",
+        "--dtype", "bfloat16", "--tensor-parallel-size", str(args.tensor_parallel_size),
         "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--gpu-memory-utilization", str(args.gpu_memory_utilization),
@@ -1117,6 +1117,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=90)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs each engine spans (issue 16: 2 on nvidia-h200-x2); every "
+                        "server, or vllm bench command, uses all of them")  # fmt: skip
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--capture-sizes", type=ints, default=[1, 2, 4, 8, 16, 24, 32, 48, 64])
     p.add_argument("--kv-cache-gib", type=float, default=12.0)
@@ -1628,6 +1631,8 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
             ours = Settings.for_engine(ea.additional_config, engine_env(b, Path("/nonexistent")))
             if ours.mmap != (b in MMAP_VARIANTS):
                 raise AssertionError(f"{b}: table backend {ours.table_backend}")
+            if ea.tensor_parallel_size != args.tensor_parallel_size:
+                raise AssertionError(f"{b}: tensor parallel size {ea.tensor_parallel_size}")
             log(f"serve args ({b}): parsed; engram {ea.engram_config}, ple-memops {ours}, "
                 f"cudagraph_mode {ea.compilation_config.cudagraph_mode}, kv "
                 f"{ea.kv_cache_memory_bytes}, prefix caching {ea.enable_prefix_caching}, "
