@@ -307,17 +307,16 @@ def test_check_command_reports(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> 
     out = capsys.readouterr().out
     assert "switch: on" in out
     assert "settings: copy auto (PLE_MEMOPS_COPY), spin the core's default" in out
-    monkeypatch.setenv("PLE_MEMOPS_STATS_EVERY", "10")
-    assert main(["check"]) == 0
-    assert "stats lines every 10 s (PLE_MEMOPS_STATS_EVERY)" in capsys.readouterr().out
-    monkeypatch.delenv("PLE_MEMOPS_STATS_EVERY")
-    monkeypatch.setenv("PLE_MEMOPS_FIRST_LAYER_THREADS", "6")
-    assert main(["check"]) == 0
-    assert "first PLE layer's gathers on 6 threads of its own" in capsys.readouterr().out
-    monkeypatch.setenv("PLE_MEMOPS_FIRST_LAYER_THREADS", "1")
-    assert main(["check"]) == 1
-    assert "PLE_MEMOPS_FIRST_LAYER_THREADS must be" in capsys.readouterr().out
-    monkeypatch.delenv("PLE_MEMOPS_FIRST_LAYER_THREADS")
+    # One setting at a time: what the check prints, or its refusal of a bad value.
+    for var, value, rc, says in (
+        ("PLE_MEMOPS_STATS_EVERY", "10", 0, "stats lines every 10 s (PLE_MEMOPS_STATS_EVERY)"),
+        ("PLE_MEMOPS_FIRST_LAYER_THREADS", "6", 0, "first PLE layer's gathers on 6 threads"),
+        ("PLE_MEMOPS_FIRST_LAYER_THREADS", "1", 1, "PLE_MEMOPS_FIRST_LAYER_THREADS must be"),
+    ):
+        monkeypatch.setenv(var, value)
+        assert main(["check"]) == rc, (var, value)
+        assert says in capsys.readouterr().out, (var, value)
+        monkeypatch.delenv(var)
     monkeypatch.setenv("VLLM_PLUGINS", "someone_else")
     assert main(["check"]) == 1
     assert "does not name 'ple_memops'" in capsys.readouterr().out
