@@ -72,6 +72,10 @@ __all__ = ["StepCounters", "StepDriver"]
 T = TypeVar("T")
 
 
+def _mean_us(total_ns: int, n: int) -> float | None:
+    return total_ns / 1e3 / n if n else None
+
+
 @dataclass(frozen=True)
 class StepCounters:
     """What a driver counted (and its plan's objects), totals or differences."""
@@ -101,7 +105,7 @@ class StepCounters:
     @property
     def mean_fill_us(self) -> float | None:
         """Mean worker fill time in microseconds (``None`` without fills)."""
-        return self.fill_ns_total / 1e3 / self.fills if self.fills else None
+        return _mean_us(self.fill_ns_total, self.fills)
 
     @property
     def replay_fills(self) -> int:
@@ -111,14 +115,12 @@ class StepCounters:
     @property
     def mean_replay_fill_us(self) -> float | None:
         """Mean fill time of replayed steps in microseconds (``None`` without any)."""
-        n = self.replay_fills
-        return (self.fill_ns_total - self.eager_fill_ns_total) / 1e3 / n if n else None
+        return _mean_us(self.fill_ns_total - self.eager_fill_ns_total, self.replay_fills)
 
     @property
     def mean_eager_fill_us(self) -> float | None:
         """Mean fill time of eager forwards' steps in microseconds (``None`` without any)."""
-        n = self.eager_fills
-        return self.eager_fill_ns_total / 1e3 / n if n else None
+        return _mean_us(self.eager_fill_ns_total, self.eager_fills)
 
 
 class StepDriver:

@@ -376,8 +376,8 @@ class PleRunnerHooks:
             cold = f", {100 * misses / (hits + misses):.1f}% rows cold" if hits + misses else ""
             us = "" if mean is None else f", {mean:.1f} us"
             if got.fills:
-                # Replays' fills apart from eager forwards' (a prefill chunk's can be 30x a
-                # decode step's): only a replay's fill can hold up a captured graph.
+                # Replays' fills apart from eager forwards' (a 2,048-token chunk's is 10-15x
+                # a decode step's): one mean would hide what a decode step waits for.
                 split = (
                     f"{n} {kind}" + ("" if m is None else f" {m:.1f} us")
                     for n, kind, m in (
