@@ -81,13 +81,18 @@ def open_tables(paths: list[Path], pmb: int, lead_threads: int | None) -> list[p
     ]
 
 
-def timed_gathers(table: pm.MmapTable, n_rows: int, gathers: int, seed: int) -> list[float]:
-    """ns a row of each of ``gathers`` gathers of ``n_rows`` random rows."""
+def timed_gathers(
+    table: pm.MmapTable, n_rows: int, gathers: int, seed: int, idle_s: float = 0.0
+) -> list[float]:
+    """ns a row of each of ``gathers`` gathers of ``n_rows`` random rows, ``idle_s`` of
+    sleep between two (untimed: the gap between an engine's steps)."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, table.rows, (gathers, n_rows), dtype=np.int64)
     dst = np.empty((n_rows, table.row_bytes), dtype=np.uint8)
     out = []
     for k in range(gathers):
+        if idle_s:
+            time.sleep(idle_s)
         t0 = time.perf_counter_ns()
         table.gather_into(ids[k], dst)
         out.append((time.perf_counter_ns() - t0) / n_rows)
@@ -95,13 +100,18 @@ def timed_gathers(table: pm.MmapTable, n_rows: int, gathers: int, seed: int) -> 
 
 
 def run_cell(
-    tabs: list[pm.MmapTable], n_rows: int, gathers: int, concurrent: bool, seed: int
+    tabs: list[pm.MmapTable],
+    n_rows: int,
+    gathers: int,
+    concurrent: bool,
+    seed: int,
+    idle_s: float = 0.0,
 ) -> list[list[float]]:
     chosen = tabs if concurrent else tabs[:1]
     results: list[list[float]] = [[] for _ in chosen]
 
     def work(i: int) -> None:
-        results[i] = timed_gathers(chosen[i], n_rows, gathers, seed + 7919 * i)
+        results[i] = timed_gathers(chosen[i], n_rows, gathers, seed + 7919 * i, idle_s)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(chosen))]
     for th in threads:
@@ -122,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="rows a fill: c1, c8, c64 decode steps and a 2048-token chunk")  # fmt: skip
     p.add_argument("--gathers", type=int, default=400, help="gathers a cell a round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--idle-us", type=float, default=0.0,
+                   help="sleep between two gathers of a table, untimed (an engine's step "
+                        "is milliseconds: its gather threads are idle in between, and wake "
+                        "for the next fill); 0: back to back")  # fmt: skip
     p.add_argument("--dir", type=Path, default=None, help="keep the tables here (reused)")
     p.add_argument("--lead-threads", type=int, default=8,
                    help="the 'lead' mode: the first table on this many threads of its own "
@@ -138,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{args.tables} tables x {args.table_gib:g} GiB ({args.shards} shards each, "
             f"{args.row_bytes} B rows) under {root}, cached, in {time.monotonic() - t0:.0f} s; "
-            f"{os.cpu_count()} CPUs; {args.rounds} rounds x {args.gathers} gathers a cell",
+            f"{os.cpu_count()} CPUs; {args.rounds} rounds x {args.gathers} gathers a cell, "
+            f"{args.idle_us:g} us idle between two",
             flush=True,
         )
         modes = {"pool": THRESHOLD, "inline": NEVER}
@@ -156,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                             continue  # the pool run copied these inline already
                         gathers = max(20, args.gathers * 1024 // max(n, 1024))
                         for concurrent in (False, True) if mode != "lead" else (True,):
-                            per = run_cell(tabs, n, gathers, concurrent, seed=rnd * 1000 + n)
+                            per = run_cell(
+                                tabs, n, gathers, concurrent, rnd * 1000 + n, args.idle_us / 1e6
+                            )
                             groups = {mode: per}
                             if mode == "lead":  # the first table apart from the others
                                 groups = {"lead: first (own threads)": per[:1],
