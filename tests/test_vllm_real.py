@@ -452,12 +452,18 @@ def test_model_loads_without_its_tables_and_rows_match_the_device_table(
         ours.removeHandler(caplog.handler)
         monkeypatch.delenv("PLE_MEMOPS_FIRST_LAYER_THREADS")
     assert hooks is not None and hooks.plan.mode == "host"
-    # The first PLE layer's table (the one every step waits for) got threads of its own.
     by_layer = sorted(
-        (int(name.split("layers.")[1].split(".")[0]), layer.table.gather_threads)
+        (
+            int(name.split("layers.")[1].split(".")[0]),
+            layer.table.gather_threads,
+            layer.table.parallel_min_bytes,
+        )
         for name, layer in hooks.plan.layers.items()
     )
-    assert [t for _, t in by_layer] == [3] + [None] * (len(by_layer) - 1), by_layer
+    # The first PLE layer's table (the one every step waits for) got threads of its own,
+    # used from 16 KiB; the others keep the shared pool and its 256 KiB.
+    rest = [(None, 256 << 10)] * (len(by_layer) - 1)
+    assert [(t, m) for _, t, m in by_layer] == [(3, 16 << 10), *rest], by_layer
     # What a user sees when the plan cannot defer: the reason and what changes.
     assert "deferred PLE rows are unavailable (no CUDA device" in caplog.text
     assert "cudagraph_mode FULL_DECODE_ONLY -> NONE" in caplog.text

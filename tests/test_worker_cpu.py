@@ -59,6 +59,31 @@ def test_eager_steps_are_counted_apart(table: pm.MmapTable) -> None:
         assert 0 < s.eager_fill_ns_total < s.ready_to_filled_ns_total
 
 
+def test_own_gather_threads_are_kept_awake_while_armed(tmp_path: Path) -> None:
+    """A table with gather threads of its own: after a fill that ran on them, the next
+    armed step keeps them awake until READY (``warmed_steps``); the rows are the same,
+    and the table's own gathers are not held up once the step is done."""
+    data = np.random.default_rng(2).integers(0, 256, (ROWS, WIDTH), dtype=np.uint8)
+    path = tmp_path / "own.safetensors"
+    save_file({"emb.weight": data.view(np.float32)}, str(path))
+    rows = pm.DeferredRows(64, WIDTH, device="cpu")
+    with pm.MmapTable.open(path, "emb.weight", gather_threads=2, parallel_min_bytes=WIDTH * 8) as t:
+        with pm.GatherWorker(rows, t) as w:
+            sizes = [64, 64, 4, 64, 8]  # 4 rows are copied inline: no warming after them
+            for k in sizes:
+                ids = np.random.default_rng(k).integers(0, ROWS, k)
+                w.begin(64)
+                time.sleep(0.002)
+                w.publish_from_host(ids)
+                w.complete()
+                np.testing.assert_array_equal(rows.staging[:k], data[ids])
+                t0 = time.perf_counter()
+                t.gather(np.arange(64))  # on the same threads
+                assert time.perf_counter() - t0 < 0.1
+            s = w.stats()
+            assert (s.fills, s.warmed_steps) == (5, 3), s
+
+
 def test_per_head_mapping(table: pm.MmapTable) -> None:
     rows = pm.DeferredRows(8, WIDTH, device="cpu")
     offsets, sizes = [0, 500, 900], [500, 400, 100]

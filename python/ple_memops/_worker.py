@@ -55,6 +55,9 @@ class WorkerStats:
     unarmed_replays: int
     """Replays that published ids with no step armed (each released with zero rows and
     reported as :class:`~ple_memops.UnarmedReplayError`)."""
+    warmed_steps: int
+    """Steps whose wait for READY kept the table's own gather threads awake (a table
+    opened with ``gather_threads=``, when the previous fill ran on them)."""
 
 
 class GatherWorker:

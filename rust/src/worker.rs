@@ -30,6 +30,11 @@ pub trait RowSource: Send + Sync {
     fn name(&self) -> String;
     /// Write rows `ids` (all already checked to be in range) to `dst`, `ids.len()` rows.
     fn gather_rows(&self, ids: &[i64], dst: &mut [u8]) -> Result<()>;
+    /// The threads of this source's own that a gather of `rows` rows would run on, if any:
+    /// the worker keeps them awake while a step is armed (see [`WarmThreads`]).
+    fn own_pool_for(&self, _rows: usize) -> Option<&rayon::ThreadPool> {
+        None
+    }
 }
 
 impl RowSource for crate::table::MmapTable {
@@ -44,6 +49,48 @@ impl RowSource for crate::table::MmapTable {
     }
     fn gather_rows(&self, ids: &[i64], dst: &mut [u8]) -> Result<()> {
         self.gather_into(crate::table::RowIds::I64(ids), dst)
+    }
+    fn own_pool_for(&self, rows: usize) -> Option<&rayon::ThreadPool> {
+        crate::table::MmapTable::own_pool_for(self, rows)
+    }
+}
+
+/// A table's own gather threads held awake while a step is armed, so that the fill after
+/// READY does not start by waking them.
+///
+/// Between two decode steps (milliseconds) a pool's threads go to sleep; the fill that
+/// follows READY then wakes them one after another, and on a VM each wake of an idle vCPU
+/// costs tens of microseconds. Measured on the lent H200 host (`bench_fill.py --idle-us
+/// 7000`, 1,024 rows of 256 B from one adopted 1 GiB table on the pool): 176 us a gather
+/// after 7 ms idle against 34-38 us back to back. So when a step is armed and the previous
+/// fill ran on the source's own pool, one job a thread is spawned on that pool that naps
+/// (20 us sleeps, no spinning) until the worker has seen READY; the threads are then awake
+/// and take the gather at once. The jobs end when this value is dropped, and by themselves
+/// after [`WARM_MAX`], so a pool thread is never held by a step the GPU does not reach.
+pub struct WarmThreads {
+    done: Arc<AtomicBool>,
+}
+
+/// The longest a warm job naps on a pool thread waiting for READY.
+pub const WARM_MAX: Duration = Duration::from_millis(200);
+
+impl WarmThreads {
+    fn start(pool: &rayon::ThreadPool) -> Self {
+        let done = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&done);
+        pool.spawn_broadcast(move |_| {
+            let t0 = Instant::now();
+            while !flag.load(Ordering::Acquire) && t0.elapsed() < WARM_MAX {
+                std::thread::sleep(NAP);
+            }
+        });
+        Self { done }
+    }
+}
+
+impl Drop for WarmThreads {
+    fn drop(&mut self) {
+        self.done.store(true, Ordering::Release);
     }
 }
 
@@ -154,6 +201,9 @@ pub struct WorkerStats {
     pub publishes_host: u64,
     /// Replays that published ids with no step armed (each released with zero rows).
     pub unarmed_replays: u64,
+    /// Steps whose wait for READY kept the source's own gather threads awake
+    /// ([`WarmThreads`]).
+    pub warmed_steps: u64,
 }
 
 /// How a worker is set up (beyond its rows, table and row map).
@@ -816,9 +866,17 @@ fn run(sh: &Shared) {
     let max_ids = sh.mailbox().max_ids();
     let mut ids = Vec::with_capacity(max_ids);
     let mut rows = Vec::with_capacity(max_ids);
+    // Rows of the last fill: the next step's size is most likely the same (decode batches).
+    let mut last_rows = 0usize;
     while let Some(step) = sh.next_step() {
         let armed_at = Instant::now();
-        if !sh.wait_ready() {
+        let warm = sh.source.own_pool_for(last_rows).map(WarmThreads::start);
+        if warm.is_some() {
+            sh.ctl().stats.warmed_steps += 1;
+        }
+        let ready = sh.wait_ready();
+        drop(warm);
+        if !ready {
             // Released or stopping: nothing to fill. Mark the step handled so a waiting
             // complete() returns (it then reports the rows' own state).
             let mut ctl = sh.ctl();
@@ -840,6 +898,7 @@ fn run(sh: &Shared) {
             ))
         });
         let ns = t_ready.elapsed().as_nanos() as u64;
+        last_rows = rows.len();
         let mut ctl = sh.ctl();
         match result {
             Ok(count) => {
@@ -1117,6 +1176,97 @@ mod tests {
         w.publish_from_host(&[1], T).unwrap();
         w.complete(Duration::from_secs(5)).unwrap();
         w.close();
+    }
+
+    /// Rows as [`Counting`]'s, gathered on a pool of its own from 4 rows up.
+    struct Pooled {
+        pool: rayon::ThreadPool,
+    }
+
+    impl RowSource for Pooled {
+        fn rows(&self) -> u64 {
+            100
+        }
+        fn row_bytes(&self) -> usize {
+            4
+        }
+        fn name(&self) -> String {
+            "pooled".into()
+        }
+        fn gather_rows(&self, ids: &[i64], dst: &mut [u8]) -> Result<()> {
+            use rayon::prelude::*;
+            self.pool.install(|| {
+                dst.par_chunks_mut(4)
+                    .zip(ids.par_iter())
+                    .for_each(|(row, id)| row.fill((*id % 251) as u8 + 1))
+            });
+            Ok(())
+        }
+        fn own_pool_for(&self, rows: usize) -> Option<&rayon::ThreadPool> {
+            (rows >= 4).then_some(&self.pool)
+        }
+    }
+
+    /// How long a trivial job on `pool` waits for a free thread.
+    fn pool_wait(pool: &rayon::ThreadPool) -> Duration {
+        let t0 = Instant::now();
+        pool.install(|| ());
+        t0.elapsed()
+    }
+
+    #[test]
+    fn own_gather_threads_are_held_awake_only_while_a_step_is_armed() {
+        let mut staging = vec![0u8; 8 * 4];
+        let rows = host_rows(8, 4, &mut staging);
+        let src = Arc::new(Pooled {
+            pool: rayon::ThreadPoolBuilder::new()
+                .num_threads(2)
+                .build()
+                .unwrap(),
+        });
+        let w = GatherWorker::new(rows.clone(), src.clone(), RowMap::Identity, opts(8, 8)).unwrap();
+        // The first step has no previous fill to go by; 2 rows stay below the pool.
+        for (k, ids) in [
+            vec![1, 2],
+            vec![3, 4],
+            (0..8).collect(),
+            (10..18).collect(),
+            vec![5],
+            (20..28).collect(),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            w.begin(8).unwrap();
+            std::thread::sleep(Duration::from_millis(5));
+            w.publish_from_host(&ids, T).unwrap();
+            w.complete(T).unwrap();
+            for (i, id) in ids.iter().enumerate() {
+                assert!(
+                    staging[i * 4..i * 4 + 4]
+                        .iter()
+                        .all(|&b| b == (*id % 251) as u8 + 1),
+                    "step {k} row {i}"
+                );
+            }
+            // The warm jobs ended with the step: the pool is free long before WARM_MAX.
+            let wait = pool_wait(&src.pool);
+            assert!(wait < WARM_MAX / 2, "step {k}: the pool was held {wait:?}");
+        }
+        // Warmed: the steps after an 8-row fill (the 4th and the 5th), not the one after
+        // the 1-row fill.
+        assert_eq!(w.stats().warmed_steps, 2);
+        assert_eq!(w.stats().fills, 6);
+        // Armed after an 8-row fill and never published: closing ends the warm jobs too.
+        w.begin(8).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        w.close();
+        let wait = pool_wait(&src.pool);
+        assert!(
+            wait < WARM_MAX / 2,
+            "after close the pool was held {wait:?}"
+        );
+        assert_eq!(w.stats().warmed_steps, 3);
     }
 
     #[test]

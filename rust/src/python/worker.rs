@@ -170,6 +170,7 @@ impl PyGatherWorker {
                 ("publishes_eager", s.publishes_eager),
                 ("publishes_host", s.publishes_host),
                 ("unarmed_replays", s.unarmed_replays),
+                ("warmed_steps", s.warmed_steps),
             ],
         )
     }

@@ -49,6 +49,9 @@ pub(crate) fn own_pool(n: usize) -> crate::error::Result<rayon::ThreadPool> {
     rayon::ThreadPoolBuilder::new()
         .num_threads(n)
         .thread_name(|i| format!("ple-gather-own-{i}"))
+        // The worker keeps these threads awake with 20 us naps while a step is armed
+        // (`worker::WarmThreads`); the default 50 us slack would stretch each.
+        .start_handler(|_| crate::os::fine_timer_slack())
         .build()
         .map_err(|e| {
             crate::error::Error::unsupported(format!(

@@ -500,6 +500,17 @@ impl MmapTable {
         }
     }
 
+    /// The table's own gather threads if a gather of `rows` rows would run on them (at
+    /// least two rows and [`TableOptions::parallel_min_bytes`]; `None` without
+    /// [`TableOptions::gather_threads`]).
+    pub fn own_pool_for(&self, rows: usize) -> Option<&rayon::ThreadPool> {
+        let min = self.inner.opts.parallel_min_bytes;
+        self.inner
+            .own_pool
+            .as_ref()
+            .filter(|_| rows >= 2 && rows.saturating_mul(self.row_bytes()) >= min)
+    }
+
     /// Copy rows `ids` into `dst`, row `i` at `dst[i * row_bytes..]`. `dst` must be
     /// exactly `ids.len() * row_bytes` bytes. Every id is checked before anything is
     /// written: on an id or size error `dst` is untouched. Duplicate ids are fine.

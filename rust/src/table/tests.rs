@@ -1101,6 +1101,21 @@ fn a_table_of_its_own_threads_gathers_beside_the_shared_pool() {
     let b = with(shared, &p, &name("w"));
     let ids: Vec<i64> = (0..rows as i64).map(|i| (i * 7919) % rows as i64).collect();
     let want = reference(&[t.3.as_slice()], cols * 2, &ids);
+    // The worker keeps a table's own threads awake only for gathers that would use them.
+    assert_eq!(a.own_pool_for(2).map(|p| p.current_num_threads()), Some(3));
+    assert!(a.own_pool_for(1).is_none(), "one row is copied inline");
+    assert!(b.own_pool_for(rows).is_none(), "the shared pool is not the table's own");
+    let c = with(
+        TableOptions {
+            gather_threads: Some(2),
+            ..Default::default()
+        },
+        &p,
+        &name("w"),
+    );
+    let min_rows = PARALLEL_MIN_BYTES / (cols * 2);
+    assert!(c.own_pool_for(min_rows).is_some());
+    assert!(c.own_pool_for(min_rows - 1).is_none());
     // Both at once from several threads: every gather is the reference's bytes.
     std::thread::scope(|sc| {
         for table in [&a, &b, &a, &b] {
