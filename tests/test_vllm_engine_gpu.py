@@ -102,11 +102,19 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _engine(
-    ckpt: Path, backend: str, *, async_scheduling: bool = True, copy: str = "auto", **kw: Any
+    ckpt: Path,
+    backend: str,
+    *,
+    async_scheduling: bool = True,
+    copy: str = "auto",
+    lead: int | None = None,
+    **kw: Any,
 ) -> LLM:
     extra: dict[str, Any] = {"gdn_prefill_backend": "triton"}  # FlashInfer is not bundled
     backend_name = "mmap" if backend == "mmap" else "default"
     extra["ple_memops"] = {"table_backend": backend_name, "copy": copy}
+    if lead is not None:
+        extra["ple_memops"]["first_layer_threads"] = lead
     engram = {"cpu_offload": backend != "gpu"}
     return LLM(
         model=str(ckpt),
@@ -153,6 +161,9 @@ def _rows_stats(worker: Any) -> dict[str, Any]:
         "watchdog_releases": sum(int(r.watchdog_releases) for r, _ in stats.values()),
         # Each layer's worker's fills of eager steps (counted apart from replays').
         "eager_fills": sorted({int(w.eager_fills) for _, w in stats.values() if w is not None}),
+        # Steps that kept a table's own gather threads awake while armed (per layer).
+        "warmed": {n: int(w.warmed_steps) for n, (_, w) in stats.items() if w is not None},
+        "own_threads": {n: layer.table.gather_threads for n, layer in hooks.plan.layers.items()},
         "copy": sorted({layer.rows.copy for layer in hooks.plan}),
     }
 
@@ -179,13 +190,14 @@ def reference(checkpoints: dict[str, Path]) -> dict[str, list[list[list[int]]]]:
 
 
 @pytest.mark.parametrize(
-    ("kind", "backend", "async_scheduling", "copy"),
+    ("kind", "backend", "async_scheduling", "copy", "lead"),
     [
-        ("bf16", "gpu", True, "auto"),
-        ("bf16", "mmap", True, "kernel"),
-        ("bf16", "mmap", True, "memop"),
-        ("bf16", "mmap", False, "auto"),
-        ("fp8", "mmap", True, "auto"),
+        ("bf16", "gpu", True, "auto", None),
+        ("bf16", "mmap", True, "kernel", None),
+        ("bf16", "mmap", True, "memop", None),
+        ("bf16", "mmap", False, "auto", None),
+        ("fp8", "mmap", True, "auto", None),
+        ("bf16", "mmap", True, "auto", 4),  # first_layer_threads: its own threads, kept awake
     ],
 )
 def test_tokens_equal_the_stock_engine(
@@ -195,11 +207,12 @@ def test_tokens_equal_the_stock_engine(
     backend: str,
     async_scheduling: bool,
     copy: str,
+    lead: int | None,
 ) -> None:
     got, stats = _serve(
-        _engine(checkpoints[kind], backend, async_scheduling=async_scheduling, copy=copy)
+        _engine(checkpoints[kind], backend, async_scheduling=async_scheduling, copy=copy, lead=lead)
     )
-    print(f"\n{kind} {backend} async={async_scheduling} copy={copy}: {stats}")
+    print(f"\n{kind} {backend} async={async_scheduling} copy={copy} lead={lead}: {stats}")
     _assert_same_tokens(reference[kind], got)
     if backend == "mmap":
         assert stats["hooks"] and stats["mode"] == "deferred", stats
@@ -209,6 +222,15 @@ def test_tokens_equal_the_stock_engine(
         assert stats["eager"] >= len(WORKLOAD) and stats["watchdog_releases"] == 0, stats
         # Every layer's worker filled every eager step, counted as eager.
         assert stats["eager_fills"] == [stats["eager"]], stats
+        # Only the first PLE layer's table has threads of its own; its worker kept them
+        # awake for the steps after a fill that ran on them (a prefill chunk's: the tiny
+        # model's decode steps are far below 16 KiB), and no other worker warmed any.
+        first = min(stats["own_threads"], key=lambda n: int(n.split("layers.")[1].split(".")[0]))
+        assert stats["own_threads"] == {
+            n: (lead if n == first else None) for n in stats["own_threads"]
+        }, stats
+        assert (stats["warmed"][first] > 0) == (lead is not None), stats
+        assert all(v == 0 for n, v in stats["warmed"].items() if n != first), stats
     else:
         assert stats == {"hooks": False}
 
