@@ -222,15 +222,16 @@ def test_tokens_equal_the_stock_engine(
         assert stats["eager"] >= len(WORKLOAD) and stats["watchdog_releases"] == 0, stats
         # Every layer's worker filled every eager step, counted as eager.
         assert stats["eager_fills"] == [stats["eager"]], stats
-        # Only the first PLE layer's table has threads of its own; its worker kept them
-        # awake for the steps after a fill that ran on them (a prefill chunk's: the tiny
-        # model's decode steps are far below 16 KiB), and no other worker warmed any.
+        # Only the first PLE layer's table has threads of its own. Its worker keeps them
+        # awake only after a fill that ran on them (256 KiB and up): the tiny model's
+        # largest, a 1,024-token chunk, is 128 KiB, so none here (the warm path at a real
+        # size: BENCHMARKS.md, the sixth run; with a 16 KiB threshold this test ran it),
+        # and no other worker has any to warm.
         first = min(stats["own_threads"], key=lambda n: int(n.split("layers.")[1].split(".")[0]))
         assert stats["own_threads"] == {
             n: (lead if n == first else None) for n in stats["own_threads"]
         }, stats
-        assert (stats["warmed"][first] > 0) == (lead is not None), stats
-        assert all(v == 0 for n, v in stats["warmed"].items() if n != first), stats
+        assert all(v == 0 for v in stats["warmed"].values()), stats
     else:
         assert stats == {"hooks": False}
 

@@ -129,6 +129,34 @@ def test_captured_ids_1000_replays(torch, table: pm.MmapTable, publish: str) -> 
         assert rows.stats().fills == 1001
 
 
+def test_own_threads_kept_awake_between_replays(  # type: ignore[no-untyped-def]
+    torch, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A table with gather threads of its own, its fills on them (48 rows from 16 up):
+    every replay after the first fill keeps them awake while the GPU works towards READY
+    (``warmed_steps``), and every replay's rows are the table's."""
+    data = np.random.default_rng(5).integers(0, 256, (TABLE_ROWS, WIDTH), dtype=np.uint8)
+    path = tmp_path_factory.mktemp("own") / "model.safetensors"
+    save_file({"w": data.view(np.float16)}, str(path))
+    rows = pm.DeferredRows(64, WIDTH, device=0, watchdog=10.0)
+    with pm.MmapTable.open(path, "w", gather_threads=4, parallel_min_bytes=16 * WIDTH) as t:
+        assert t.gather_threads == 4
+        with pm.GatherWorker(rows, t) as w:
+            # ~0.3 ms of GPU work before each replay's ids: the worker (and the warm jobs)
+            # wait for READY.
+            g = IdGraph(torch, w, 48, pre_sleep_cycles=500_000)
+            for i in range(1, 301):
+                w.begin(64)
+                g.replay()
+                w.complete(timeout=10.0)
+                assert done(g.end), f"replay {i} never finished"
+                got = g.out.cpu().numpy()
+                np.testing.assert_array_equal(got[:48], data[g.ids_for(i)], err_msg=f"replay {i}")
+            s = w.stats()
+            # The warm-up step had no fill before it; every replay came after one on the pool.
+            assert (s.fills, s.failures, s.warmed_steps) == (301, 0, 300), s
+
+
 def test_int32_ids_with_per_head_vocabularies(torch, table: pm.MmapTable) -> None:  # type: ignore[no-untyped-def]
     heads = 4
     offsets, sizes = [0, 1000, 20_000, 40_000], [1000, 19_000, 20_000, 10_000]

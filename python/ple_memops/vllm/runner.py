@@ -62,11 +62,6 @@ comma-separated list of world ranks) only those ranks' (the one-rank fault of a
 tensor-parallel engine: the environment reaches every worker). For tests of the ranks'
 agreement and the fallback; a user has no reason to set it."""
 
-LEAD_PARALLEL_MIN_BYTES = 16 << 10
-"""With ``first_layer_threads`` set, the first PLE layer's gathers of this size and up
-(64 BF16 rows of 128: an 8-token decode step and up) run on its own threads, which the
-worker keeps awake while a step is armed; the other tables keep the core's 256 KiB."""
-
 
 def forced_sync(value: str | None, rank: int) -> bool:
     """Whether :data:`FORCE_SYNC_ENV`'s ``value`` forces world rank ``rank`` synchronous;
@@ -176,10 +171,8 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
                 raise UnsupportedError(f"cannot tell the decoder layer of {module.ple_memops_name}")
             index[module.ple_memops_name] = int(match.group(1))
         first = min(index.values())  # the PLE layer every step waits for
-        lead = settings.first_layer_threads
         for module in layers:
             layer = index[module.ple_memops_name]
-            own = lead is not None and layer == first
             tables[module.ple_memops_name] = open_layer_table(
                 ckpt,
                 find_layer_table(names, layer),
@@ -187,8 +180,7 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
                 row_bytes=module.row_bytes,
                 dtype=module.table_dtype,
                 scale=layer_weight_scale(module),
-                gather_threads=lead if own else None,
-                parallel_min_bytes=LEAD_PARALLEL_MIN_BYTES if own else None,
+                gather_threads=settings.first_layer_threads if layer == first else None,
             )
         build: dict[str, Any] = dict(
             rows_per_token=rows_per_token,

@@ -136,11 +136,11 @@ class Settings:
     first_layer_threads: int | None = None
     """Gather threads of its own (2-64) for the table of the first PLE layer, the one
     whose fill every step waits for (Qwen4Exp adds PLE at the start of a decoder layer,
-    and its first PLE layer is decoder layer 0). Its gathers of 16 KiB and up (64 BF16
-    rows: an 8-token decode step) run on them, never queued behind the later layers' on
-    the shared pool, and the worker keeps them awake (20 us naps) while a step is armed,
-    so the fill after READY does not begin by waking sleeping threads. ``None``
-    (default): every table on the shared pool, parallel from 256 KiB."""
+    and its first PLE layer is decoder layer 0). Its parallel gathers (256 KiB and up:
+    1,024 BF16 rows, a 64-token decode step) run on them, never queued behind the later
+    layers' on the shared pool, and the worker keeps them awake (20 us naps) while a step
+    is armed, so the fill after READY does not begin by waking sleeping threads. ``None``
+    (default): every table on the shared pool."""
 
     @property
     def mmap(self) -> bool:

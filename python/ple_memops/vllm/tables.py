@@ -127,18 +127,16 @@ def open_layer_table(
     dtype: str | None = None,
     scale: float | None = None,
     gather_threads: int | None = None,
-    parallel_min_bytes: int | None = None,
 ) -> MmapTable:
     """Open ``spec`` in ``checkpoint`` and check it against what the model expects
     (each check only when its value is given); a mismatch raises :class:`TableError`
-    naming the layer and the tensors, and closes the table. ``gather_threads`` and
-    ``parallel_min_bytes``: see :meth:`MmapTable.open`."""
+    naming the layer and the tensors, and closes the table. ``gather_threads``: see
+    :meth:`MmapTable.open`."""
     table = MmapTable.open(
         checkpoint,
         spec.name,
         pattern=spec.pattern,
         gather_threads=gather_threads,
-        parallel_min_bytes=parallel_min_bytes,
     )
     what = spec.pattern or spec.name
     problems = []
