@@ -67,6 +67,8 @@ impl RowSource for crate::table::MmapTable {
 /// (20 us sleeps, no spinning) until the worker has seen READY; the threads are then awake
 /// and take the gather at once. The jobs end when this value is dropped, and by themselves
 /// after [`WARM_MAX`], so a pool thread is never held by a step the GPU does not reach.
+/// Another gather on the same table's threads meanwhile (a direct `gather` from another
+/// thread) waits for them: at most until READY or [`WARM_MAX`].
 pub struct WarmThreads {
     done: Arc<AtomicBool>,
 }

@@ -1104,7 +1104,10 @@ fn a_table_of_its_own_threads_gathers_beside_the_shared_pool() {
     // The worker keeps a table's own threads awake only for gathers that would use them.
     assert_eq!(a.own_pool_for(2).map(|p| p.current_num_threads()), Some(3));
     assert!(a.own_pool_for(1).is_none(), "one row is copied inline");
-    assert!(b.own_pool_for(rows).is_none(), "the shared pool is not the table's own");
+    assert!(
+        b.own_pool_for(rows).is_none(),
+        "the shared pool is not the table's own"
+    );
     let c = with(
         TableOptions {
             gather_threads: Some(2),
