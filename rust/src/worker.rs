@@ -873,15 +873,15 @@ fn run(sh: &Shared) {
     while let Some(step) = sh.next_step() {
         let armed_at = Instant::now();
         let warm = sh.source.own_pool_for(last_rows).map(WarmThreads::start);
-        if warm.is_some() {
-            sh.ctl().stats.warmed_steps += 1;
-        }
+        // Counted under the `ctl` lock each way below takes anyway.
+        let warmed = u64::from(warm.is_some());
         let ready = sh.wait_ready();
         drop(warm);
         if !ready {
             // Released or stopping: nothing to fill. Mark the step handled so a waiting
             // complete() returns (it then reports the rows' own state).
             let mut ctl = sh.ctl();
+            ctl.stats.warmed_steps += warmed;
             ctl.handled = ctl.handled.max(step);
             sh.cv.notify_all();
             continue;
@@ -902,6 +902,7 @@ fn run(sh: &Shared) {
         let ns = t_ready.elapsed().as_nanos() as u64;
         last_rows = rows.len();
         let mut ctl = sh.ctl();
+        ctl.stats.warmed_steps += warmed;
         match result {
             Ok(count) => {
                 let eager = ctl.eager.contains(&step);

@@ -133,10 +133,7 @@ def open_layer_table(
     naming the layer and the tensors, and closes the table. ``gather_threads``: see
     :meth:`MmapTable.open`."""
     table = MmapTable.open(
-        checkpoint,
-        spec.name,
-        pattern=spec.pattern,
-        gather_threads=gather_threads,
+        checkpoint, spec.name, pattern=spec.pattern, gather_threads=gather_threads
     )
     what = spec.pattern or spec.name
     problems = []

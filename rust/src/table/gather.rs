@@ -41,6 +41,12 @@ pub(crate) fn pool() -> Option<&'static rayon::ThreadPool> {
     .as_ref()
 }
 
+/// Whether a gather of `rows` rows, `bytes` in all, runs on a pool rather than inline
+/// (the one rule for the copy and for the worker's [`crate::worker::WarmThreads`]).
+pub(crate) fn goes_parallel(rows: usize, bytes: usize, min_bytes: usize) -> bool {
+    rows >= 2 && bytes >= min_bytes
+}
+
 /// Most threads a table's own pool may have ([`super::TableOptions::gather_threads`]).
 pub const MAX_GATHER_THREADS: usize = 64;
 
@@ -258,7 +264,7 @@ impl RowSource<'_> {
         known: &K,
     ) -> bool {
         let rb = self.row_bytes;
-        let pool = if dst.len() >= min_bytes && ids.len() >= 2 {
+        let pool = if goes_parallel(ids.len(), dst.len(), min_bytes) {
             match own {
                 Some(p) => Some(p),
                 None => pool(),

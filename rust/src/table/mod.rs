@@ -504,11 +504,11 @@ impl MmapTable {
     /// least two rows and [`TableOptions::parallel_min_bytes`]; `None` without
     /// [`TableOptions::gather_threads`]).
     pub fn own_pool_for(&self, rows: usize) -> Option<&rayon::ThreadPool> {
-        let min = self.inner.opts.parallel_min_bytes;
+        let bytes = rows.saturating_mul(self.row_bytes());
         self.inner
             .own_pool
             .as_ref()
-            .filter(|_| rows >= 2 && rows.saturating_mul(self.row_bytes()) >= min)
+            .filter(|_| gather::goes_parallel(rows, bytes, self.inner.opts.parallel_min_bytes))
     }
 
     /// Copy rows `ids` into `dst`, row `i` at `dst[i * row_bytes..]`. `dst` must be
