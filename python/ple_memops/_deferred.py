@@ -25,11 +25,13 @@ __all__ = [
     "Capability",
     "DeferredRows",
     "StagedRows",
+    "StallSamples",
     "Stats",
     "create_group",
     "native_rows",
     "probe",
     "side_stream",
+    "stamp_arrival",
     "stream_handle",
 ]
 
@@ -101,6 +103,18 @@ class Stats:
     fill_ns_total: int
 
 
+@dataclass(frozen=True)
+class StallSamples:
+    """How long the GPU's consumer waited for its rows, one entry a step
+    (:meth:`DeferredRows.stall_samples`)."""
+
+    ns: tuple[int, ...]
+    """Nanoseconds each step's consumer waited (0: the rows were there first), oldest
+    first, from the GPU's own clock."""
+    dropped: int
+    """Steps timed but overwritten before they were read (the ring holds 8,192)."""
+
+
 class StagedRows:
     """The consumer side of one step, forked onto a side stream by
     :meth:`GatherWorker.stage` (or :meth:`DeferredRows.stage`). Call :meth:`join` right
@@ -128,6 +142,7 @@ class StagedRows:
         if self._side is not None:
             torch = optional_torch()
             cur = torch.cuda.current_stream(self._rows.device) if stream is None else stream
+            stamp_arrival(self._rows, cur)
             cur.wait_stream(self._side)
         self._keep = ()
         return self._rows.staging[: self._n]
@@ -168,6 +183,9 @@ class DeferredRows:
         force_sync: use the synchronous fallback even where deferral works.
         track_arrival: count fills that found the GPU already waiting (one more stream
             write a step).
+        time_stalls: time how long each step's consumer waits for its rows on the GPU
+            (two one-thread kernels a step writing the GPU's clock into pinned memory;
+            read with :meth:`stall_samples`). Deferred mode only.
         copy: the device side of a deferred step. ``"kernel"``: one single-block kernel
             polls the flag, reads the mapped slot over PCIe, writes the staging buffer
             and resets the flag (lowest latency; holds one SM while waiting).
@@ -187,6 +205,7 @@ class DeferredRows:
         force_sync: bool = False,
         track_arrival: bool = False,
         copy: str = DEFAULTS.copy,
+        time_stalls: bool = False,
     ) -> None:
         if not isinstance(max_rows, int) or not isinstance(row_bytes, int):
             raise InvalidArgumentError("max_rows and row_bytes must be ints")
@@ -204,7 +223,16 @@ class DeferredRows:
         self._device = ordinal
         self._side: Any = None
         self._core: _native.DeferredRowsCore | None = _native.DeferredRowsCore(
-            max_rows, row_bytes, ordinal, ptr, staging, watchdog, force_sync, track_arrival, copy
+            max_rows,
+            row_bytes,
+            ordinal,
+            ptr,
+            staging,
+            watchdog,
+            force_sync,
+            track_arrival,
+            copy,
+            bool(time_stalls),
         )
         _LIVE.add(self)
 
@@ -234,6 +262,19 @@ class DeferredRows:
     def fallback_reason(self) -> str | None:
         """Why this object does not defer, or ``None``."""
         return self._live().fallback_reason
+
+    @property
+    def times_stalls(self) -> bool:
+        """Whether each step's consumer stall is timed (``time_stalls=True`` in deferred
+        mode)."""
+        return self._live().times_stalls
+
+    def stall_samples(self) -> StallSamples:
+        """The consumer stalls of every step timed since the last call, from the GPU's
+        clock: for each step, how long the consumer waited at its join (or, consumed
+        inline, at its wait) for the rows to be copied. Empty without stall timing."""
+        ns, dropped = self._live().stall_samples()
+        return StallSamples(tuple(ns), int(dropped))
 
     @property
     def device(self) -> int | None:
@@ -290,7 +331,9 @@ class DeferredRows:
             raise InvalidArgumentError("stage() needs a CUDA device; on the host use enqueue()")
         n = self.max_rows if rows is None else int(rows)
         side = self._fork(stream)
-        self._live().enqueue(self._stream_handle(stream if side is None else side), n)
+        self._live().enqueue(
+            self._stream_handle(stream if side is None else side), n, side is not None
+        )
         return StagedRows(self, side, n)
 
     def _fork(self, stream: Any) -> Any:
@@ -491,6 +534,12 @@ def stream_handle(rows: DeferredRows, stream: Any) -> int:
     """``stream`` (a torch stream, a raw handle, or ``None``: torch's current stream on
     the rows' device) as the raw ``cudaStream_t`` the native calls take (0 on the host)."""
     return rows._stream_handle(stream)
+
+
+def stamp_arrival(rows: DeferredRows, stream: Any) -> None:
+    """With stall timing, stamp on ``stream`` that the consumer of a step enqueued with
+    ``joins=True`` (on a side stream) reached its join; call right before joining."""
+    rows._live().stamp_arrival(rows._stream_handle(stream))
 
 
 def side_stream(rows: DeferredRows, stream: Any) -> Any:

@@ -97,6 +97,9 @@ class GatherWorker:
             ids or for the next step, before short sleeps (default 0.002). A sleeping
             worker sees READY late: on a VM, waking an idle vCPU can take longer than the
             gather itself.
+        skip_gather: diagnostics only: fill each step without reading the table (the
+            consumer reads whatever bytes the slot held), to time the protocol without
+            the host's gather. Never for serving: the rows are wrong.
     """
 
     def __init__(
@@ -110,6 +113,7 @@ class GatherWorker:
         publish: str = DEFAULTS.publish,
         depth: int = DEFAULTS.depth,
         spin: float | None = DEFAULTS.spin,
+        skip_gather: bool = False,
     ) -> None:
         if id_dtype not in ("int64", "int32"):
             raise InvalidArgumentError(f"id_dtype must be 'int64' or 'int32', got {id_dtype!r}")
@@ -131,6 +135,7 @@ class GatherWorker:
             publish,
             int(depth),
             None if spin is None else float(spin),
+            bool(skip_gather),
         )
         _LIVE.add(self)
 
@@ -188,26 +193,36 @@ class GatherWorker:
         core.publish(handle, int(ids.data_ptr()), int(ids.numel()), count_ptr)
 
     def stage(
-        self, ids: Any, rows: int | None = None, count: Any = None, *, stream: Any = None
+        self,
+        ids: Any,
+        rows: int | None = None,
+        count: Any = None,
+        *,
+        stream: Any = None,
+        consumer_joins: bool = False,
     ) -> StagedRows:
         """Fork the step's device side onto the rows' own side stream: publish ``ids``,
         then the consumer's wait/copy/reset for ``rows`` rows (default ``ids.numel()``),
         under capture. The layers queued on ``stream`` (default: the current stream)
         between this call and :meth:`StagedRows.join` run while the host gathers; neither
         the publish nor the wait sits on their path. Eagerly both are issued inline on
-        ``stream`` (and ``join`` does nothing)."""
+        ``stream`` (and ``join`` does nothing); ``consumer_joins=True`` says the consumer
+        runs on another stream that joins ``stream`` later (as :meth:`RowsPlan.stage_eager`
+        does), so stall timing stamps its arrival there
+        (:func:`~ple_memops._deferred.stamp_arrival`), not before the wait."""
         torch = optional_torch()
         if torch is None or not isinstance(ids, torch.Tensor) or ids.device.type != "cuda":
             raise RowShapeError("ids must be a CUDA tensor (use publish_from_host on the host)")
         n = int(ids.numel()) if rows is None else int(rows)
         side = side_stream(self._rows, stream)
+        rows_core = native_rows(self._rows)
         if side is None:  # eager: inline on the caller's stream
             self.publish(ids, count, stream=stream)
-            self._rows.enqueue(stream=stream, rows=n)
+            rows_core.enqueue(stream_handle(self._rows, stream), n, consumer_joins)
             return StagedRows(self._rows, None, n)
         with torch.cuda.stream(side):
             self.publish(ids, count, stream=side)
-            self._rows.enqueue(stream=side, rows=n)
+            rows_core.enqueue(stream_handle(self._rows, side), n, True)
         return StagedRows(self._rows, side, n, keep=(ids, count))
 
     def publish_from_host(self, ids: Any, timeout: float = DEFAULTS.timeout) -> None:

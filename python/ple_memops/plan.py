@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from ._common import host_ids, optional_torch, parse_device
-from ._deferred import DeferredRows, StagedRows, probe
+from ._deferred import DeferredRows, StagedRows, StallSamples, probe, stamp_arrival
 from ._worker import GatherWorker, WorkerStats
 from .errors import (
     ClosedError,
@@ -85,14 +85,15 @@ class EagerStaged:
     """One table's rows of an eager step, staged on a side stream by
     :meth:`RowsPlan.stage_eager`; :meth:`join` before the consumer."""
 
-    def __init__(self, side: Any, ids: Any, staged: StagedRows) -> None:
-        self._side, self._ids, self._staged = side, ids, staged
+    def __init__(self, side: Any, ids: Any, staged: StagedRows, rows: DeferredRows) -> None:
+        self._side, self._ids, self._staged, self._rows = side, ids, staged, rows
 
     def join(self, stream: Any = None) -> Any:
         """Make ``stream`` (default: the current stream) wait for the side stream's copy;
         returns ``staging[:rows]``. After it, freeing the ids is ordered after their read."""
         torch = optional_torch()
         cur = torch.cuda.current_stream(self._side.device) if stream is None else stream
+        stamp_arrival(self._rows, cur)
         cur.wait_stream(self._side)
         self._ids = None
         return self._staged.join(cur)
@@ -138,6 +139,8 @@ class RowsPlan:
         publish: str = DEFAULTS.publish,
         spin: float | None = DEFAULTS.spin,
         track_arrival: bool = False,
+        time_stalls: bool = False,
+        skip_gather: bool = False,
         log_fallback: bool = True,
     ) -> RowsPlan:
         """One staging buffer of ``max_rows`` rows per table on ``device`` (``"cpu"``,
@@ -145,7 +148,10 @@ class RowsPlan:
         table where the device defers. ``deferred=False`` forces the synchronous path.
         ``heads``: the per-head map of :class:`~ple_memops.GatherWorker`, one for all
         tables or one per table name. ``track_arrival`` counts fills the GPU had to wait
-        for (one more stream write a step; see :class:`~ple_memops.DeferredRows`). Raises
+        for (one more stream write a step; see :class:`~ple_memops.DeferredRows`);
+        ``time_stalls`` times each step's consumer stall on the GPU (:meth:`stall_samples`);
+        ``skip_gather`` (diagnostics only: wrong rows) fills without reading the tables,
+        see :class:`~ple_memops.GatherWorker`. Raises
         only for bad arguments; a device that cannot defer gives a ``sync`` plan with
         :attr:`reason`, logged once unless ``log_fallback=False`` (for a caller that says
         it in its own words). The defaults are :data:`ple_memops.settings.DEFAULTS`."""
@@ -174,7 +180,7 @@ class RowsPlan:
         else:
             reason = "no CUDA device: rows are gathered on the host"
         layers = _make_layers(
-            torch, items, max_rows, ordinal, watchdog, force_sync, copy, track_arrival
+            torch, items, max_rows, ordinal, watchdog, force_sync, copy, track_arrival, time_stalls
         )
         mode = layers[0].rows.mode
         if mode == "deferred":
@@ -192,6 +198,7 @@ class RowsPlan:
                             publish=publish,
                             depth=depth,
                             spin=spin,
+                            skip_gather=skip_gather,
                         ),
                     )
                     for layer in layers
@@ -204,7 +211,7 @@ class RowsPlan:
                 _close_layers(layers)
                 reason = f"a gather worker could not start ({exc})"
                 layers = _make_layers(
-                    torch, items, max_rows, ordinal, watchdog, True, copy, track_arrival
+                    torch, items, max_rows, ordinal, watchdog, True, copy, track_arrival, False
                 )
                 mode = layers[0].rows.mode
         if reason is not None and log_fallback:
@@ -289,8 +296,9 @@ class RowsPlan:
             side = self._eager_streams[name] = new_stream(device=ids.device)
         side.wait_stream(torch.cuda.current_stream(ids.device))  # the ids are computed
         with torch.cuda.stream(side):
-            staged = layer.worker.stage(ids, rows)  # eagerly: issued on ``side``
-        return EagerStaged(side, ids, staged)
+            # Eagerly: issued on ``side``; the consumer's arrival is stamped at its join.
+            staged = layer.worker.stage(ids, rows, consumer_joins=True)
+        return EagerStaged(side, ids, staged, layer.rows)
 
     def begin(self, n: int, *, eager: bool = False) -> None:
         """Arm every table's worker for a step of ``n`` rows (``eager``: an eager forward's
@@ -501,6 +509,11 @@ class RowsPlan:
                 return f"{layer.name}: {cause}"
         return None
 
+    def stall_samples(self) -> dict[str, StallSamples]:
+        """Per table: the consumer stalls of every step timed since the last call (plans
+        built with ``time_stalls``; empty otherwise), from the GPU's clock."""
+        return {n: layer.rows.stall_samples() for n, layer in self._layers.items()}
+
     def stats(self) -> dict[str, tuple[Any, WorkerStats | None]]:
         """Per table: the rows' :class:`~ple_memops.Stats` and the worker's, if any."""
         return {
@@ -567,6 +580,7 @@ def _make_layers(
     force_sync: bool,
     copy: str,
     track_arrival: bool,
+    time_stalls: bool,
 ) -> list[PlanLayer]:
     layers: list[PlanLayer] = []
     dev = "cpu" if ordinal is None else f"cuda:{ordinal}"
@@ -581,6 +595,7 @@ def _make_layers(
                 force_sync=force_sync,
                 copy=copy,
                 track_arrival=track_arrival,
+                time_stalls=time_stalls,
             )
             layers.append(PlanLayer(name, table, rows, None))
     except BaseException:

@@ -21,6 +21,7 @@ use crate::cuda::driver::{
     self, DevicePtr, Event, Kernels, OwnedStream, PrimaryContext, RawStream,
 };
 use crate::cuda::pinned::{HostFlag, PinnedBuf};
+use crate::cuda::stall::{StallClock, StallSamples, Stamp};
 use crate::error::{Error, Op, Result};
 use crate::probe;
 use crate::state::Phase;
@@ -41,6 +42,19 @@ pub struct Config {
     pub track_arrival: bool,
     /// How the consumer's side runs on the GPU (deferred mode only).
     pub copy: CopyPath,
+    /// Time each step's consumer stall on the GPU ([`crate::cuda::stall`]): two
+    /// one-thread kernels a step. Deferred mode only; ignored elsewhere.
+    pub time_stalls: bool,
+}
+
+/// Where the consumer of an enqueued step runs (for stall timing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Consumer {
+    /// On the stream the step is enqueued on: it arrives right before the wait.
+    Inline,
+    /// On another stream that joins this one later and calls
+    /// [`DeferredRows::stamp_arrival`] there first.
+    Joins,
 }
 
 /// The device side of a deferred step.
@@ -184,6 +198,8 @@ struct Shared {
     /// the fill, since no host-thread synchronisation can block the worker.
     worker_fed: AtomicBool,
     flag: Option<HostFlag>,
+    /// Stall timing (deferred mode with `time_stalls`).
+    stall: Option<StallClock>,
     inner: Mutex<Inner>,
     /// A dedicated stream for staged consumers (created on first use).
     side: Mutex<Option<OwnedStream>>,
@@ -311,8 +327,16 @@ impl DeferredRows {
             }
             _ => None,
         };
+        let stall = match (&kernel, &ctx) {
+            (Some(k), Some(ctx)) if cfg.time_stalls => {
+                let _g = ctx.bind()?;
+                Some(StallClock::new(ctx.ordinal(), *k)?)
+            }
+            _ => None,
+        };
         let shared = Arc::new(Shared {
             cfg,
+            stall,
             slot_ptr,
             slot_dptr,
             kernel,
@@ -502,6 +526,21 @@ impl DeferredRows {
     /// `stream` is a live stream of this object's device (e.g. torch's current stream), or
     /// null for the legacy default stream.
     pub unsafe fn enqueue(&self, stream: RawStream, rows: Option<usize>) -> Result<Enqueued> {
+        // SAFETY: the caller's contract.
+        unsafe { self.enqueue_for(stream, rows, Consumer::Inline) }
+    }
+
+    /// [`Self::enqueue`], saying where the consumer runs (see [`Consumer`]): with stall
+    /// timing, a consumer on another stream stamps its arrival at its join.
+    ///
+    /// # Safety
+    /// As for [`Self::enqueue`].
+    pub unsafe fn enqueue_for(
+        &self,
+        stream: RawStream,
+        rows: Option<usize>,
+        consumer: Consumer,
+    ) -> Result<Enqueued> {
         let s = &self.shared;
         let mut inner = s.lock();
         inner.phase.check_live()?;
@@ -537,7 +576,7 @@ impl DeferredRows {
                 inner.captured_ids.push(id);
                 // SAFETY: stream is live (caller); the flag and slot are retained forever
                 // once captured, and the staging buffer outlives the graphs (new()'s contract).
-                unsafe { s.issue(stream, n, dev)? };
+                unsafe { s.issue(stream, n, dev, consumer)? };
                 inner.stats.captured_enqueues += 1;
                 Ok(Enqueued::Captured(id))
             }
@@ -554,7 +593,7 @@ impl DeferredRows {
                 }
                 // SAFETY: stream is live (caller); memory stays alive until the event
                 // recorded below has completed (Drop waits for it).
-                unsafe { s.issue(stream, n, dev)? };
+                unsafe { s.issue(stream, n, dev, consumer)? };
                 // SAFETY: live, non-capturing stream (capture was ruled out above).
                 unsafe { inner.record_copy(stream, dev)? };
                 inner.phase = next;
@@ -571,6 +610,39 @@ impl DeferredRows {
                 Ok(Enqueued::Nothing)
             }
         }
+    }
+
+    /// With stall timing, stamp that the consumer of a step enqueued for
+    /// [`Consumer::Joins`] reached its join on `stream` (eagerly or under capture); call it
+    /// once per such enqueue, right before the join. Nothing without stall timing.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this object's device.
+    pub unsafe fn stamp_arrival(&self, stream: RawStream) -> Result<()> {
+        let s = &self.shared;
+        let (Some(clock), Some(ctx)) = (&s.stall, &s.ctx) else {
+            return Ok(());
+        };
+        self.shared.lock().phase.check_live()?;
+        let _g = ctx.bind()?;
+        // SAFETY: the caller's contract; a captured stamp is retained with the object's
+        // other captured memory (an enqueue under the same capture came first).
+        unsafe { clock.stamp(stream, Stamp::Arrived) }
+    }
+
+    /// Whether steps' stalls are timed ([`Config::time_stalls`] in deferred mode).
+    pub fn times_stalls(&self) -> bool {
+        self.shared.stall.is_some()
+    }
+
+    /// The consumer stalls of every step timed since the last call (empty without stall
+    /// timing).
+    pub fn stall_samples(&self) -> StallSamples {
+        self.shared
+            .stall
+            .as_ref()
+            .map(StallClock::drain)
+            .unwrap_or_default()
     }
 
     /// End the step. Raises the poison cause if the watchdog or an abort fired meanwhile.
@@ -722,7 +794,13 @@ impl Shared {
     ///
     /// # Safety
     /// `stream` is live; see `enqueue` for the memory's lifetime.
-    unsafe fn issue(&self, stream: RawStream, n: usize, dev: i32) -> Result<()> {
+    unsafe fn issue(
+        &self,
+        stream: RawStream,
+        n: usize,
+        dev: i32,
+        consumer: Consumer,
+    ) -> Result<()> {
         let flag = self.flag.as_ref().expect("deferred mode has a flag");
         let Target::Cuda { staging, .. } = self.staging else {
             unreachable!("deferred mode has a device staging buffer")
@@ -732,6 +810,9 @@ impl Shared {
         // device memory sized for max_rows >= n rows. The copy reads the slot only after
         // the wait, when the host is done writing it.
         unsafe {
+            if let (Some(clock), Consumer::Inline) = (&self.stall, consumer) {
+                clock.stamp(stream, Stamp::Arrived)?;
+            }
             if self.cfg.track_arrival {
                 driver::write_u32(stream, flag.arrived_device_ptr(), 1, dev)?;
             }
@@ -760,6 +841,9 @@ impl Shared {
                         driver::write_u32(stream, flag.arrived_device_ptr(), 0, dev)?;
                     }
                 }
+            }
+            if let Some(clock) = &self.stall {
+                clock.stamp(stream, Stamp::Copied)?;
             }
         }
         Ok(())
@@ -924,6 +1008,9 @@ impl Drop for Shared {
             if let Some(flag) = &mut self.flag {
                 flag.retain_forever();
             }
+            if let Some(clock) = &mut self.stall {
+                clock.retain_forever();
+            }
         } else if inner.copy_pending {
             if let Some(ev) = &inner.last_copy {
                 // Errors (driver gone at exit) leave nothing to wait for.
@@ -937,6 +1024,10 @@ impl Drop for Shared {
         inner.last_copy = None;
         inner.slot = Slot::Heap(Vec::new());
         self.flag = None;
+        if let Some(clock) = &mut self.stall {
+            clock.release();
+        }
+        self.stall = None;
         drop(guard);
     }
 }

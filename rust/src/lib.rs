@@ -28,8 +28,9 @@ pub mod worker;
 #[cfg(feature = "python")]
 mod python;
 
+pub use cuda::stall::StallSamples;
 pub use deferred::{
-    Config, CopyPath, DeferredRows, Enqueued, Mode, Stats, Target, KERNEL_MAX_BYTES,
+    Config, Consumer, CopyPath, DeferredRows, Enqueued, Mode, Stats, Target, KERNEL_MAX_BYTES,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use probe::{probe, Capability, Check};

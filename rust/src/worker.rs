@@ -224,6 +224,10 @@ pub struct WorkerOptions {
     /// (idle). A worker that sleeps sees READY late: on a VM, waking an idle vCPU can take
     /// longer than the whole gather.
     pub spin: Duration,
+    /// Diagnostics only: fill each step without gathering (the slot keeps whatever bytes
+    /// it held, so consumers read stale rows). Times the protocol without the host's
+    /// gather; never for serving.
+    pub skip_gather: bool,
 }
 
 impl Default for WorkerOptions {
@@ -234,6 +238,7 @@ impl Default for WorkerOptions {
             path: PublishPath::Kernel,
             depth: 2,
             spin: DEFAULT_SPIN,
+            skip_gather: false,
         }
     }
 }
@@ -855,8 +860,12 @@ impl Shared {
         self.map
             .map(ids, rows, self.source.rows(), &self.source.name())?;
         let src = &self.source;
+        let skip = self.opts.skip_gather;
         self.rows
             .fill_with(rows.len(), None, Duration::from_secs(1), |dst| {
+                if skip {
+                    return Ok(());
+                }
                 src.gather_rows(rows, dst)
             })?;
         Ok(count)
@@ -986,6 +995,7 @@ mod tests {
             watchdog,
             track_arrival: false,
             copy: CopyPath::Auto,
+            time_stalls: false,
         };
         // SAFETY: `staging` is max_rows * width bytes and outlives the object in each test.
         unsafe {

@@ -40,6 +40,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemHostGetDevicePointer_v2",
     "cuMemAlloc_v2",
     "cuMemFree_v2",
+    "cuMemsetD8_v2",
     "cuMemcpyHtoDAsync_v2",
     "cuMemcpyDtoH_v2",
     "cuMemcpyDtoHAsync_v2",
@@ -590,9 +591,10 @@ impl Drop for Graph {
     }
 }
 
-/// Device memory (probe only). Freed on drop.
+/// Device memory (the probe's, the stall clock's counters). Freed on drop unless retained.
 pub(crate) struct DeviceBuffer {
     pub ptr: DevicePtr,
+    retained: bool,
 }
 
 impl DeviceBuffer {
@@ -602,12 +604,31 @@ impl DeviceBuffer {
         check("cuMemAlloc_v2", Some(ordinal), unsafe {
             sys::cuMemAlloc_v2(&mut p, bytes.max(1))
         })?;
-        Ok(Self { ptr: p })
+        Ok(Self {
+            ptr: p,
+            retained: false,
+        })
+    }
+
+    /// `bytes` zero bytes from the start (synchronous). Needs a current context.
+    pub fn zero(&self, bytes: usize, ordinal: i32) -> Result<()> {
+        // SAFETY: `ptr` is a live allocation of at least `bytes` bytes (the caller sized it).
+        check("cuMemsetD8_v2", Some(ordinal), unsafe {
+            sys::cuMemsetD8_v2(self.ptr, 0, bytes)
+        })
+    }
+
+    /// Never free this allocation: a captured graph may still replay against it.
+    pub fn retain_forever(&mut self) {
+        self.retained = true;
     }
 }
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
+        if self.retained {
+            return;
+        }
         // SAFETY: allocated by cuMemAlloc, freed once; owners synchronise before dropping.
         let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
     }
@@ -619,6 +640,7 @@ impl Drop for DeviceBuffer {
 pub(crate) struct Kernels {
     wait_copy_reset: sys::CUfunction,
     publish_ids: sys::CUfunction,
+    stamp: sys::CUfunction,
     ordinal: i32,
 }
 
@@ -668,6 +690,7 @@ impl Kernels {
         let k = Kernels {
             wait_copy_reset: get(c"ple_wait_copy_reset")?,
             publish_ids: get(c"ple_publish_ids")?,
+            stamp: get(c"ple_stamp")?,
             ordinal,
         };
         map.insert(ordinal, k);
@@ -776,6 +799,34 @@ impl Kernels {
                 &mut params,
             )
         }
+    }
+}
+
+impl Kernels {
+    /// Enqueue `ring[2 + 2 * (k % cap) + which] = globaltimer ; counters[which] = k + 1 ;
+    /// ring[which] = k + 1` where `k = counters[which]` (see `kernels/rows.cu`).
+    ///
+    /// # Safety
+    /// `counters` is device memory of two u64; `ring` the device address of mapped pinned
+    /// memory of `2 + 2 * cap` u64; both outlive every execution of the launch (graph
+    /// replays included); `which` is 0 or 1, `cap` > 0; `stream` is live.
+    pub unsafe fn stamp(
+        &self,
+        stream: RawStream,
+        counters: DevicePtr,
+        ring: DevicePtr,
+        which: u64,
+        cap: u64,
+    ) -> Result<()> {
+        let (mut a, mut b, mut c, mut d) = (counters, ring, which, cap);
+        let mut params: [*mut c_void; 4] = [
+            (&mut a as *mut u64).cast(),
+            (&mut b as *mut u64).cast(),
+            (&mut c as *mut u64).cast(),
+            (&mut d as *mut u64).cast(),
+        ];
+        // SAFETY: four 8-byte parameters, as the kernel declares; the rest is the caller's.
+        unsafe { self.launch(self.stamp, 32, stream, &mut params) }
     }
 }
 

@@ -2,5 +2,6 @@
 
 pub mod driver;
 pub mod pinned;
+pub mod stall;
 
 pub use pinned::retained_bytes;

@@ -104,6 +104,17 @@ impl PinnedBuf {
         // lives as long as `&self`; every host access to these words goes through atomics.
         unsafe { &*(self.ptr.add(offset) as *const AtomicU32) }
     }
+
+    /// The 64-bit word at byte `offset` (8-byte aligned, in bounds) as an atomic.
+    pub fn word64(&self, offset: usize) -> &AtomicU64 {
+        assert!(
+            offset % 8 == 0 && offset + 8 <= self.len,
+            "word out of bounds"
+        );
+        // SAFETY: in bounds and aligned (asserted; the base is page-aligned); the memory
+        // lives as long as `&self`; every host access to these words goes through atomics.
+        unsafe { &*(self.ptr.add(offset) as *const AtomicU64) }
+    }
 }
 
 impl Drop for PinnedBuf {

@@ -14,7 +14,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyType};
 
 use crate::cuda::driver::{self, RawStream};
-use crate::deferred::{Config, CopyPath, DeferredRows, Enqueued, Target};
+use crate::deferred::{Config, Consumer, CopyPath, DeferredRows, Enqueued, Target};
 use crate::error::{Error, ErrorKind};
 
 /// The single conversion from the crate's error into the package's exception hierarchy
@@ -86,7 +86,7 @@ impl PyDeferredRows {
 #[pymethods]
 impl PyDeferredRows {
     #[new]
-    #[pyo3(signature = (max_rows, row_bytes, device, staging_ptr, staging_owner, watchdog_s, force_sync=false, track_arrival=false, copy="auto"))]
+    #[pyo3(signature = (max_rows, row_bytes, device, staging_ptr, staging_owner, watchdog_s, force_sync=false, track_arrival=false, copy="auto", time_stalls=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -99,6 +99,7 @@ impl PyDeferredRows {
         force_sync: bool,
         track_arrival: bool,
         copy: &str,
+        time_stalls: bool,
     ) -> PyResult<Self> {
         let copy = match copy {
             "auto" => CopyPath::Auto,
@@ -129,6 +130,7 @@ impl PyDeferredRows {
             watchdog,
             track_arrival,
             copy,
+            time_stalls,
         };
         let target = move || match device {
             Some(device) => Target::Cuda {
@@ -299,17 +301,50 @@ impl PyDeferredRows {
             .py(py)
     }
 
-    /// Returns "captured", "eager" or "nothing".
-    #[pyo3(signature = (stream, rows=None))]
-    fn enqueue(&self, py: Python<'_>, stream: u64, rows: Option<usize>) -> PyResult<&'static str> {
+    /// Returns "captured", "eager" or "nothing". `joins`: the consumer runs on another
+    /// stream and calls `stamp_arrival` there before joining this one.
+    #[pyo3(signature = (stream, rows=None, joins=false))]
+    fn enqueue(
+        &self,
+        py: Python<'_>,
+        stream: u64,
+        rows: Option<usize>,
+        joins: bool,
+    ) -> PyResult<&'static str> {
+        let consumer = if joins {
+            Consumer::Joins
+        } else {
+            Consumer::Inline
+        };
         // SAFETY: the wrapper passes torch's current stream handle for this device (or 0,
         // the legacy stream); torch keeps it alive for the duration of the call.
-        let r = unsafe { self.inner.enqueue(stream as usize as RawStream, rows) }.py(py)?;
+        let r = unsafe {
+            self.inner
+                .enqueue_for(stream as usize as RawStream, rows, consumer)
+        }
+        .py(py)?;
         Ok(match r {
             Enqueued::Captured(_) => "captured",
             Enqueued::Eager => "eager",
             Enqueued::Nothing => "nothing",
         })
+    }
+
+    /// Stamp a joining consumer's arrival on `stream` (stall timing; see `enqueue`).
+    fn stamp_arrival(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
+        // SAFETY: as for `enqueue`.
+        unsafe { self.inner.stamp_arrival(stream as usize as RawStream) }.py(py)
+    }
+
+    #[getter]
+    fn times_stalls(&self) -> bool {
+        self.inner.times_stalls()
+    }
+
+    /// `(stalls in ns of each step timed since the last call, steps dropped)`.
+    fn stall_samples(&self) -> (Vec<u64>, u64) {
+        let s = self.inner.stall_samples();
+        (s.stalls_ns, s.dropped)
     }
 
     fn complete(&self, py: Python<'_>) -> PyResult<()> {

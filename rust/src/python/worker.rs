@@ -21,7 +21,7 @@ pub struct PyGatherWorker {
 #[pymethods]
 impl PyGatherWorker {
     #[new]
-    #[pyo3(signature = (rows, table, max_ids, id_bytes, offsets=None, sizes=None, publish="kernel", depth=2, spin_s=None))]
+    #[pyo3(signature = (rows, table, max_ids, id_bytes, offsets=None, sizes=None, publish="kernel", depth=2, spin_s=None, skip_gather=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -34,6 +34,7 @@ impl PyGatherWorker {
         publish: &str,
         depth: usize,
         spin_s: Option<f64>,
+        skip_gather: bool,
     ) -> PyResult<Self> {
         let path = match publish {
             "kernel" => PublishPath::Kernel,
@@ -67,6 +68,7 @@ impl PyGatherWorker {
             path,
             depth,
             spin,
+            skip_gather,
         };
         let rows = rows.get().rows().clone();
         let source: Arc<dyn RowSource> = Arc::new(table.get().table().clone());

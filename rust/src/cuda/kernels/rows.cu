@@ -1,7 +1,8 @@
 // Device side of the deferred-rows protocol as one kernel: wait on the gate, copy the
 // slot into the staging buffer, reset the flag. The crate embeds rows.ptx (built from
 // this file; the driver JIT-compiles it for the device at load). Regenerate with
-//   python -m pip install "nvidia-cuda-nvcc==13.0.*" "nvidia-cuda-crt==13.0.*"
+//   python -m pip install "nvidia-cuda-nvcc==13.0.*" "nvidia-cuda-crt==13.0.*" \
+//       "nvidia-nvvm==13.0.*" "nvidia-cuda-runtime==13.0.*"
 //   nvcc -ptx -arch=compute_75 -O3 -o rust/src/cuda/kernels/rows.ptx rust/src/cuda/kernels/rows.cu
 //   sed -i "s/^\.version 9\.0$/.version 8.0/" rust/src/cuda/kernels/rows.ptx
 // (the slot loads must come out as ld.global.cv: check with grep after regenerating)
@@ -79,5 +80,26 @@ extern "C" __global__ void ple_publish_ids(const uint8_t* ids, unsigned long lon
         *(volatile unsigned int*)mailbox_count = (unsigned int)count;
         __threadfence_system();
         *(volatile unsigned int*)ready = 1u;
+    }
+}
+
+// Stall timing: stamp the GPU's global timer (ns) as stamp `which` (0: the consumer reached
+// its join; 1: the rows were copied and the flag reset) of the next step of its kind.
+// `counters` (device memory, two u64) count each kind's stamps; `ring` (pinned, mapped host
+// memory) holds two mirrored counts, then `cap` pairs {arrived, copied}. Only posted writes
+// cross the bus (the count is read from device memory), so the stamp costs the GPU about a
+// kernel launch. The host reads entry k of each kind once both counts are past k: the fence
+// orders the stamp before its count. Launch with one block of 32 threads.
+extern "C" __global__ void ple_stamp(unsigned long long* counters, unsigned long long* ring,
+                                     unsigned long long which, unsigned long long cap) {
+    if (threadIdx.x == 0) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        unsigned long long k = counters[which];
+        volatile unsigned long long* r = ring;
+        r[2 + 2 * (k % cap) + which] = t;
+        counters[which] = k + 1;
+        __threadfence_system();
+        r[which] = k + 1;
     }
 }

@@ -1,0 +1,113 @@
+"""What a step costs, on the host: the stall summaries and host-time counters the stats
+lines print, stall timing's refusal to pretend off a GPU, and the gather-free diagnostic
+fill (its GPU side runs in ``test_stall_gpu.py``)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import ple_memops as pm
+from ple_memops.step_costs import HOST_KINDS, HostTime, StallSummary, percentile
+
+ROWS, WIDTH = 1000, 32
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> pm.MmapTable:
+    data = np.random.default_rng(0).integers(1, 256, (ROWS, WIDTH), dtype=np.uint8)
+    path = tmp_path / "t.safetensors"
+    save_file({"emb.weight": data.view(np.float32)}, str(path))
+    t = pm.MmapTable.open(path, "emb.weight")
+    yield t
+    t.close()
+
+
+def test_percentile_is_nearest_rank() -> None:
+    xs = list(range(1, 101))
+    assert percentile(xs, 50) == 50 and percentile(xs, 99) == 99 and percentile(xs, 100) == 100
+    assert percentile(xs, 0) == 1 and percentile([7.5], 90) == 7.5
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 50)
+
+
+def test_stall_summary_of_a_layers_steps() -> None:
+    # 90 steps the rows were there first (0 or under 1 us), 10 that waited 100..1000 us.
+    ns = [0] * 80 + [500] * 10 + [100_000 * k for k in range(1, 11)]
+    s = StallSummary.of(ns, dropped=3)
+    assert (s.steps, s.stalled, s.dropped) == (100, 10, 3)
+    assert s.p50_us == 0.0 and s.p90_us == 0.5 and s.p99_us == 900.0 and s.max_us == 1000.0
+    assert s.mean_us == pytest.approx(sum(ns) / 100 / 1e3)
+    assert s.text() == (
+        "100 steps, 10 stalled, 3 dropped; us p50 0.0 p90 0.5 p99 900.0 max 1000.0 mean 55.05"
+    )
+    with pytest.raises(ValueError, match="at least one step"):
+        StallSummary.of([])
+
+
+def test_host_time_per_step_by_hook() -> None:
+    h = HostTime(keep=3)
+    assert h.summary() == "host us per engine step: no steps"
+    for k in range(5):
+        h.add("arm", 1000 * (k + 1))
+        with h.span("stats"):
+            pass
+        h.end_step()
+    steps = h.take()
+    assert len(steps) == 3  # only the newest `keep`
+    assert [s["arm"] for s in steps] == [3000, 4000, 5000]
+    assert all(set(s) == set(HOST_KINDS) and s["stats"] > 0 for s in steps)
+    assert h.take() == []
+    # From another thread too (an output check may run off the engine's thread).
+    t = threading.Thread(target=h.add, args=("check", 2500))
+    t.start()
+    t.join()
+    h.end_step()
+    line = h.summary()
+    assert line.startswith("host us per engine step over 1: total p50 2.5 p99 2.5")
+    assert "check p50 2.5 p99 2.5" in line and "arm p50 0.0" in line
+    with pytest.raises(KeyError):
+        h.add("sleep", 1)
+
+
+def test_stall_timing_off_a_gpu_times_nothing() -> None:
+    rows = pm.DeferredRows(8, WIDTH, device="cpu", time_stalls=True)
+    assert not rows.times_stalls
+    assert rows.stall_samples() == pm.StallSamples((), 0)
+    with rows.step(8):
+        rows.fill(np.ones((8, WIDTH), np.uint8))
+        rows.enqueue()
+    assert rows.stall_samples().ns == ()
+    rows.close()
+    with pytest.raises(pm.ClosedError):
+        rows.stall_samples()
+
+
+def test_skip_gather_fills_without_reading_the_table(table: pm.MmapTable) -> None:
+    """The diagnostic fill: every step completes as usual, the slot is never written, so
+    the consumer reads the bytes it held (zeros here), not the table's rows (never 0)."""
+    rows = pm.DeferredRows(16, WIDTH, device="cpu")
+    with pm.GatherWorker(rows, table, skip_gather=True) as w:
+        for k in (16, 4, 9):
+            w.begin(16)
+            w.publish_from_host(np.arange(k))
+            w.complete()
+            assert not rows.staging.any()
+        s = w.stats()
+        assert s.fills == 3 and s.failures == 0
+        # Ids are still checked: a bad one fails the step, typed, as it would in serving.
+        w.begin(16)
+        w.publish_from_host([ROWS + 1])
+        with pytest.raises(pm.RowIdError):
+            w.complete()
+    # The same table, gathered: the rows arrive.
+    rows2 = pm.DeferredRows(16, WIDTH, device="cpu")
+    with pm.GatherWorker(rows2, table) as w:
+        w.begin(16)
+        w.publish_from_host(np.arange(4))
+        w.complete()
+        np.testing.assert_array_equal(rows2.staging[:4], table.gather(np.arange(4)))
