@@ -930,6 +930,23 @@ def test_settings_first_layer_threads() -> None:
             S.for_engine({"ple_memops": {"first_layer_threads": value}}, {})
 
 
+def test_settings_stall_timing_and_the_gather_free_diagnostic() -> None:
+    S = settings.Settings
+    assert not S.from_env({}).time_stalls and not S.from_env({}).diag_skip_gather
+    on = {"PLE_MEMOPS_TIME_STALLS": "1", "PLE_MEMOPS_DIAG_SKIP_GATHER": " On "}
+    got = S.from_env(on)
+    assert got.time_stalls and got.diag_skip_gather
+    assert S.from_env({"PLE_MEMOPS_TIME_STALLS": "0"}) == S()
+    assert not S.for_engine({"ple_memops": {"time_stalls": False}}, on).time_stalls
+    assert S.for_engine({"ple_memops": {"diag_skip_gather": "true"}}, {}).diag_skip_gather
+    assert S.for_engine({"ple_memops": {"time_stalls": 1}}, {}).time_stalls
+    for bad in ("2", "maybe", "1.0"):
+        with pytest.raises(InvalidArgumentError, match="PLE_MEMOPS_TIME_STALLS must be 1 or 0"):
+            S.from_env({"PLE_MEMOPS_TIME_STALLS": bad})
+    with pytest.raises(InvalidArgumentError, match=r"\['diag_skip_gather'\] must be 1 or 0"):
+        S.for_engine({"ple_memops": {"diag_skip_gather": [1]}}, {})
+
+
 def test_cli_check_without_vllm(capsys: pytest.CaptureFixture[str]) -> None:
     try:
         import vllm  # noqa: F401

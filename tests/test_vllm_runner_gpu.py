@@ -712,6 +712,11 @@ def test_stats_lines_every_interval(
         # The checkpoint was just written, so its pages are cached: adopted at open, no
         # row of these host gathers was read cold.
         assert "fills, 0.0% rows cold" in lines[0], lines[0]
+        # Our own host time per engine step, by hook (two steps since the last line); no
+        # GPU stall part on the host.
+        assert "host us per engine step over 2: total p50 " in lines[0], lines[0]
+        assert "step p50" in lines[0] and "stats p50" in lines[0], lines[0]
+        assert "GPU stall" not in lines[0], lines[0]
     finally:
         r.shutdown()
     lines = [m for m in caplog.messages if m.startswith("ple-memops stats")]

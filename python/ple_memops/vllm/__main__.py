@@ -14,8 +14,10 @@ from .settings import (
     BACKEND_ENV,
     COPY_ENV,
     FIRST_LAYER_THREADS_ENV,
+    SKIP_GATHER_ENV,
     SPIN_ENV,
     STATS_ENV,
+    TIME_STALLS_ENV,
     TIMEOUT_ENV,
     Settings,
 )
@@ -60,9 +62,14 @@ def check() -> int:
     print(
         f"settings: copy {settings.copy} ({COPY_ENV}), spin {spin} ({SPIN_ENV}), stats lines "
         f"{stats} ({STATS_ENV}), the first PLE layer's gathers on {lead_text} "
-        f"({FIRST_LAYER_THREADS_ENV}); an engine's additional_config['ple_memops'] "
-        "overrides them"
+        f"({FIRST_LAYER_THREADS_ENV}), stall timing {'on' if settings.time_stalls else 'off'} "
+        f"({TIME_STALLS_ENV}); an engine's additional_config['ple_memops'] overrides them"
     )
+    if settings.diag_skip_gather:
+        print(
+            f"diagnostics: {SKIP_GATHER_ENV} is set: rows are NOT gathered (wrong tokens); "
+            "for timing the protocol only"
+        )
     from . import _compat
 
     vllm_seen, problems = _compat.check()

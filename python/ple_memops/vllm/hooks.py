@@ -64,6 +64,7 @@ from typing import Any, Protocol, TypeVar
 
 from .._common import capturing as _capturing
 from ..errors import ClosedError, InvalidArgumentError, StateError
+from ..step_costs import HostTime, StallSummary
 from ..steps import StepDriver
 from .settings import DEFAULT_TIMEOUT, DEPTH
 
@@ -229,6 +230,7 @@ class PleRunnerHooks:
         self.sync_replays = 0
         self.recorded_graphs = 0
         self.stats_every = stats_every
+        self.host = HostTime()
         self._stats_at = time.monotonic()
         self._stats_base: tuple[int, int, int, dict[str, Any]] | None = None
         if stats_every is not None:
@@ -322,12 +324,20 @@ class PleRunnerHooks:
         consumer (``dummy=False``) or publishes no data (``dummy=True``: profile, warm-up
         and dummy runs). A replay inside it is armed as :meth:`replay` says. Any
         exception aborts the plan, so no GPU wait outlives a failed step."""
+        host = self.host
+        t0 = time.perf_counter_ns()
         scope = _Step(bool(dummy))
         with self.driver.guard("an engine step"), self._scoped(scope):
+            host.add("step", time.perf_counter_ns() - t0)
             yield
+            t1 = time.perf_counter_ns()
             self._end_eager(scope)
+            host.add("step", time.perf_counter_ns() - t1)
         if self.stats_every is not None:
+            t2 = time.perf_counter_ns()
             self.log_stats()
+            host.add("stats", time.perf_counter_ns() - t2)
+        host.end_step()
 
     @contextlib.contextmanager
     def eager(self, *, dummy: bool) -> Iterator[None]:
@@ -349,7 +359,24 @@ class PleRunnerHooks:
         if entry is not None:
             return self._replay_sync(desc, entry, launch)
         rows = int(desc.num_tokens) * self.rows_per_token
-        out = self.driver.launch(rows, launch, what=f"the replay of {desc}")
+        host = self.host
+        t0 = time.perf_counter_ns()
+        # A step completed here is a wait for the worker's fill, counted apart from arming.
+        with self.driver.guard(f"completing a step before the replay of {desc}"):
+            self.driver.settle(self.driver.depth - 1)
+        t1 = time.perf_counter_ns()
+        host.add("wait", t1 - t0)
+        inner = [0]
+
+        def timed_launch() -> T:
+            t = time.perf_counter_ns()
+            try:
+                return launch()
+            finally:
+                inner[0] = time.perf_counter_ns() - t
+
+        out = self.driver.launch(rows, timed_launch, what=f"the replay of {desc}")
+        host.add("arm", time.perf_counter_ns() - t1 - inner[0])
         if self.stats_every is not None and not isinstance(self._scope, _Step):
             self.log_stats()  # a replay outside step(): step() checks its own at its end
         return out
@@ -387,15 +414,30 @@ class PleRunnerHooks:
                 )
                 us += f" ({', '.join(split)})"
             layers.append(f"{_short(name)} {got.fills} fills{us}{cold}")
+        stalls = self._stall_text()
         line = (
             f"ple-memops stats, last {now - self._stats_at:.1f} s: {armed} deferred steps "
             f"({armed - eager} replays, {eager} eager), {sync} synchronous replays; "
             "per layer, fills, mean READY -> FILLED (of replays', of eager steps') and rows "
-            f"read cold: {'; '.join(layers)}"
+            f"read cold: {'; '.join(layers)}; {self.host.summary()}"
+            + (f"; GPU stall per step: {stalls}" if stalls else "")
         )
         self._stats_at, self._stats_base = now, current
         logger.info("%s", line)
         return line
+
+    def stall_summaries(self) -> dict[str, StallSummary]:
+        """Each layer's consumer stalls since the last call (plans built with
+        ``time_stalls``; empty otherwise)."""
+        samples = getattr(self.plan, "stall_samples", None)
+        if samples is None:
+            return {}
+        return {name: StallSummary.of(s.ns, s.dropped) for name, s in samples().items() if s.ns}
+
+    def _stall_text(self) -> str:
+        return "; ".join(
+            f"{_short(name)} {summary.text()}" for name, summary in self.stall_summaries().items()
+        )
 
     def _stats_now(self) -> tuple[int, int, int, dict[str, Any]]:
         per_layer = {}
@@ -487,7 +529,11 @@ class PleRunnerHooks:
         """Before the engine hands out a step's output (the GPU finished the step): raise
         the typed error if any step's rows failed, so no token computed from the zeros a
         released consumer read is ever returned."""
-        self.driver.raise_if_failed()
+        t0 = time.perf_counter_ns()
+        try:
+            self.driver.raise_if_failed()
+        finally:
+            self.host.add("check", time.perf_counter_ns() - t0)
 
     def drain_for_shutdown(self) -> None:
         """Complete pending steps (bounded; a failure is logged and aborts the plan, so
@@ -749,13 +795,17 @@ def build_hooks(
     sync_graphs: bool = True,
     spin: float | None = None,
     stats_every: float | None = None,
+    time_stalls: bool = False,
+    skip_gather: bool = False,
 ) -> PleRunnerHooks:
     """Build the all-or-none rows plan for ``tables`` (name -> :class:`~ple_memops.MmapTable`,
     outside any capture) and the runner hooks around it. ``timeout`` bounds both the
     watchdog of a waiting graph and the completion of a pending step. ``sync_graphs``: a
     synchronous plan keeps FULL graphs (the model gives an ids source while captured).
     ``spin``: the workers' hot window (``None``: the core's default); ``stats_every``:
-    see :class:`PleRunnerHooks`."""
+    see :class:`PleRunnerHooks`; ``time_stalls``: time each layer's consumer stall on
+    the GPU (in the stats line); ``skip_gather``: diagnostics only (wrong rows), see
+    :class:`~ple_memops.GatherWorker`."""
     from ..plan import RowsPlan
 
     plan = RowsPlan.build(
@@ -769,6 +819,8 @@ def build_hooks(
         depth=DEPTH,
         copy=copy,
         spin=spin,
+        time_stalls=time_stalls,
+        skip_gather=skip_gather,
         log_fallback=False,  # the engine's integration says it once, with what it changes
     )
     try:

@@ -190,6 +190,8 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
             copy=settings.copy,
             spin=settings.spin,
             stats_every=settings.stats_every,
+            time_stalls=settings.time_stalls,
+            skip_gather=settings.diag_skip_gather,
         )
         raw = os.environ.get(FORCE_SYNC_ENV)
         forced = forced_sync(raw, _world_rank())
@@ -209,6 +211,11 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
         raise
     for module in layers:
         module.ple_memops_hooks = hooks
+    if settings.diag_skip_gather:
+        logger.warning(
+            "ple-memops: diagnostics: the PLE rows are NOT gathered (diag_skip_gather): every "
+            "step's consumers read stale rows and the tokens are wrong; for timing only"
+        )
     if hooks.deferred:
         logger.info(
             "ple-memops: %d PLE tables memory-mapped from %s; FULL CUDA graphs defer their "

@@ -6,7 +6,8 @@ Two sources, the second overriding the first field by field:
 * the environment, read by every vLLM process (workers inherit it):
   ``PLE_MEMOPS_TABLE_BACKEND=mmap`` (``default`` or unset: off), ``PLE_MEMOPS_TIMEOUT``
   (seconds, default 30), ``PLE_MEMOPS_COPY``, ``PLE_MEMOPS_SPIN``,
-  ``PLE_MEMOPS_STATS_EVERY`` and ``PLE_MEMOPS_FIRST_LAYER_THREADS`` (see :class:`Settings`);
+  ``PLE_MEMOPS_STATS_EVERY``, ``PLE_MEMOPS_FIRST_LAYER_THREADS``, ``PLE_MEMOPS_TIME_STALLS``
+  and the diagnostic ``PLE_MEMOPS_DIAG_SKIP_GATHER`` (see :class:`Settings`);
 * an engine's ``additional_config={"ple_memops": {"table_backend": "mmap", "timeout": 60}}``
   (``--additional-config`` on the command line), which is part of vLLM's config hash.
 
@@ -36,9 +37,11 @@ __all__ = [
     "DEPTH",
     "FIRST_LAYER_THREADS_ENV",
     "KEYS",
+    "SKIP_GATHER_ENV",
     "SPIN_ENV",
     "STATS_ENV",
     "TIMEOUT_ENV",
+    "TIME_STALLS_ENV",
     "Settings",
 ]
 
@@ -48,6 +51,8 @@ COPY_ENV = "PLE_MEMOPS_COPY"
 SPIN_ENV = "PLE_MEMOPS_SPIN"
 STATS_ENV = "PLE_MEMOPS_STATS_EVERY"
 FIRST_LAYER_THREADS_ENV = "PLE_MEMOPS_FIRST_LAYER_THREADS"
+TIME_STALLS_ENV = "PLE_MEMOPS_TIME_STALLS"
+SKIP_GATHER_ENV = "PLE_MEMOPS_DIAG_SKIP_GATHER"
 CONFIG_KEY = "ple_memops"
 """The key of ``additional_config`` that holds these settings."""
 BACKENDS = ("default", "mmap")
@@ -102,6 +107,18 @@ def _threads_or_off(value: object, where: str) -> int | None:
     return n or None
 
 
+def _switch(value: object, where: str) -> bool:
+    """``1``/``true``/``on`` or ``0``/``false``/``off`` (empty, ``None``: off); a bool as is."""
+    if isinstance(value, bool):
+        return value
+    text = "" if value is None else str(value).strip().lower()
+    if text in ("", "0", "false", "off", "no"):
+        return False
+    if text in ("1", "true", "on", "yes"):
+        return True
+    raise InvalidArgumentError(f"{where} must be 1 or 0 (on or off), got {value!r}")
+
+
 def _seconds_or_off(value: object, where: str) -> float | None:
     """A number of seconds >= 0; ``0`` (or empty) is ``None``: off, or the default."""
     if value is None or (isinstance(value, str) and value.strip() == ""):
@@ -141,6 +158,15 @@ class Settings:
     layers' on the shared pool, and the worker keeps them awake (20 us naps) while a step
     is armed, so the fill after READY does not begin by waking sleeping threads. ``None``
     (default): every table on the shared pool."""
+    time_stalls: bool = False
+    """Time on the GPU how long each step's first consumer of every PLE layer waited for
+    its rows (two one-thread kernels a layer a step, stamping the GPU's clock); the stats
+    line then gives each layer's stall percentiles. Off by default: it adds two tiny
+    kernels a layer to every graph."""
+    diag_skip_gather: bool = False
+    """Diagnostics only, never for serving: the gather workers fill every step without
+    reading the tables, so the consumers read stale rows and the tokens are wrong. Times
+    the protocol (publish, waits, copies) without the host's gather."""
 
     @property
     def mmap(self) -> bool:
@@ -161,6 +187,8 @@ class Settings:
             _seconds_or_off(env.get(SPIN_ENV), SPIN_ENV),
             _seconds_or_off(env.get(STATS_ENV), STATS_ENV),
             _threads_or_off(env.get(FIRST_LAYER_THREADS_ENV), FIRST_LAYER_THREADS_ENV),
+            _switch(env.get(TIME_STALLS_ENV), TIME_STALLS_ENV),
+            _switch(env.get(SKIP_GATHER_ENV), SKIP_GATHER_ENV),
         )
 
     @classmethod
@@ -191,12 +219,23 @@ class Settings:
                 changes[key] = _copy(value, where)
             elif key == "first_layer_threads":
                 changes[key] = _threads_or_off(value, where)
+            elif key in ("time_stalls", "diag_skip_gather"):
+                changes[key] = _switch(value, where)
             else:
                 changes[key] = _seconds_or_off(value, where)
         return replace(base, **changes)
 
 
-KEYS = ("table_backend", "timeout", "copy", "spin", "stats_every", "first_layer_threads")
+KEYS = (
+    "table_backend",
+    "timeout",
+    "copy",
+    "spin",
+    "stats_every",
+    "first_layer_threads",
+    "time_stalls",
+    "diag_skip_gather",
+)
 """The keys ``additional_config["ple_memops"]`` may hold (:class:`Settings`' fields)."""
 
 
