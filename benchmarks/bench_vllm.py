@@ -105,6 +105,15 @@ import vllm_bench_model as vbm  # noqa: E402
 from vllm_serve_check import write_test_plugin as write_plugin  # noqa: E402
 
 BACKENDS = ("gpu", "uva", "mmap")
+# Servers of vLLM's own table paths beside the three: a second GPU-table server (A against
+# A: what difference the protocol resolves), and the GPU table with ple-memops' plugin
+# installed and switched off for the engine (does installing it cost anything?).
+STOCK_VARIANTS: dict[str, dict[str, Any]] = {
+    "gpu": {"offload": False},
+    "gpu-b": {"offload": False},
+    "uva": {"offload": True},
+    "gpu-plugin": {"offload": False, "plugin": True},
+}
 # More mmap servers on request (--backends): the device side of a deferred step forced to
 # the polling kernel or to stream memory operations, and the synchronous fallback (the
 # probe's failure forced: FULL graphs kept, each replay after an ids graph and a host
@@ -119,6 +128,11 @@ MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     # The first PLE layer's table (the fill every step waits for: PLE at the start of decoder
     # layer 0) on 8 gather threads of its own instead of the pool all tables share.
     "mmap-lead": {"first_layer_threads": 8},
+    # A second mmap server (A against A among the mmap rungs).
+    "mmap-b": {},
+    # Diagnostics: the protocol (publish, waits, copies) without the host's gather; the
+    # rows are stale and the tokens wrong, only the timing counts.
+    "mmap-nogather": {"diag_skip_gather": True},
     "mmap-sync": {"env": {"PLE_MEMOPS_FORCE_SYNC": "1"}},
     # What the synchronous fallback did before it kept FULL graphs: graphs off.
     "mmap-sync-eager": {"env": {"PLE_MEMOPS_FORCE_SYNC": "1"}, "cudagraph_mode": "NONE"},
@@ -564,12 +578,16 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
     extra: dict[str, Any] = {"gdn_prefill_backend": "triton"}  # FlashInfer is not bundled
     if backend in MMAP_VARIANTS:
         ours = {"table_backend": "mmap", "copy": variant.get("copy", args.copy)}
-        for key in ("spin", "first_layer_threads"):
+        for key in ("spin", "first_layer_threads", "diag_skip_gather"):
             if key in variant:
                 ours[key] = variant[key]
         if args.stats_every:
             ours["stats_every"] = args.stats_every
+        if args.time_stalls:
+            ours["time_stalls"] = True
         extra["ple_memops"] = ours
+    elif STOCK_VARIANTS.get(backend, {}).get("plugin"):
+        extra["ple_memops"] = {"table_backend": "default"}
     return [
         "--dtype", "bfloat16", "--tensor-parallel-size", str(args.tensor_parallel_size),
         "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
@@ -578,9 +596,19 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
         "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30)),
         "--no-enable-prefix-caching", "--async-scheduling",
         "--compilation-config", json.dumps(graphs),
-        "--engram-config", json.dumps({"cpu_offload": backend != "gpu"}),
+        "--engram-config", json.dumps({"cpu_offload": _offload(backend)}),
         "--additional-config", json.dumps(extra),
     ]  # fmt: skip
+
+
+def _offload(backend: str) -> bool:
+    """Whether vLLM keeps the tables in pinned host memory (UVA; mmap servers never read
+    them there) rather than on the GPU."""
+    return bool(STOCK_VARIANTS.get(backend, {}).get("offload", True))
+
+
+def known_backends() -> list[str]:
+    return list(dict.fromkeys([*BACKENDS, *STOCK_VARIANTS, *MMAP_VARIANTS]))
 
 
 @dataclass
@@ -603,8 +631,11 @@ def engine_env(backend: str, plugin_dir: Path) -> dict[str, str]:
     # Python thread of its processes prints its stack into the log (wait_healthy).
     env |= {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0",
             "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}  # fmt: skip
-    if backend in MMAP_VARIANTS:
+    if backend in MMAP_VARIANTS or STOCK_VARIANTS.get(backend, {}).get("plugin"):
+        # Only the environment installs the plugin's classes; additional_config then
+        # chooses per engine (gpu-plugin's says "default").
         env["PLE_MEMOPS_TABLE_BACKEND"] = "mmap"
+    if backend in MMAP_VARIANTS:
         env |= MMAP_VARIANTS[backend].get("env", {})
     env["PYTHONPATH"] = f"{plugin_dir}:{env.get('PYTHONPATH', '')}".rstrip(":")
     return env
@@ -857,13 +888,64 @@ _LAYER_STATS = re.compile(
 )
 
 
+# "host us per engine step over 812: total p50 41.2 p99 95.0, step p50 6.1 p99 9.0, arm p50
+# 20.3 p99 40.2, wait p50 0.4 p99 30.1, check p50 3.0 p99 5.2, stats p50 0.2 p99 0.5"
+_HOST = re.compile(
+    r"host us per engine step over (\d+): total p50 ([\d.]+) p99 ([\d.]+), "
+    r"step p50 ([\d.]+) p99 [\d.]+, arm p50 ([\d.]+) p99 [\d.]+, "
+    r"wait p50 ([\d.]+) p99 ([\d.]+), check p50 ([\d.]+) p99 [\d.]+, stats p50 ([\d.]+)"
+)
+# "GPU stall per step: layers.0 812 steps, 40 stalled; us p50 0.0 p90 2.1 p99 61.0 max 90.2
+# mean 1.20; layers.6 ..."
+_STALL = re.compile(
+    r"(\S+) (\d+) steps, (\d+) stalled(?:, \d+ dropped)?; us p50 ([\d.]+) p90 [\d.]+ "
+    r"p99 ([\d.]+) max ([\d.]+) mean ([\d.]+)"
+)
+HOST_FIELDS = ("total_p50", "total_p99", "step", "arm", "wait", "wait_p99", "check", "stats")
+
+
+def cost_stats(lines: list[str]) -> dict[str, Any]:
+    """What the stats lines say of a step's costs: our host time per engine step (p50s by
+    hook, step-weighted over the lines) and each layer's GPU stall (steps, share stalled,
+    step-weighted p50 / p99 / mean, the worst max)."""
+    out: dict[str, Any] = {}
+    host = [(int(m.group(1)), [float(x) for x in m.groups()[1:]]) for ln in lines
+            if (m := _HOST.search(ln))]  # fmt: skip
+    n = sum(k for k, _ in host)
+    if n:
+        out["host_us"] = {f: sum(k * v[i] for k, v in host) / n for i, f in enumerate(HOST_FIELDS)}
+    stall: dict[str, list[tuple[int, int, float, float, float, float]]] = {}
+    for ln in lines:
+        _, sep, tail = ln.partition("GPU stall per step: ")
+        if not sep:
+            continue
+        for name, steps, stalled, p50, p99, top, mean in _STALL.findall(tail):
+            stall.setdefault(name, []).append(
+                (int(steps), int(stalled), float(p50), float(p99), float(top), float(mean))
+            )
+    if stall:
+        out["stall"] = {}
+        for name, v in stall.items():
+            k = sum(x[0] for x in v) or 1
+            out["stall"][name] = {
+                "steps": sum(x[0] for x in v),
+                "stalled_pct": 100 * sum(x[1] for x in v) / k,
+                "p50_us": sum(x[0] * x[2] for x in v) / k,
+                "p99_us": sum(x[0] * x[3] for x in v) / k,
+                "max_us": max(x[4] for x in v),
+                "mean_us": sum(x[0] * x[5] for x in v) / k,
+            }
+    return out
+
+
 def delivery_stats(text: str) -> dict[str, Any]:
     """What an mmap server's ``ple-memops stats`` lines (``--stats-every``) say about one
     load: deferred steps, replays, eager steps, synchronous replays, and each layer's
     fill-weighted mean READY -> FILLED (the host gather of a step's rows), over all fills
     and over replays' and eager steps' apart. The first line after a load starts covers
     the end of the server's previous load, so it is dropped."""
-    lines = [m for ln in text.splitlines() if (m := _STATS.search(ln))][1:]
+    raw = [ln for ln in text.splitlines() if _STATS.search(ln)][1:]
+    lines = [m for ln in raw if (m := _STATS.search(ln))]
     if not lines:
         return {}
     out: dict[str, Any] = {
@@ -893,7 +975,7 @@ def delivery_stats(text: str) -> dict[str, Any]:
     out["fill_us"], out["cold_pct"] = weighted(fills), weighted(cold)
     if replay or eager:
         out["replay_fill_us"], out["eager_fill_us"] = weighted(replay), weighted(eager)
-    return out
+    return out | cost_stats(raw)
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -931,12 +1013,94 @@ def summarize(
                     n: statistics.median(r[key][n] for r in good if n in r.get(key, {}))
                     for n in layers
                 }
+            hosts = [r["host_us"] for r in good if r.get("host_us")]
+            if hosts:
+                s["host_us"] = {f: statistics.median(h[f] for h in hosts) for f in HOST_FIELDS}
+            stalls = [r["stall"] for r in good if r.get("stall")]
+            if stalls:
+                names = list(dict.fromkeys(n for st in stalls for n in st))
+                s["stall"] = {
+                    n: {
+                        k: statistics.median(st[n][k] for st in stalls if n in st)
+                        for k in ("steps", "stalled_pct", "p50_us", "p99_us", "max_us", "mean_us")
+                    }
+                    for n in names
+                }
             colds = [r["cold_pct"] for r in good if r.get("cold_pct")]
             s["cold_pct"] = (
                 statistics.median(statistics.mean(c.values()) for c in colds) if colds else None
             )
             out[(load, b)] = s
     return out
+
+
+def paired(rows: list[dict[str, Any]], ref: str, key: str) -> dict[tuple[str, str], list[float]]:
+    """Each backend's ``key`` against ``ref``'s of the same load and repeat, in percent
+    (``+2.0``: 2% higher): a pair shares the round's host and GPU conditions, which drift
+    between rounds more than the servers differ."""
+    by = {(r["load"], r["repeat"], r["backend"]): r[key] for r in rows
+          if r.get("ok") and r.get(key) is not None}  # fmt: skip
+    out: dict[tuple[str, str], list[float]] = {}
+    for (load, rep_, b), x in by.items():
+        base = by.get((load, rep_, ref))
+        if b != ref and base:
+            out.setdefault((load, b), []).append((x / base - 1) * 100)
+    return out
+
+
+def breakdown_markdown(
+    rows: list[dict[str, Any]], summary: dict[tuple[str, str], dict[str, Any]], ref: str
+) -> str:
+    """Where a step's time goes, per load and backend: ITL p50 and tok/s paired against
+    ``ref`` round by round (median and range over the repeats), GPU busy, the first PLE
+    layer's GPU stall and our host time per engine step (mmap servers' stats lines)."""
+    itl, tok = paired(rows, ref, "itl_p50_ms"), paired(rows, ref, "tok_s")
+    lines = [
+        f"Paired against `{ref}` (each repeat's server against `{ref}` in the same round; "
+        "median [min, max] over the repeats). GPU stall: the first PLE layer's consumer "
+        "waiting for its rows, from the GPU's clock (steps stalled > 1 us, p50 / p99 / "
+        "mean us). Host: our code per engine step, p50 us (total / arm / wait / check).",
+        "",
+        f"| load | backend | runs | ITL p50 ms | ITL p50 vs {ref} | tok/s vs {ref} | GPU busy "
+        "| GPU stall: stalled, p50 / p99 / mean us | host us: total p50 / p99; arm, wait, "
+        "check |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def spread(xs: list[float] | None) -> str:
+        if not xs:
+            return "-"
+        return f"{statistics.median(xs):+.2f}% [{min(xs):+.1f}, {max(xs):+.1f}]"
+
+    for (load, b), s in summary.items():
+        st = s.get("stall") or {}
+        first = min(st, key=_layer_index) if st else None
+        stall = "-"
+        if first is not None:
+            x = st[first]
+            stall = (
+                f"{first}: {x['stalled_pct']:.0f}%, {x['p50_us']:.1f} / {x['p99_us']:.1f} / "
+                f"{x['mean_us']:.1f}"
+            )
+        h = s.get("host_us")
+        host = "-"
+        if h:
+            host = (
+                f"{h['total_p50']:.0f} / {h['total_p99']:.0f}; {h['arm']:.0f}, {h['wait']:.0f}, "
+                f"{h['check']:.0f}"
+            )
+        lines.append(
+            f"| {load} | {b} | {s['n']} | {_f(s['itl_p50_ms'], 2)} "
+            f"| {'(ref)' if b == ref else spread(itl.get((load, b)))} "
+            f"| {'(ref)' if b == ref else spread(tok.get((load, b)))} "
+            f"| {_f(s['gpu_busy_pct'], 0)}% | {stall} | {host} |"
+        )
+    return "\n".join(lines)
+
+
+def _layer_index(name: str) -> int:
+    m = re.search(r"layers\.(\d+)", name)
+    return int(m.group(1)) if m else 1 << 30
 
 
 def _f(x: float | None, nd: int = 1) -> str:
@@ -1088,7 +1252,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--backends",
         type=lambda s: s.split(","),
         default=list(BACKENDS),
-        help=f"of {', '.join(dict.fromkeys([*BACKENDS, *MMAP_VARIANTS]))}",
+        help=f"of {', '.join(known_backends())}",
+    )
+    p.add_argument(
+        "--ref",
+        help="the backend every other is compared with, repeat by repeat (paired), in "
+        "the breakdown table (default: gpu if served, else the first backend)",
+    )
+    p.add_argument(
+        "--time-stalls",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="mmap servers time each PLE layer's GPU stall for rows (two tiny kernels a "
+        "layer a step) and report it in their stats lines",
     )
     p.add_argument("--concurrency", type=ints, default=[1, 8, 64])
     p.add_argument("--requests", type=int, help="requests per decode load (default max(8, 6c))")
@@ -1210,6 +1386,7 @@ def report(
             "page_cache_gib": page_cache(tables) if tables else None,
         }  # fmt: skip
     md = markdown(summary, per_server, meta)
+    md += "\n\n" + breakdown_markdown(rows, summary, args.ref)
     v = verdict(summary)
     print("\n" + md + "\n\n" + v + "\n", flush=True)
     if args.markdown:
@@ -1220,6 +1397,9 @@ def report(
         args.json.write_text(
             json.dumps(
                 {"meta": meta, "servers": per_server, "runs": rows, "verdict": v,
+                 "ref": args.ref,
+                 "paired_itl_p50_pct": [{"load": k[0], "backend": k[1], "pct": x} for k, x in
+                                        paired(rows, args.ref, "itl_p50_ms").items()],
                  "summary": [{"load": k[0], "backend": k[1], **s} for k, s in summary.items()]},
                 indent=1, default=str,
             )
@@ -1335,9 +1515,13 @@ def _interrupt(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     global DEADLINE
     args = parse_args(argv)
-    unknown = [b for b in args.backends if b not in BACKENDS and b not in MMAP_VARIANTS]
+    unknown = [b for b in args.backends if b not in known_backends()]
     if unknown:
-        raise SystemExit(f"unknown backends {unknown}; known: {[*BACKENDS, *MMAP_VARIANTS]}")
+        raise SystemExit(f"unknown backends {unknown}; known: {known_backends()}")
+    if args.ref is None:
+        args.ref = "gpu" if "gpu" in args.backends else args.backends[0]
+    elif args.ref not in args.backends:
+        raise SystemExit(f"--ref {args.ref} is not among --backends {args.backends}")
     if set(args.vllm_bench) - {"latency", "throughput"}:
         raise SystemExit(f"--vllm-bench takes latency and/or throughput, got {args.vllm_bench}")
     if args.dry_run:
@@ -1620,7 +1804,7 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
     from ple_memops.vllm.settings import Settings
 
     ok = True
-    for b in dict.fromkeys([*BACKENDS, *MMAP_VARIANTS]):
+    for b in known_backends():
         parser = FlexibleArgumentParser()
         sub = parser.add_subparsers(dest="cmd")
         ServeSubcommand().subparser_init(sub)
@@ -1631,6 +1815,18 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
             ours = Settings.for_engine(ea.additional_config, engine_env(b, Path("/nonexistent")))
             if ours.mmap != (b in MMAP_VARIANTS):
                 raise AssertionError(f"{b}: table backend {ours.table_backend}")
+            if ours.diag_skip_gather != (b == "mmap-nogather"):
+                raise AssertionError(f"{b}: diag_skip_gather {ours.diag_skip_gather}")
+            if ours.time_stalls != (b in MMAP_VARIANTS and args.time_stalls):
+                raise AssertionError(f"{b}: time_stalls {ours.time_stalls}")
+            engram = ea.engram_config
+            offload = (
+                engram.get("cpu_offload")
+                if isinstance(engram, dict)
+                else getattr(engram, "cpu_offload", None)
+            )
+            if offload != _offload(b):
+                raise AssertionError(f"{b}: engram {engram}")
             if ea.tensor_parallel_size != args.tensor_parallel_size:
                 raise AssertionError(f"{b}: tensor parallel size {ea.tensor_parallel_size}")
             log(f"serve args ({b}): parsed; engram {ea.engram_config}, ple-memops {ours}, "
@@ -1691,7 +1887,19 @@ def check_delivery_stats(ckpt: Path) -> bool:
                     "replay_fill_us": {"layers.0": 10.0, "layers.6": 20.0},
                     "eager_fill_us": {"layers.0": 810.0}}
     )  # fmt: skip
-    log(f"stats lines: {'parsed' if good else 'NOT parsed'} ({real[0]!r} -> {got}; {two})")
+    costs = (
+        "; host us per engine step over 400: total p50 41.2 p99 95.0, step p50 6.1 p99 9.0, "
+        "arm p50 20.3 p99 40.2, wait p50 0.4 p99 30.1, check p50 3.0 p99 5.2, stats p50 0.2 "
+        "p99 0.5; GPU stall per step: layers.0 400 steps, 40 stalled; us p50 0.0 p90 2.1 p99 "
+        "61.0 max 90.2 mean 1.20; layers.6 400 steps, 0 stalled; us p50 0.0 p90 0.0 p99 0.0 "
+        "max 0.5 mean 0.01"
+    )
+    three = delivery_stats("\n".join([gpu_like + costs] * 3))
+    good &= three.get("host_us", {}).get("arm") == 20.3 and three.get("stall", {}).get(
+        "layers.0", {}
+    ) == {"steps": 800, "stalled_pct": 10.0, "p50_us": 0.0, "p99_us": 61.0, "max_us": 90.2,
+          "mean_us": 1.2}  # fmt: skip
+    log(f"stats lines: {'parsed' if good else 'NOT parsed'} ({real[0]!r} -> {got}; {two}; {three})")
     return good
 
 
