@@ -108,6 +108,7 @@ def _engine(
     async_scheduling: bool = True,
     copy: str = "auto",
     lead: int | None = None,
+    time_stalls: bool = False,
     **kw: Any,
 ) -> LLM:
     extra: dict[str, Any] = {"gdn_prefill_backend": "triton"}  # FlashInfer is not bundled
@@ -115,6 +116,8 @@ def _engine(
     extra["ple_memops"] = {"table_backend": backend_name, "copy": copy}
     if lead is not None:
         extra["ple_memops"]["first_layer_threads"] = lead
+    if time_stalls:
+        extra["ple_memops"]["time_stalls"] = True
     engram = {"cpu_offload": backend != "gpu"}
     return LLM(
         model=str(ckpt),
@@ -234,6 +237,43 @@ def test_tokens_equal_the_stock_engine(
         assert all(v == 0 for v in stats["warmed"].values()), stats
     else:
         assert stats == {"hooks": False}
+
+
+@pytest.fixture(scope="module")
+def stock_bf16(checkpoints: dict[str, Path]) -> list[list[list[int]]]:
+    """The stock engine's BF16 tokens alone (a test selected by itself needs no FP8 engine)."""
+    llm = _engine(checkpoints["bf16"], "stock")
+    try:
+        return _generate(llm)
+    finally:
+        _close(llm)
+
+
+def _stalls(worker: Any) -> dict[str, Any]:
+    """Each PLE layer's GPU stall summary over the whole run (drained)."""
+    hooks = worker.model_runner.ple_rows
+    return {n: s.__dict__ for n, s in hooks.stall_summaries().items()}
+
+
+def test_stall_timing_keeps_the_stock_engines_tokens(
+    checkpoints: dict[str, Path], stock_bf16: list[list[list[int]]]
+) -> None:
+    """The stamps are two more kernels a layer in every graph and eager step: the tokens
+    stay the stock engine's, and every layer's stalls were timed, one sample at least per
+    armed step, each under the watchdog."""
+    llm = _engine(checkpoints["bf16"], "mmap", time_stalls=True)
+    try:
+        got = _generate(llm)
+        (stats,) = llm.collective_rpc(_rows_stats)
+        (stalls,) = llm.collective_rpc(_stalls)
+    finally:
+        _close(llm)
+    print(f"\nstall timing: {stats}\n{stalls}")
+    _assert_same_tokens(stock_bf16, got)
+    assert stats["mode"] == "deferred" and stats["graphs"] == len(SIZES), stats
+    assert set(stalls) == set(stats["own_threads"]), stalls
+    for name, s in stalls.items():
+        assert s["steps"] >= stats["armed"] and s["max_us"] < 30e6, (name, s)
 
 
 def _serve(llm: LLM) -> tuple[list[list[list[int]]], dict[str, Any]]:

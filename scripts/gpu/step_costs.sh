@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Where a deferred step's time goes, on the lent H200: the stall-timing GPU tests, then the
+# ablation ladder of `vllm serve` servers at c64 on the benchmark model with one 24 GiB BF16
+# PLE table on decoder layer 0, interleaved and paired round by round. Run from the
+# repository root after scripts/vllm-h200/setup.sh, with our wheel in /tmp/site; logs go to
+# $OUT. One part a device call (each fits the 10-minute limit):
+#
+#   PART=checks  the GPU tests of stall timing, the gather-free fill and the runner hooks
+#                (~2 min), then the benchmark checkpoint written once under /tmp (~2 min)
+#   PART=gpu     ladder, GPU side: gpu, gpu-plugin (the plugin installed, switched off),
+#                mmap; paired against gpu (~6 min on a fresh host)
+#   PART=mmap    ladder, mmap side: mmap, mmap-b (A against A), mmap-nogather (the protocol
+#                without the host's gather), mmap-lead (first_layer_threads); paired
+#                against mmap (~5 min on a warm host), then the engine test of stall
+#                timing (the stock engine's tokens, ~2 min)
+#
+# The two server sets cannot share the GPU: three GPU-table servers hold 3 x 37 GiB.
+set -uo pipefail
+OUT=${OUT:-/tmp/ple-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+export PYTHONPATH=/tmp/vllm-site:/tmp/site:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
+R=$PWD
+MODEL=(--layers 24 --ple-layers 1 --table-gib 24 --dtype bf16)
+LOAD=(--kv-cache-gib 6 --concurrency 64 --requests 256 --mixed-long 0 --repeats "${REPEATS:-5}"
+      --start-timeout 300 --load-timeout 60)
+case "${PART:?PART=checks|gpu|mmap}" in
+checks)
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
+    (cd /tmp && timeout 300 python3 -m pytest "$R/tests/test_stall_gpu.py" \
+        "$R/tests/test_vllm_runner_gpu.py" "$R/tests/test_worker_gpu.py" \
+        "$R/tests/test_deferred_gpu.py" -v -s -rs -p no:cacheprovider \
+        -W ignore::DeprecationWarning 2>&1) >"$OUT/checks_pytest.log"
+    echo "== pytest exit $?"
+    grep -E "PASSED|FAILED|ERROR|SKIPPED|filled first|hidden:|worker replays" \
+        "$OUT/checks_pytest.log" | sed 's/^.*tests\//  /' | cut -c1-240 | head -60
+    tail -1 "$OUT/checks_pytest.log"
+    timeout 240 python3 benchmarks/bench_vllm.py "${MODEL[@]}" --build-only 2>&1 | tail -4
+    ;;
+gpu)
+    DEADLINE=${DEADLINE:-470} TAG=ladder_gpu BENCH_ARGS="${MODEL[*]} ${LOAD[*]} \
+        --backends gpu,gpu-plugin,mmap --ref gpu" bash scripts/gpu/vllm_bench.sh
+    ;;
+mmap)
+    DEADLINE=${DEADLINE:-330} TAG=ladder_mmap BENCH_ARGS="${MODEL[*]} ${LOAD[*]} \
+        --backends mmap,mmap-b,mmap-nogather,mmap-lead --ref mmap" bash scripts/gpu/vllm_bench.sh
+    (cd /tmp && timeout 200 python3 -m pytest "$R/tests/test_vllm_engine_gpu.py" -k stall_timing \
+        -v -s -rs -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::FutureWarning \
+        -W ignore::UserWarning 2>&1) >"$OUT/engine_stall_pytest.log"
+    echo "== engine stall test: exit $?"
+    grep -E "PASSED|FAILED|ERROR|stall timing|steps" "$OUT/engine_stall_pytest.log" | cut -c1-400 | head
+    tail -1 "$OUT/engine_stall_pytest.log"
+    ;;
+esac
