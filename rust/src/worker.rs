@@ -60,7 +60,7 @@ impl RowSource for crate::table::MmapTable {
 ///
 /// Between two decode steps (milliseconds) a pool's threads go to sleep; the fill that
 /// follows READY then wakes them one after another, and on a VM each wake of an idle vCPU
-/// costs tens of microseconds. Measured on the lent H200 host (`bench_fill.py --idle-us
+/// costs tens of microseconds. Measured on an H200 host (`bench_fill.py --idle-us
 /// 7000`, 1,024 rows of 256 B from one adopted 1 GiB table on the pool): 176 us a gather
 /// after 7 ms idle against 34-38 us back to back. So when a step is armed and the previous
 /// fill ran on the source's own pool, one job a thread is spawned on that pool that naps

@@ -927,10 +927,10 @@ fn cold_read_errors_are_typed() {
     }
 }
 
-/// A file cut short under the table, read through the mapping (issue 17): every way,
-/// with the rows' pages known resident or evicted, inline and on the gather pool. The
-/// lost rows are a typed error naming the file and offset, the destination is zeroed,
-/// rows still inside the file keep reading, and the lost ones keep failing.
+/// A file cut short under the table, read through the mapping: every way, with the rows'
+/// pages known resident or evicted, inline and on the gather pool. The lost rows are a
+/// typed error naming the file and offset, the destination is zeroed, rows still inside
+/// the file keep reading, and the lost ones keep failing.
 #[test]
 fn a_file_truncated_under_the_table_is_a_typed_error_on_every_way() {
     for way in ways() {
