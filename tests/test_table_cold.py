@@ -1,5 +1,5 @@
-"""Cold tables (issue 9) through the public API: tables written by the safetensors package,
-evicted with ``drop_pages()`` (checked with ``resident_bytes()``), gathered by every
+"""Cold tables through the public API: tables written by the safetensors package, evicted
+with ``drop_pages()`` (checked with ``resident_bytes()``), gathered by every
 ``cold_reads`` way and compared with what the safetensors package loads; page-cache growth
 per cold row; io_uring refused at run time (environment switch, a seccomp filter);
 typed I/O errors from the table, ``fill_from`` and the worker; hot pages kept under an
@@ -150,8 +150,9 @@ def test_a_table_whose_files_are_removed_keeps_its_rows(
 
 
 def test_a_cold_row_costs_its_own_pages(tmp_path: Path) -> None:
-    """Default open: about one page per cold row. The pre-issue-9 default (the kernel's
-    read-around) pulls far more in, which is what this test would catch."""
+    """Default open: about one page per cold row. The kernel's read-around
+    (``access="normal", cold_reads="fault"``) pulls far more in, which is what this test
+    would catch."""
     path = _table(tmp_path, 1 << 18, 128, torch.bfloat16)  # 64 MiB, 256 B rows
     ids = np.arange(16) * 16381 + 5
     growth = {}
@@ -347,7 +348,7 @@ def _offline_hit_rates(
     stream: list[np.ndarray[Any, Any]], page_of: Any, budget_pages: int
 ) -> tuple[float, float]:
     """(best static cache of budget_pages pages, read once each; drop everything when
-    over budget: the pre-issue-9 policy), as row hit rates."""
+    over budget), as row hit rates."""
     pages = [page_of(s) for s in stream]
     uniq, counts = np.unique(np.concatenate(pages), return_counts=True)
     top = set(uniq[np.argsort(counts)[::-1][:budget_pages]].tolist())
@@ -544,7 +545,7 @@ def test_rss_budget_under_a_cgroup_memory_limit(tmp_path: Path) -> None:
     assert capped["hits"] / (capped["hits"] + capped["misses"]) > 0.8 * hot_share, capped
 
 
-# A table file that shrinks under an open table (issue 17): every cold-read way, the rows'
+# A table file that shrinks under an open table: every cold-read way, the rows'
 # pages resident (and known) or evicted before the cut, through gather, gather_into,
 # fill_from and the worker thread. Each cell runs in a fresh interpreter so that a SIGBUS
 # fails that cell (with the signal named) instead of killing the suite.

@@ -1,4 +1,4 @@
-"""Cold tables on a real GPU (issue 9): the table is evicted before every step, and the
+"""Cold tables on a real GPU: the table is evicted before every step, and the
 rows a captured graph consumes must still be the table's, whether the host fills them
 right after the launch (``fill_from``) or the worker gathers device-produced ids; a cold
 read that fails releases the GPU (its consumer reads zeros) and raises ``TableIoError``.

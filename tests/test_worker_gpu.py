@@ -212,11 +212,11 @@ def test_abort_mid_step_releases(torch, table: pm.MmapTable) -> None:  # type: i
 def test_a_table_truncated_under_a_waiting_graph_releases_and_raises(  # type: ignore[no-untyped-def]
     torch, tmp_path, publish: str
 ) -> None:
-    """Issue 17: the table's file is cut to 16 KiB while a replayed graph waits for rows
-    the worker must gather from it (their pages resident after earlier replays). The
-    worker's copy hits SIGBUS on the mapping: the process lives, the GPU is released (the
-    consumer reads zeros), the next call raises TableIoError naming the file and offset,
-    and the device stays usable."""
+    """The table's file is cut to 16 KiB while a replayed graph waits for rows the worker
+    must gather from it (their pages resident after earlier replays). The worker's copy
+    hits SIGBUS on the mapping: the process lives, the GPU is released (the consumer reads
+    zeros), the next call raises TableIoError naming the file and offset, and the device
+    stays usable."""
     import os
 
     data = np.random.default_rng(17).integers(0, 256, (TABLE_ROWS, WIDTH), dtype=np.uint8)
@@ -452,8 +452,8 @@ def test_publishes_under_capture_never_deadlock_an_idle_worker(  # type: ignore[
     """An engine's captures publish while the worker has nothing armed and checks its
     mailbox under its control lock every millisecond. A publish that held the mailbox's
     lock while taking the control lock deadlocked with it, with the GIL held: the vLLM
-    engine froze at its first FULL capture (seen on the H200, 2026-12-01). Thousands of
-    captured publishes against an idle worker, in a subprocess bounded by a timeout."""
+    engine froze at its first FULL capture on an H200. Thousands of captured publishes
+    against an idle worker, in a subprocess bounded by a timeout."""
     import subprocess
     import sys
 

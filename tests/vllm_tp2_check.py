@@ -1,4 +1,4 @@
-"""The real vLLM 0.33.0 engine at tensor parallel 2 (issue 16) on a host with two GPUs
+"""The real vLLM 0.33.0 engine at tensor parallel 2 on a host with two GPUs
 (``python3 tests/vllm_tp2_check.py [--out DIR]``; ``scripts/gpu/vllm_tp2.sh`` runs it).
 
 Each engine is ``vllm.LLM(tensor_parallel_size=2)`` with multiprocess workers, in a
@@ -19,7 +19,7 @@ The bundle of ``scripts/vllm-h200`` leaves CuTe DSL out; the test plugin of
 engine is bounded by a timeout. Exit 0 when every check passed, 1 when one failed, 2
 when this host has fewer than two GPUs (nothing was checked).
 
-Written before a two-GPU machine was lent; not run yet.
+Not yet run on a two-GPU host.
 """
 
 from __future__ import annotations
