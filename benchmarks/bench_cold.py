@@ -1,4 +1,4 @@
-"""Cold tables (issue 9): gathers from a table whose pages are not in the page cache,
+"""Cold tables: gathers from a table whose pages are not in the page cache,
 against the storage floor measured in the same run on the same file.
 
     python benchmarks/bench_cold.py host [--dir DIR] [--gib 2.5] [--zipf] [--json out.json]
@@ -280,7 +280,7 @@ def offline_policies(
 ) -> dict[str, float]:
     """Row hit rates of two reference policies on the same stream: the best static cache
     (the ``budget_pages`` most used pages, known in advance, each read once on first use)
-    and the pre-issue-9 policy (read pages accumulate; over budget, drop all)."""
+    and the drop-everything policy (read pages accumulate; over budget, drop all)."""
     all_pages = np.concatenate([pages_of(s, data_start) for s in stream])
     uniq, counts = np.unique(all_pages, return_counts=True)
     top = set(uniq[np.argsort(counts)[::-1][:budget_pages]].tolist())
@@ -405,8 +405,9 @@ def host(args: argparse.Namespace) -> dict[str, Any]:
     ways: dict[str, dict[str, Any]] = {w: {"cold_reads": w} for w in WAYS}
     if t_def.cold_reads != "uring":
         del ways["uring"]
-    # The pre-issue-9 defaults for reference: the kernel's read-around, one fault at a time
-    # (the old default open) and MADV_WILLNEED per row (the old readahead=True).
+    # For reference, the former defaults ("old"): the kernel's read-around with one fault at
+    # a time (access="normal", cold_reads="fault") and MADV_WILLNEED per row (what
+    # readahead=True asked for: cold_reads="willneed").
     ways["old default"] = {"access": "normal", "cold_reads": "fault"}
     ways["old readahead=True"] = {"access": "normal", "cold_reads": "willneed"}
     # One table open at a time: a page another mapping holds cannot be evicted.

@@ -1,4 +1,4 @@
-"""GPU benchmark of device-produced ids (issue 4).
+"""GPU benchmark of device-produced ids.
 
 A graph computes ids with a kernel, publishes them, runs >= 100 us of other GPU work, then
 consumes the rows the native worker gathered. Measured, side by side in one run:
