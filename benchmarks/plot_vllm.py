@@ -1,0 +1,97 @@
+"""Plot ``bench_vllm.py``'s results: ITL p50 per backend per load, each repeat a dot and
+the median a bar, and beside it each backend's ITL p50 paired against the reference
+server of the same round (percent). Reads one or more ``--json`` outputs of the bench (each
+its own panel row: two runs that could not share the GPU) and writes one PNG.
+
+    python3 benchmarks/plot_vllm.py out/bench_vllm_ladder_gpu.json \\
+        out/bench_vllm_ladder_mmap.json -o benchmarks/vllm_step_costs.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def _runs(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in doc["runs"] if r.get("ok") and r.get("itl_p50_ms") is not None]
+
+
+def plot(docs: list[tuple[str, dict[str, Any]]], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(docs), 2, figsize=(12, 3.6 * len(docs)), squeeze=False)
+    for row, (name, doc) in enumerate(docs):
+        runs = _runs(doc)
+        ref = doc.get("ref")
+        backends = list(dict.fromkeys(r["backend"] for r in runs))
+        loads = list(dict.fromkeys(r["load"] for r in runs))
+        ax, axp = axes[row]
+        width = 0.8 / max(1, len(backends))
+        for bi, b in enumerate(backends):
+            for li, load in enumerate(loads):
+                xs = [r["itl_p50_ms"] for r in runs if r["backend"] == b and r["load"] == load]
+                if not xs:
+                    continue
+                x = li + (bi - (len(backends) - 1) / 2) * width
+                ax.bar(x, statistics.median(xs), width * 0.9, color=f"C{bi}",
+                       label=b if li == 0 else None, alpha=0.55)  # fmt: skip
+                ax.plot([x] * len(xs), xs, "k.", ms=4)
+        ax.set_xticks(range(len(loads)), loads)
+        ax.set_ylabel("ITL p50 (ms)")
+        ax.set_title(f"{name}: ITL p50, each repeat a dot, bar = median")
+        ax.legend(fontsize=8)
+        lo = min(r["itl_p50_ms"] for r in runs)
+        ax.set_ylim(lo * 0.9, None)
+        # Paired: each repeat against the reference of the same round.
+        by = {(r["load"], r["repeat"], r["backend"]): r["itl_p50_ms"] for r in runs}
+        others = [b for b in backends if b != ref]
+        for bi, b in enumerate(others):
+            for li, load in enumerate(loads):
+                pct = [
+                    (v / by[(ld, rp, ref)] - 1) * 100
+                    for (ld, rp, bb), v in by.items()
+                    if bb == b and ld == load and (ld, rp, ref) in by
+                ]
+                if not pct:
+                    continue
+                x = li + (bi - (len(others) - 1) / 2) * (0.8 / max(1, len(others)))
+                axp.bar(x, statistics.median(pct), 0.7 / max(1, len(others)),
+                        color=f"C{backends.index(b)}", alpha=0.55,
+                        label=b if li == 0 else None)  # fmt: skip
+                axp.plot([x] * len(pct), pct, "k.", ms=4)
+        axp.axhline(0, color="k", lw=0.8)
+        for y in (-1, 1):
+            axp.axhline(y, color="gray", lw=0.6, ls="--")
+        axp.set_xticks(range(len(loads)), loads)
+        axp.set_ylabel(f"ITL p50 vs {ref} (%)")
+        axp.set_title(f"{name}: paired against {ref} round by round (dashed: +-1%)")
+        axp.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("json", nargs="+", type=Path, help="bench_vllm.py --json outputs")
+    p.add_argument("-o", "--out", type=Path, default=Path("vllm_itl.png"))
+    p.add_argument("--title", default="vLLM 0.33.0 on an H200: ITL p50 per backend")
+    args = p.parse_args(argv)
+    docs = [
+        (path.stem.removeprefix("bench_vllm_"), json.loads(path.read_text())) for path in args.json
+    ]
+    plot(docs, args.out, args.title)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
