@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The core's GPU tests and benchmarks on the lent H200. Run from the repository root with
+# The core's GPU tests and benchmarks on an H200. Run from the repository root with
 # the wheel installed and PYTHONPATH set (see README, "GPU machine"); logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/ple-out}

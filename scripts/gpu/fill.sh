@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Why a decode replay's fill costs ~0.2 us a row inside vLLM and ~40 ns outside it
-# (BENCHMARKS.md, "Where mmap still loses"): on the lent H200, without the engine,
+# (BENCHMARKS.md, "Where mmap still loses"): on an H200, without the engine,
 #   1. benchmarks/bench_fill.py: the vLLM bench's tables (4 x 1 GiB, 16 shards, 256 B rows)
 #      gathered at the engine's fill sizes, one table alone and four at once, on the shared
 #      pool and inline (host only);

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 8 on one H200: Gemma 3n and Qwen4Exp through transformers with their PLE tables
-# served from the checkpoint, in captured graphs. Run from the repo root with the wheel
-# installed (PYTHONPATH=/tmp/site:$PWD/tests). Writes under $OUT (8 files at most):
+# Gemma 3n and Qwen4Exp through transformers on one H200, their PLE tables served from the
+# checkpoint, in captured graphs: the GPU tests, the demo and the decode bench. Run from the
+# repo root with the wheel installed (PYTHONPATH=/tmp/site:$PWD/tests). Writes under $OUT
+# (8 files at most):
 #   pytest.log  demo.log (+ Qwen4Exp)  demo.png  bench.log  bench.md  bench.png  bench.json
 #   summary.txt
 # Wall time: about 7 minutes (an E2B step is ~6,000 small kernels: about 10 ms; the bench is

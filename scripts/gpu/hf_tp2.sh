@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8 on two H200s: Gemma 3n decode with tensor parallelism 2 (torch.distributed, NCCL),
+# Gemma 3n decode on two H200s with tensor parallelism 2 (torch.distributed, NCCL),
 # each rank serving the PLE table from the one checkpoint through its own rows plan and
 # worker (one page cache). Every rank decodes with the whole model (TP 1), then sharded
 # (TP 2), in captured graphs: deferred rows against the table in GPU memory (bit-identical

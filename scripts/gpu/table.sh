@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 9 (cold tables) on the lent H200: the table tests (GPU and CPU), the cold-gather
+# Cold tables on an H200: the table tests (GPU and CPU), the cold-gather
 # benchmark against the storage floor on this host, Zipf hit rates under an RSS budget,
 # and how much of a cold step's read the deferred path hides behind GPU work.
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The vLLM integration's GPU tests on the lent H200 (vLLM itself is not installed there):
+# The vLLM integration's GPU tests on an H200 without vLLM installed:
 # the runner hooks driven through Model Runner V2's sequence by the stand-in runner, and
 # the integration's CPU tests for good measure. Run from the repository root with the
 # wheel installed and PYTHONPATH set (README, "GPU machine"); logs go to $OUT.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The real vLLM 0.33.0 engine on the lent H200, ple-memops installed as its plugin: the
+# The real vLLM 0.33.0 engine on an H200, ple-memops installed as its plugin: the
 # engine tests (tests/test_vllm_engine_gpu.py), then `vllm serve` with the environment
 # switch and an HTTP client on localhost. Run from the repository root after
 # scripts/vllm-h200/setup.sh (vLLM in /tmp/vllm-site) with our wheel in /tmp/site; logs go

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Issue 16 on nvidia-h200-x2: the real vLLM engine at tensor parallel 2
+# The real vLLM engine at tensor parallel 2 on a two-GPU host (two H200s)
 # (tests/vllm_tp2_check.py: mmap against stock, BF16 and FP8, async scheduling on and off,
 # rank 1 forced onto the synchronous fallback). Run from the repository root after
 # .vllm-bundle/c/setup.sh (vLLM in /tmp/vllm-site) with our wheel in /tmp/site; logs under
 # $OUT/tp2. Wall time: about 7 engines of 40-60 s each. The TP 2 benchmark is then
 #   BENCH_ARGS="--tensor-parallel-size 2 --layers 24 --kv-cache-gib 6 --repeats 3" \
 #       bash scripts/gpu/vllm_bench.sh
-# Written before a two-GPU machine was lent; not run yet.
+# Not yet run on a two-GPU host.
 set -uo pipefail
 OUT=${OUT:-/tmp/ple-out}
 mkdir -p "$OUT/tp2"
