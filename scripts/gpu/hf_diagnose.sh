@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The two failures the Gemma 3n decode bench once had on one H200, kept reproducible: the
-# deferred-host hang at E2B batch 8 (a launch that waits for the GPU, which waited for a fill
-# only the launching thread could make) and the reference that did not repeat itself
-# (cuDNN attention); see benchmarks/diagnose_hf.py and BENCHMARKS.md for the findings. Run from the repo root with the
-# wheel installed (PYTHONPATH=/tmp/site:$PWD/tests). Every wait is bounded (watchdogs of
-# 3 and 10 s, timeouts below). Writes under $OUT: pytest.log launch.log e2b.log summary.txt
+# Diagnoses two failure modes of the Gemma 3n decode bench on one H200 with
+# benchmarks/diagnose_hf.py: a deferred-host hang at E2B batch 8 (a launch that waits for the
+# GPU, which waits for a fill only the launching thread can make) and a reference that does
+# not repeat itself (cuDNN attention); BENCHMARKS.md has the findings. Run from the repo
+# root with the wheel installed (PYTHONPATH=/tmp/site:$PWD/tests). Every wait is bounded
+# (watchdogs of 3 and 10 s, timeouts below). Writes under $OUT: pytest.log launch.log
+# e2b.log summary.txt
 # Wall time: about 8 minutes, 2-3 of them building and loading the E2B-shaped checkpoint
 # (shared with scripts/gpu/hf.sh through PLE_MEMOPS_CACHE: less if hf.sh built it).
 # QUICK=1: only the synthetic launch test and the tiny-model tests (about 2 minutes).
