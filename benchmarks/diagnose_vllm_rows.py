@@ -1,5 +1,5 @@
 """Where do an mmap engine's tokens part from the stock engine's? A diagnostic for the real
-vLLM 0.33.0 engine on a GPU (``scripts/gpu/vllm_engine.sh`` with ``DIAGNOSE=1``).
+vLLM 0.33.0 engine on a GPU (``scripts/gpu/all_gpu_tests.sh`` runs it unless ``DIAG=0``).
 
 Every engine serves the workload of ``tests/test_vllm_engine_gpu.py`` (BF16 tiny Qwen4Exp)
 with a check inside its PLE embedding, captured into the CUDA graphs with the rest: the rows

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The GPU checks of one change in one device call, after the bundle's two part uploads
-# (scripts/vllm-h200/README.md): set vLLM up, install our wheel (dist/), run the real-engine
-# tests (scripts/gpu/vllm_engine.sh), then every other GPU test of tests/ (the core, the
-# runner hooks' stand-in, transformers). Each part is bounded; logs go to $OUT. Run from the
+# Every GPU test of tests/ on one host in one device call, after the bundle's two part
+# uploads (scripts/vllm-h200/README.md): set vLLM up, install our wheel (dist/), run the
+# real-engine tests (scripts/gpu/vllm_engine.sh), then every other GPU test (the core, the
+# runner hooks' stand-in, transformers), then, time permitting, the stock-vs-mmap diagnostic
+# (benchmarks/diagnose_vllm_rows.py). Each part is bounded; logs go to $OUT. Run from the
 # repository root with carry [".vllm-bundle/c", "dist"]. Wall time: about 8 minutes on a
 # fresh host (the first engine compiles vLLM's Triton kernels).
 #   ENGINE_LIMIT=440  seconds for the engine tests    SERVE=0|1  also `vllm serve` (+~60 s)
-#   CORE_LIMIT=150    seconds for the other GPU tests
+#   CORE_LIMIT=150    seconds for the other GPU tests DIAG=0     skip the diagnostic
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder that comes back}
 R=$PWD
