@@ -46,6 +46,8 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> pm.MmapTable:
 
 def cycles_for(torch, ms: float) -> int:  # type: ignore[no-untyped-def]
     """GPU clock cycles of ``torch.cuda._sleep`` that last about ``ms`` milliseconds."""
+    torch.cuda._sleep(1_000)  # the kernel's first launch loads it: not part of the timing
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     torch.cuda._sleep(1_000_000)

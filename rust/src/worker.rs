@@ -484,6 +484,33 @@ impl GatherWorker {
     /// complete it. Returns the worker's error, typed, if a gather failed (the GPU was
     /// released) or a replay published ids nobody armed the worker for.
     pub fn complete(&self, timeout: Duration) -> Result<()> {
+        match self.try_complete() {
+            Some(done) => done,
+            None => self.complete_waiting(timeout),
+        }
+    }
+
+    /// [`Self::complete`] if it need not wait: the oldest armed step is filled (or failed),
+    /// or none is armed; `None` when the worker is still on it. Never blocks beyond the
+    /// locks, so a caller holding an interpreter lock may call it without releasing that
+    /// (a serving loop completes a step the worker filled long ago: releasing and
+    /// retaking a contended interpreter lock costs more than the completion).
+    pub fn try_complete(&self) -> Option<Result<()>> {
+        let sh = &self.shared;
+        let ctl = sh.ctl();
+        let waits = ctl.failure.is_none()
+            && ctl
+                .armed
+                .front()
+                .is_some_and(|&step| ctl.handled < step && !sh.rows.is_released());
+        if waits {
+            return None;
+        }
+        drop(ctl);
+        Some(self.complete_waiting(Duration::ZERO))
+    }
+
+    fn complete_waiting(&self, timeout: Duration) -> Result<()> {
         let sh = &self.shared;
         let mut ctl = sh.ctl();
         if let Some(e) = ctl.failure.take() {
@@ -1127,6 +1154,40 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::State);
         w.close();
         assert!(rows.poison_cause().unwrap().contains("closed"));
+    }
+
+    #[test]
+    fn try_complete_never_waits_and_completes_only_a_filled_step() {
+        let mut staging = vec![0u8; 4 * 4];
+        let rows = host_rows(4, 4, &mut staging);
+        let src = Arc::new(Counting { rows: 10, width: 4 });
+        let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 4)).unwrap();
+        assert!(matches!(w.try_complete(), Some(Err(_))), "nothing begun: the rows say so");
+        w.begin(4).unwrap();
+        w.begin(4).unwrap();
+        assert!(w.try_complete().is_none(), "no ids yet: it would have to wait");
+        assert_eq!(w.in_flight(), 2);
+        w.publish_from_host(&[3], T).unwrap();
+        let t0 = Instant::now();
+        while w.stats().fills < 1 {
+            assert!(t0.elapsed() < T, "the worker never filled");
+            std::thread::yield_now();
+        }
+        assert!(matches!(w.try_complete(), Some(Ok(()))));
+        assert_eq!((w.in_flight(), staging[0]), (1, 4));
+        assert!(w.try_complete().is_none(), "the second step has no ids");
+        // A failure is returned at once, typed, whatever is armed.
+        w.publish_from_host(&[99], T).unwrap();
+        let t0 = Instant::now();
+        loop {
+            if let Some(done) = w.try_complete() {
+                assert_eq!(done.unwrap_err().kind(), ErrorKind::RowId);
+                break;
+            }
+            assert!(t0.elapsed() < T, "the failure never surfaced");
+            std::thread::yield_now();
+        }
+        w.close();
     }
 
     #[test]

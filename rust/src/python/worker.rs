@@ -105,6 +105,12 @@ impl PyGatherWorker {
     fn complete(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
         let t: Duration = secs(timeout_s, "timeout").py(py)?;
         let inner = &self.inner;
+        // A step already filled completes in microseconds: keep the GIL (another thread
+        // of a serving process may hold it for a while once released). Release it only
+        // to wait for the worker.
+        if let Some(done) = inner.try_complete() {
+            return done.py(py);
+        }
         py.detach(|| inner.complete(t)).py(py)
     }
 
