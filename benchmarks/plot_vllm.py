@@ -1,7 +1,9 @@
 """Plot ``bench_vllm.py``'s results: ITL p50 per backend per load, each repeat a dot and
-the median a bar, and beside it each backend's ITL p50 paired against the reference
-server of the same round (percent). Reads one or more ``--json`` outputs of the bench (each
-its own panel row: two runs that could not share the GPU) and writes one PNG.
+the median a bar; beside it each backend's ITL p50 paired against the reference server of
+the same round (percent); and what the mmap servers measured of a step's cost where it
+arises: the first PLE layer's GPU stall (mean) and our host time (p50) per step, in us.
+Reads one or more ``--json`` outputs of the bench (each its own panel row: two runs that
+could not share the GPU) and writes one PNG.
 
     python3 benchmarks/plot_vllm.py out/bench_vllm_ladder_gpu.json \\
         out/bench_vllm_ladder_mmap.json -o benchmarks/vllm_step_costs.png
@@ -26,13 +28,13 @@ def plot(docs: list[tuple[str, dict[str, Any]]], out: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(docs), 2, figsize=(12, 3.6 * len(docs)), squeeze=False)
+    fig, axes = plt.subplots(len(docs), 3, figsize=(17, 3.8 * len(docs)), squeeze=False)
     for row, (name, doc) in enumerate(docs):
         runs = _runs(doc)
         ref = doc.get("ref")
         backends = list(dict.fromkeys(r["backend"] for r in runs))
         loads = list(dict.fromkeys(r["load"] for r in runs))
-        ax, axp = axes[row]
+        ax, axp, axc = axes[row]
         width = 0.8 / max(1, len(backends))
         for bi, b in enumerate(backends):
             for li, load in enumerate(loads):
@@ -73,10 +75,40 @@ def plot(docs: list[tuple[str, dict[str, Any]]], out: Path, title: str) -> None:
         axp.set_ylabel(f"ITL p50 vs {ref} (%)")
         axp.set_title(f"{name}: paired against {ref} round by round (dashed: +-1%)")
         axp.legend(fontsize=8)
+        _costs(axc, name, runs, backends)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
+
+
+def _costs(ax: Any, name: str, runs: list[dict[str, Any]], backends: list[str]) -> None:
+    """Per backend (c64 and every load together): GPU stall mean of the first PLE layer
+    and host p50 per engine step, each repeat a dot, the median a bar."""
+    shown = [b for b in backends if any(r.get("stall") or r.get("host_us") for r in runs
+                                        if r["backend"] == b)]  # fmt: skip
+    for bi, b in enumerate(shown):
+        stall, host = [], []
+        for r in runs:
+            if r["backend"] != b:
+                continue
+            if r.get("stall"):
+                first = min(r["stall"], key=lambda n: int(n.split("layers.")[1].split(".")[0]))
+                stall.append(r["stall"][first]["mean_us"])
+            if r.get("host_us"):
+                host.append(r["host_us"]["total_p50"])
+        for k, (xs, label) in enumerate(((stall, "GPU stall, mean"), (host, "host, p50"))):
+            if not xs:
+                continue
+            x = bi + (k - 0.5) * 0.38
+            ax.bar(x, statistics.median(xs), 0.34, color=f"C{k + 2}", alpha=0.6,
+                   label=label if bi == 0 else None)  # fmt: skip
+            ax.plot([x] * len(xs), xs, "k.", ms=4)
+    ax.set_xticks(range(len(shown)), shown, fontsize=8)
+    ax.set_ylabel("us per step")
+    ax.set_title(f"{name}: measured where it arises (each repeat a dot)")
+    if shown:
+        ax.legend(fontsize=8)
 
 
 def main(argv: list[str] | None = None) -> int:
