@@ -1162,10 +1162,16 @@ mod tests {
         let rows = host_rows(4, 4, &mut staging);
         let src = Arc::new(Counting { rows: 10, width: 4 });
         let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 4)).unwrap();
-        assert!(matches!(w.try_complete(), Some(Err(_))), "nothing begun: the rows say so");
+        assert!(
+            matches!(w.try_complete(), Some(Err(_))),
+            "nothing begun: the rows say so"
+        );
         w.begin(4).unwrap();
         w.begin(4).unwrap();
-        assert!(w.try_complete().is_none(), "no ids yet: it would have to wait");
+        assert!(
+            w.try_complete().is_none(),
+            "no ids yet: it would have to wait"
+        );
         assert_eq!(w.in_flight(), 2);
         w.publish_from_host(&[3], T).unwrap();
         let t0 = Instant::now();

@@ -1,0 +1,208 @@
+//! The protocol's kernels (`cuda/kernels/rows.cu`, embedded as PTX) and their launches:
+//! a handle of the same layer as [`super::handles`], never freed.
+
+use std::ffi::c_void;
+use std::ptr;
+use std::sync::OnceLock;
+
+use cudarc::driver::sys;
+
+use super::handles::PrimaryContext;
+use super::result::{check, DevicePtr, RawStream};
+use crate::error::Result;
+
+/// The protocol's kernels (`kernels/rows.cu`), loaded once per device into its primary
+/// context and never unloaded: captured graphs keep launching them for their whole life.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Kernels {
+    wait_copy_reset: sys::CUfunction,
+    publish_ids: sys::CUfunction,
+    stamp: sys::CUfunction,
+    ordinal: i32,
+}
+
+// SAFETY: CUfunction handles may be used from any thread of their context.
+unsafe impl Send for Kernels {}
+// SAFETY: as above; the handles are immutable.
+unsafe impl Sync for Kernels {}
+
+const ROWS_PTX: &str = concat!(include_str!("../kernels/rows.ptx"), "\0");
+
+/// Threads of a single-block launch that moves `n` units.
+fn block_for(n: usize) -> u32 {
+    (n.div_ceil(32) * 32).clamp(32, 1024) as u32
+}
+
+impl Kernels {
+    /// The kernels for device `ordinal`, loaded into its primary context on first use.
+    pub fn get(ordinal: i32) -> Result<Self> {
+        static CACHE: OnceLock<std::sync::Mutex<std::collections::HashMap<i32, Kernels>>> =
+            OnceLock::new();
+        let cache = CACHE.get_or_init(Default::default);
+        let mut map = cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = map.get(&ordinal) {
+            return Ok(*k);
+        }
+        // The module lives in the primary context: keep that context alive for the life of
+        // the process, or a release to zero (e.g. after the probe, before torch retains it)
+        // would destroy the module and leave the cached handles dangling.
+        let ctx = PrimaryContext::retain(ordinal)?;
+        let _g = ctx.bind()?;
+        std::mem::forget(ctx);
+        let mut module = ptr::null_mut();
+        // SAFETY: ROWS_PTX is NUL-terminated PTX text; valid out-pointer; the context is
+        // bound. Loading eagerly here (not on first launch) keeps lazy module loading from
+        // synchronising behind a pending wait later.
+        check("cuModuleLoadData", Some(ordinal), unsafe {
+            sys::cuModuleLoadData(&mut module, ROWS_PTX.as_ptr().cast())
+        })?;
+        let get = |name: &std::ffi::CStr| -> Result<sys::CUfunction> {
+            let mut func = ptr::null_mut();
+            // SAFETY: module is live (never unloaded); the name is NUL-terminated.
+            check("cuModuleGetFunction", Some(ordinal), unsafe {
+                sys::cuModuleGetFunction(&mut func, module, name.as_ptr())
+            })?;
+            Ok(func)
+        };
+        let k = Kernels {
+            wait_copy_reset: get(c"ple_wait_copy_reset")?,
+            publish_ids: get(c"ple_publish_ids")?,
+            stamp: get(c"ple_stamp")?,
+            ordinal,
+        };
+        map.insert(ordinal, k);
+        Ok(k)
+    }
+
+    /// # Safety
+    /// `params` point at values matching the kernel's parameters; the caller's contract of
+    /// the public launch functions holds.
+    unsafe fn launch(
+        &self,
+        f: sys::CUfunction,
+        threads: u32,
+        stream: RawStream,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        // SAFETY: the caller's contract; the driver copies the parameter values.
+        check("cuLaunchKernel", Some(self.ordinal), unsafe {
+            sys::cuLaunchKernel(
+                f,
+                1,
+                1,
+                1,
+                threads,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                ptr::null_mut(),
+            )
+        })
+    }
+
+    /// Enqueue `wait until (gate & mask) != 0 ; copy n bytes src -> dst ; filled = EMPTY`
+    /// as one single-block kernel on `stream`.
+    ///
+    /// # Safety
+    /// `src` (the slot's device address) and `dst` hold `n` bytes and are 16-byte aligned;
+    /// `gate` is the flag line's device address; all outlive every execution of the launch
+    /// (graph replays included); `stream` is live.
+    pub unsafe fn wait_copy_reset(
+        &self,
+        stream: RawStream,
+        src: DevicePtr,
+        dst: DevicePtr,
+        n: usize,
+        gate: DevicePtr,
+        mask: u64,
+    ) -> Result<()> {
+        let (mut a, mut b, mut c, mut d, mut e) = (src, dst, n as u64, gate, mask);
+        let mut params: [*mut c_void; 5] = [
+            (&mut a as *mut u64).cast(),
+            (&mut b as *mut u64).cast(),
+            (&mut c as *mut u64).cast(),
+            (&mut d as *mut u64).cast(),
+            (&mut e as *mut u64).cast(),
+        ];
+        // SAFETY: five 8-byte parameters, as the kernel declares; the rest is the caller's.
+        unsafe {
+            self.launch(
+                self.wait_copy_reset,
+                block_for(n.div_ceil(16)),
+                stream,
+                &mut params,
+            )
+        }
+    }
+
+    /// Enqueue `copy count ids (elem bytes each) -> mailbox ; store count ; ready = 1`, where
+    /// `count` is `*count_dev` (clamped) when non-zero, else `max_ids`.
+    ///
+    /// # Safety
+    /// `ids` holds `max_ids` ids of `elem` (4 or 8) bytes, 4-byte aligned; `count_dev` is 0
+    /// or a device `int32`; the mailbox addresses are mapped pinned memory large enough;
+    /// all outlive every execution (graph replays included); `stream` is live.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn publish_ids(
+        &self,
+        stream: RawStream,
+        ids: DevicePtr,
+        max_ids: usize,
+        count_dev: DevicePtr,
+        elem: usize,
+        mailbox_ids: DevicePtr,
+        mailbox_count: DevicePtr,
+        ready: DevicePtr,
+    ) -> Result<()> {
+        let (mut a, mut b, mut c, mut d) = (ids, max_ids as u64, count_dev, elem as u64);
+        let (mut e, mut f, mut g) = (mailbox_ids, mailbox_count, ready);
+        let mut params: [*mut c_void; 7] = [
+            (&mut a as *mut u64).cast(),
+            (&mut b as *mut u64).cast(),
+            (&mut c as *mut u64).cast(),
+            (&mut d as *mut u64).cast(),
+            (&mut e as *mut u64).cast(),
+            (&mut f as *mut u64).cast(),
+            (&mut g as *mut u64).cast(),
+        ];
+        // SAFETY: seven 8-byte parameters, as the kernel declares; the rest is the caller's.
+        unsafe {
+            self.launch(
+                self.publish_ids,
+                block_for(max_ids * elem / 4),
+                stream,
+                &mut params,
+            )
+        }
+    }
+}
+
+impl Kernels {
+    /// Enqueue `ring[2 + 2 * (k % cap) + which] = globaltimer ; counters[which] = k + 1 ;
+    /// ring[which] = k + 1` where `k = counters[which]` (see `kernels/rows.cu`).
+    ///
+    /// # Safety
+    /// `counters` is device memory of two u64; `ring` the device address of mapped pinned
+    /// memory of `2 + 2 * cap` u64; both outlive every execution of the launch (graph
+    /// replays included); `which` is 0 or 1, `cap` > 0; `stream` is live.
+    pub unsafe fn stamp(
+        &self,
+        stream: RawStream,
+        counters: DevicePtr,
+        ring: DevicePtr,
+        which: u64,
+        cap: u64,
+    ) -> Result<()> {
+        let (mut a, mut b, mut c, mut d) = (counters, ring, which, cap);
+        let mut params: [*mut c_void; 4] = [
+            (&mut a as *mut u64).cast(),
+            (&mut b as *mut u64).cast(),
+            (&mut c as *mut u64).cast(),
+            (&mut d as *mut u64).cast(),
+        ];
+        // SAFETY: four 8-byte parameters, as the kernel declares; the rest is the caller's.
+        unsafe { self.launch(self.stamp, 32, stream, &mut params) }
+    }
+}
