@@ -194,7 +194,7 @@ struct Shared {
     slot_dptr: DevicePtr,
     /// The protocol kernels (deferred mode).
     kernel: Option<Kernels>,
-    /// A native worker fills this object (see `worker.rs`): eager enqueues may precede
+    /// A native worker fills this object (see [`crate::worker`]): eager enqueues may precede
     /// the fill, since no host-thread synchronisation can block the worker.
     worker_fed: AtomicBool,
     flag: Option<HostFlag>,

@@ -1,0 +1,83 @@
+//! How a worker is set up ([`WorkerOptions`], [`PublishPath`]) and what it counts
+//! ([`WorkerStats`]).
+
+use std::time::Duration;
+
+/// How the graph publishes its ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PublishPath {
+    /// One single-block kernel copies ids and count into the mailbox and stores READY.
+    #[default]
+    Kernel,
+    /// Copy-engine D2H copies of ids (and count), then `cuStreamWriteValue32(READY)`.
+    Memop,
+}
+
+/// Counters and timings of one worker.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkerStats {
+    pub steps: u64,
+    pub fills: u64,
+    pub failures: u64,
+    pub ids_total: u64,
+    /// From the worker seeing READY to its FILLED store, nanoseconds.
+    pub ready_to_filled_ns_last: u64,
+    pub ready_to_filled_ns_max: u64,
+    pub ready_to_filled_ns_total: u64,
+    /// The fills of steps begun with
+    /// [`GatherWorker::begin_eager`](super::GatherWorker::begin_eager) (an engine's eager
+    /// forward: a prefill chunk, a mixed batch), counted in `fills` and
+    /// `ready_to_filled_ns_total` too; the rest are replays.
+    pub eager_fills: u64,
+    pub eager_fill_ns_total: u64,
+    /// From the worker starting to wait for a step's ids to READY seen: how early it was.
+    pub armed_to_ready_ns_last: u64,
+    pub publishes_captured: u64,
+    pub publishes_eager: u64,
+    /// Steps given host-known ids with
+    /// [`GatherWorker::publish_from_host`](super::GatherWorker::publish_from_host).
+    pub publishes_host: u64,
+    /// Replays that published ids with no step armed (each released with zero rows).
+    pub unarmed_replays: u64,
+    /// Steps whose wait for READY kept the source's own gather threads awake
+    /// ([`WarmThreads`](super::WarmThreads)).
+    pub warmed_steps: u64,
+}
+
+/// How a worker is set up (beyond its rows, table and row map).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerOptions {
+    /// Ids a step may publish (at most the rows object's `max_rows`).
+    pub max_ids: usize,
+    /// 4 (int32) or 8 (int64).
+    pub id_bytes: usize,
+    pub path: PublishPath,
+    /// Steps that may be armed at once: 2 lets a host running one step ahead (asynchronous
+    /// scheduling) arm step N+1 before the GPU published step N's ids.
+    pub depth: usize,
+    /// How long the worker stays hot (spinning, then yielding) while waiting for ids or for
+    /// the next step before it falls back to short sleeps (waiting for ids) or blocking
+    /// (idle). A worker that sleeps sees READY late: on a VM, waking an idle vCPU can take
+    /// longer than the whole gather.
+    pub spin: Duration,
+    /// Diagnostics only: fill each step without gathering (the slot keeps whatever bytes
+    /// it held, so consumers read stale rows). Times the protocol without the host's
+    /// gather; never for serving.
+    pub skip_gather: bool,
+}
+
+impl Default for WorkerOptions {
+    fn default() -> Self {
+        Self {
+            max_ids: 1,
+            id_bytes: 8,
+            path: PublishPath::Kernel,
+            depth: 2,
+            spin: DEFAULT_SPIN,
+            skip_gather: false,
+        }
+    }
+}
+
+/// Default for [`WorkerOptions::spin`].
+pub const DEFAULT_SPIN: Duration = Duration::from_millis(2);

@@ -1,0 +1,485 @@
+//! The worker's tests (a host-mode rows object; ids published from the host).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::deferred::{Config, CopyPath, DeferredRows, Target};
+use crate::error::{ErrorKind, Result};
+
+const T: Duration = Duration::from_secs(5);
+
+struct Counting {
+    rows: u64,
+    width: usize,
+}
+
+impl RowSource for Counting {
+    fn rows(&self) -> u64 {
+        self.rows
+    }
+    fn row_bytes(&self) -> usize {
+        self.width
+    }
+    fn name(&self) -> String {
+        "counting".into()
+    }
+    fn gather_rows(&self, ids: &[i64], dst: &mut [u8]) -> Result<()> {
+        for (row, id) in dst.chunks_mut(self.width).zip(ids) {
+            row.fill((*id % 251) as u8 + 1);
+        }
+        Ok(())
+    }
+}
+
+fn opts(max_ids: usize, id_bytes: usize) -> WorkerOptions {
+    WorkerOptions {
+        max_ids,
+        id_bytes,
+        ..WorkerOptions::default()
+    }
+}
+
+fn host_rows(max_rows: usize, width: usize, staging: &mut [u8]) -> DeferredRows {
+    watched_rows(max_rows, width, staging, None)
+}
+
+fn watched_rows(
+    max_rows: usize,
+    width: usize,
+    staging: &mut [u8],
+    watchdog: Option<Duration>,
+) -> DeferredRows {
+    let cfg = Config {
+        max_rows,
+        row_bytes: width,
+        watchdog,
+        track_arrival: false,
+        copy: CopyPath::Auto,
+        time_stalls: false,
+    };
+    // SAFETY: `staging` is max_rows * width bytes and outlives the object in each test.
+    unsafe {
+        DeferredRows::new(
+            cfg,
+            Target::Host {
+                staging: staging.as_mut_ptr(),
+            },
+        )
+    }
+    .unwrap()
+}
+
+#[test]
+fn worker_fills_published_ids_and_surfaces_errors() {
+    let mut staging = vec![0u8; 8 * 4];
+    let rows = host_rows(8, 4, &mut staging);
+    let src = Arc::new(Counting {
+        rows: 100,
+        width: 4,
+    });
+    let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(8, 8)).unwrap();
+    for step in 0..50i64 {
+        w.begin(8).unwrap();
+        let ids: Vec<i64> = (0..(step % 8 + 1)).map(|i| (i * 7 + step) % 100).collect();
+        w.publish_from_host(&ids, T).unwrap();
+        w.complete(Duration::from_secs(5)).unwrap();
+        for (i, id) in ids.iter().enumerate() {
+            assert!(staging[i * 4..i * 4 + 4]
+                .iter()
+                .all(|&b| b == (*id % 251) as u8 + 1));
+        }
+        assert!(staging[ids.len() * 4..].iter().all(|&b| b == 0));
+    }
+    assert_eq!(w.stats().fills, 50);
+    // A bad id from the "GPU": typed error at complete, then poisoned.
+    w.begin(8).unwrap();
+    w.publish_from_host(&[1, 200], T).unwrap();
+    let e = w.complete(Duration::from_secs(5)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::RowId, "{e}");
+    assert_eq!(w.begin(8).unwrap_err().kind(), ErrorKind::Poisoned);
+    assert!(rows.poison_cause().unwrap().contains("out of range"));
+    w.close();
+}
+
+/// A source whose every gather takes `delay`.
+struct Slow {
+    inner: Counting,
+    delay: Duration,
+}
+
+impl RowSource for Slow {
+    fn rows(&self) -> u64 {
+        self.inner.rows()
+    }
+    fn row_bytes(&self) -> usize {
+        self.inner.row_bytes()
+    }
+    fn name(&self) -> String {
+        "slow".into()
+    }
+    fn gather_rows(&self, ids: &[i64], dst: &mut [u8]) -> Result<()> {
+        std::thread::sleep(self.delay);
+        self.inner.gather_rows(ids, dst)
+    }
+}
+
+#[test]
+fn the_watchdog_counts_from_the_ids_not_from_begin() {
+    let watchdog = Duration::from_millis(60);
+    let mut staging = vec![0u8; 4 * 4];
+    let rows = watched_rows(4, 4, &mut staging, Some(watchdog));
+    let src = Arc::new(Slow {
+        inner: Counting { rows: 10, width: 4 },
+        delay: Duration::from_millis(5),
+    });
+    let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8)).unwrap();
+    // Armed long before its ids come (the GPU busy with work queued ahead): no wait.
+    w.begin(4).unwrap();
+    std::thread::sleep(watchdog * 4);
+    w.publish_from_host(&[1, 2], T).unwrap();
+    w.complete(T).unwrap();
+    assert_eq!(rows.stats().watchdog_releases, 0);
+    assert!(staging[..4].iter().all(|&b| b == 2));
+    // A step whose ids never come (the GPU never reached it) is not released: the
+    // host's bounded complete() says so instead.
+    w.begin(4).unwrap();
+    std::thread::sleep(watchdog * 3);
+    assert_eq!(w.complete(watchdog).unwrap_err().kind(), ErrorKind::State);
+    assert_eq!(rows.stats().watchdog_releases, 0);
+    w.close();
+}
+
+#[test]
+fn complete_times_out_when_nothing_is_published_and_close_releases() {
+    let mut staging = vec![0u8; 4 * 4];
+    let rows = host_rows(4, 4, &mut staging);
+    let src = Arc::new(Counting { rows: 10, width: 4 });
+    let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 4)).unwrap();
+    w.begin(4).unwrap();
+    let e = w.complete(Duration::from_millis(30)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::State);
+    w.close();
+    assert!(rows.poison_cause().unwrap().contains("closed"));
+}
+
+#[test]
+fn try_complete_never_waits_and_completes_only_a_filled_step() {
+    let mut staging = vec![0u8; 4 * 4];
+    let rows = host_rows(4, 4, &mut staging);
+    let src = Arc::new(Counting { rows: 10, width: 4 });
+    let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 4)).unwrap();
+    assert!(
+        matches!(w.try_complete(), Some(Err(_))),
+        "nothing begun: the rows say so"
+    );
+    w.begin(4).unwrap();
+    w.begin(4).unwrap();
+    assert!(
+        w.try_complete().is_none(),
+        "no ids yet: it would have to wait"
+    );
+    assert_eq!(w.in_flight(), 2);
+    w.publish_from_host(&[3], T).unwrap();
+    let t0 = Instant::now();
+    while w.stats().fills < 1 {
+        assert!(t0.elapsed() < T, "the worker never filled");
+        std::thread::yield_now();
+    }
+    assert!(matches!(w.try_complete(), Some(Ok(()))));
+    assert_eq!((w.in_flight(), staging[0]), (1, 4));
+    assert!(w.try_complete().is_none(), "the second step has no ids");
+    // A failure is returned at once, typed, whatever is armed.
+    w.publish_from_host(&[99], T).unwrap();
+    let t0 = Instant::now();
+    loop {
+        if let Some(done) = w.try_complete() {
+            assert_eq!(done.unwrap_err().kind(), ErrorKind::RowId);
+            break;
+        }
+        assert!(t0.elapsed() < T, "the failure never surfaced");
+        std::thread::yield_now();
+    }
+    w.close();
+}
+
+#[test]
+fn bad_construction_is_refused() {
+    let mut staging = vec![0u8; 4 * 4];
+    let rows = host_rows(4, 4, &mut staging);
+    let src: Arc<dyn RowSource> = Arc::new(Counting { rows: 10, width: 4 });
+    let wide: Arc<dyn RowSource> = Arc::new(Counting { rows: 10, width: 8 });
+    for r in [
+        GatherWorker::new(rows.clone(), src.clone(), RowMap::Identity, opts(5, 8)),
+        GatherWorker::new(rows.clone(), src.clone(), RowMap::Identity, opts(4, 2)),
+        GatherWorker::new(rows.clone(), wide, RowMap::Identity, opts(4, 8)),
+        GatherWorker::new(
+            rows.clone(),
+            src.clone(),
+            RowMap::PerHead {
+                offsets: vec![0],
+                sizes: vec![11],
+            },
+            opts(4, 8),
+        ),
+    ] {
+        assert_eq!(r.err().unwrap().kind(), ErrorKind::InvalidArgument);
+    }
+}
+
+#[test]
+fn two_steps_armed_fill_in_order_and_complete_oldest_first() {
+    let mut staging = vec![0u8; 8 * 4];
+    let rows = host_rows(8, 4, &mut staging);
+    let src = Arc::new(Counting {
+        rows: 100,
+        width: 4,
+    });
+    let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(8, 8)).unwrap();
+    assert_eq!(w.depth(), 2);
+    // Host one step ahead: arm 1 and 2 before either is published.
+    w.begin(8).unwrap();
+    w.begin(8).unwrap();
+    assert_eq!(w.begin(8).unwrap_err().kind(), ErrorKind::State);
+    assert_eq!(w.in_flight(), 2);
+    for round in 0..20i64 {
+        w.publish_from_host(&[round, round + 1], T).unwrap();
+        // The oldest step completes once its ids were gathered.
+        w.complete(Duration::from_secs(5)).unwrap();
+        assert_eq!(staging[0], (round % 251) as u8 + 1);
+        assert_eq!(staging[4], ((round + 1) % 251) as u8 + 1);
+        w.begin(8).unwrap();
+    }
+    w.publish_from_host(&[7], T).unwrap();
+    w.complete(Duration::from_secs(5)).unwrap();
+    w.publish_from_host(&[9], T).unwrap();
+    w.complete(Duration::from_secs(5)).unwrap();
+    assert_eq!(staging[0], 10);
+    assert_eq!(w.in_flight(), 0);
+    assert_eq!(w.stats().fills, 22);
+    // A host-fed step on the rows object while the worker has steps armed is refused.
+    w.begin(8).unwrap();
+    assert_eq!(rows.begin(8).unwrap_err().kind(), ErrorKind::State);
+    w.publish_from_host(&[1], T).unwrap();
+    w.complete(Duration::from_secs(5)).unwrap();
+    w.close();
+}
+
+/// Rows as [`Counting`]'s, gathered on a pool of its own from 4 rows up.
+struct Pooled {
+    pool: rayon::ThreadPool,
+}
+
+impl RowSource for Pooled {
+    fn rows(&self) -> u64 {
+        100
+    }
+    fn row_bytes(&self) -> usize {
+        4
+    }
+    fn name(&self) -> String {
+        "pooled".into()
+    }
+    fn gather_rows(&self, ids: &[i64], dst: &mut [u8]) -> Result<()> {
+        use rayon::prelude::*;
+        self.pool.install(|| {
+            dst.par_chunks_mut(4)
+                .zip(ids.par_iter())
+                .for_each(|(row, id)| row.fill((*id % 251) as u8 + 1))
+        });
+        Ok(())
+    }
+    fn own_pool_for(&self, rows: usize) -> Option<&rayon::ThreadPool> {
+        (rows >= 4).then_some(&self.pool)
+    }
+}
+
+/// How long a trivial job on `pool` waits for a free thread.
+fn pool_wait(pool: &rayon::ThreadPool) -> Duration {
+    let t0 = Instant::now();
+    pool.install(|| ());
+    t0.elapsed()
+}
+
+#[test]
+fn own_gather_threads_are_held_awake_only_while_a_step_is_armed() {
+    let mut staging = vec![0u8; 8 * 4];
+    let rows = host_rows(8, 4, &mut staging);
+    let src = Arc::new(Pooled {
+        pool: rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap(),
+    });
+    let w = GatherWorker::new(rows.clone(), src.clone(), RowMap::Identity, opts(8, 8)).unwrap();
+    // The first step has no previous fill to go by; 2 rows stay below the pool.
+    for (k, ids) in [
+        vec![1, 2],
+        vec![3, 4],
+        (0..8).collect(),
+        (10..18).collect(),
+        vec![5],
+        (20..28).collect(),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        w.begin(8).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        w.publish_from_host(&ids, T).unwrap();
+        w.complete(T).unwrap();
+        for (i, id) in ids.iter().enumerate() {
+            assert!(
+                staging[i * 4..i * 4 + 4]
+                    .iter()
+                    .all(|&b| b == (*id % 251) as u8 + 1),
+                "step {k} row {i}"
+            );
+        }
+        // The warm jobs ended with the step: the pool is free long before WARM_MAX.
+        let wait = pool_wait(&src.pool);
+        assert!(wait < WARM_MAX / 2, "step {k}: the pool was held {wait:?}");
+    }
+    // Warmed: the steps after an 8-row fill (the 4th and the 5th), not the one after
+    // the 1-row fill.
+    assert_eq!(w.stats().warmed_steps, 2);
+    assert_eq!(w.stats().fills, 6);
+    // Armed after an 8-row fill and never published: closing ends the warm jobs too.
+    w.begin(8).unwrap();
+    std::thread::sleep(Duration::from_millis(5));
+    w.close();
+    let wait = pool_wait(&src.pool);
+    assert!(
+        wait < WARM_MAX / 2,
+        "after close the pool was held {wait:?}"
+    );
+    assert_eq!(w.stats().warmed_steps, 3);
+}
+
+#[test]
+fn eager_steps_fills_are_counted_apart_from_replays() {
+    let mut staging = vec![0u8; 8 * 4];
+    let rows = host_rows(8, 4, &mut staging);
+    let src = Arc::new(Slow {
+        inner: Counting {
+            rows: 100,
+            width: 4,
+        },
+        delay: Duration::from_millis(20),
+    });
+    let w = GatherWorker::new(rows, src, RowMap::Identity, opts(8, 8)).unwrap();
+    // replay, eager, replay, with two armed at once (the eager one second in line).
+    w.begin(8).unwrap();
+    w.begin_eager(8).unwrap();
+    w.publish_from_host(&[1], T).unwrap();
+    w.complete(T).unwrap();
+    w.begin(8).unwrap();
+    for ids in [[2i64], [3]] {
+        w.publish_from_host(&ids, T).unwrap();
+        w.complete(T).unwrap();
+    }
+    let s = w.stats();
+    assert_eq!((s.fills, s.eager_fills), (3, 1));
+    // Every gather sleeps 20 ms: the eager share of the time is one fill's.
+    assert!(s.eager_fill_ns_total >= 20_000_000, "{s:?}");
+    assert!(
+        s.ready_to_filled_ns_total >= s.eager_fill_ns_total + 40_000_000,
+        "{s:?}"
+    );
+    // A failed eager step leaves no mark on the next steps' accounting.
+    w.begin_eager(8).unwrap();
+    w.publish_from_host(&[500], T).unwrap();
+    assert_eq!(w.complete(T).unwrap_err().kind(), ErrorKind::RowId);
+    assert_eq!(w.stats().eager_fills, 1);
+    w.close();
+}
+
+#[test]
+fn a_publish_nobody_armed_is_released_with_zeros_and_typed() {
+    let mut staging = vec![0u8; 4 * 4];
+    let rows = host_rows(4, 4, &mut staging);
+    let src = Arc::new(Counting { rows: 10, width: 4 });
+    let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8)).unwrap();
+    w.begin(4).unwrap();
+    w.publish_from_host(&[3, 4], T).unwrap();
+    w.complete(Duration::from_secs(5)).unwrap();
+    assert_eq!(staging[0], 4);
+    // A host publish for no armed step is refused, and writes nothing.
+    let e = w.publish_from_host(&[5, 6], T).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NoArmedStep, "{e}");
+    assert!(e.kind().is_state(), "{e}");
+    assert_eq!(staging[0], 4);
+    // A "replay" without begin(): the worker must not keep the ids for the next step.
+    w.simulate_replay_publish(&[5, 6]);
+    let t0 = Instant::now();
+    while !rows.is_released() && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(rows.is_released(), "the unarmed publish was not released");
+    assert!(
+        staging.iter().all(|&b| b == 0),
+        "the consumer must read zeros"
+    );
+    let e = w.begin(4).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::UnarmedReplay, "{e}");
+    assert!(e.to_string().contains("without begin()"), "{e}");
+    assert_eq!(w.begin(4).unwrap_err().kind(), ErrorKind::Poisoned);
+    assert_eq!(w.stats().unarmed_replays, 1);
+    w.close();
+}
+
+#[test]
+fn closing_a_worker_that_published_releases_its_rows() {
+    let mut staging = vec![0u8; 4 * 4];
+    let rows = host_rows(4, 4, &mut staging);
+    let src = Arc::new(Counting { rows: 10, width: 4 });
+    let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8)).unwrap();
+    w.begin(4).unwrap();
+    w.publish_from_host(&[1], T).unwrap();
+    w.complete(Duration::from_secs(5)).unwrap();
+    assert!(!rows.is_released());
+    w.close();
+    assert!(rows.is_released());
+    assert!(rows
+        .poison_cause()
+        .unwrap()
+        .contains("can no longer be filled"));
+}
+
+#[test]
+fn host_ids_go_to_armed_steps_in_order_once_each() {
+    let mut staging = vec![0u8; 4 * 4];
+    let rows = host_rows(4, 4, &mut staging);
+    let src = Arc::new(Counting {
+        rows: 1000,
+        width: 4,
+    });
+    let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 4)).unwrap();
+    // Two steps armed, two publishes back to back: the second waits for the worker to
+    // take the first ids, then goes to the second step.
+    w.begin(4).unwrap();
+    w.begin(4).unwrap();
+    w.publish_from_host(&[3], T).unwrap();
+    w.publish_from_host(&[7], T).unwrap();
+    // A third has no armed step to go to.
+    let e = w.publish_from_host(&[9], T).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NoArmedStep, "{e}");
+    assert!(e.kind().is_state(), "{e}");
+    assert!(e.to_string().contains("no armed step"), "{e}");
+    w.complete(T).unwrap();
+    w.complete(T).unwrap();
+    assert_eq!(staging[0], 8, "the second step's row");
+    assert_eq!(w.stats().publishes_host, 2);
+    // int32 ids: a wider id is refused before anything is written, typed.
+    w.begin(4).unwrap();
+    let e = w.publish_from_host(&[1, 1 << 33], T).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::RowId, "{e}");
+    w.publish_from_host(&[5], T).unwrap();
+    w.complete(T).unwrap();
+    assert_eq!(staging[0], 6);
+    w.close();
+    assert_eq!(
+        w.publish_from_host(&[1], T).unwrap_err().kind(),
+        ErrorKind::Closed
+    );
+}

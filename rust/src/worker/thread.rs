@@ -1,0 +1,182 @@
+//! The worker thread: wait for an armed step and its READY, map the ids, gather, store
+//! FILLED; release what nobody armed.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::pace::{pause, IDLE_POLL, NAP};
+use super::shared::{Ctl, Shared};
+use super::warm::WarmThreads;
+use crate::error::{Error, Op, Result};
+
+impl Shared {
+    /// The next armed step to fill; `None` once stopped. While nothing is armed, stay hot
+    /// for `spin` (a serving loop arms the next step within milliseconds), then block,
+    /// waking every `IDLE_POLL`. Any READY seen meanwhile came from a replay that nobody
+    /// armed this worker for: release it (see [`Self::unarmed_replay`]).
+    pub(super) fn next_step(&self) -> Option<u64> {
+        let t0 = Instant::now();
+        loop {
+            let mut ctl = self.ctl();
+            if self.stop.load(Ordering::Acquire) {
+                return None;
+            }
+            if let Some(s) = ctl.next_to_fill() {
+                return Some(s);
+            }
+            // Holding `ctl`, nothing armed: a begin() for the ids now in the mailbox would
+            // have had to happen before its replay was launched, i.e. before READY.
+            if self.mailbox().is_ready() {
+                self.unarmed_replay(&mut ctl);
+                continue;
+            }
+            let waited = t0.elapsed();
+            if waited >= self.opts.spin {
+                drop(
+                    self.cv
+                        .wait_timeout(ctl, IDLE_POLL)
+                        .unwrap_or_else(|e| e.into_inner()),
+                );
+                continue;
+            }
+            let handled = ctl.handled;
+            drop(ctl);
+            // Hot: poll the lock-free words until something changes (or the window ends).
+            while self.armed_seq.load(Ordering::Acquire) <= handled
+                && !self.mailbox().is_ready()
+                && !self.stop.load(Ordering::Acquire)
+                && t0.elapsed() < self.opts.spin
+            {
+                pause(t0.elapsed(), self.opts.spin, NAP);
+            }
+        }
+    }
+
+    /// READY with no step armed: take the ids, release the GPU with zero rows, poison the
+    /// rows and record the typed error for the next call.
+    pub(super) fn unarmed_replay(&self, ctl: &mut Ctl) {
+        let mut scratch = Vec::new();
+        let count = self.mailbox().take(&mut scratch);
+        ctl.stats.unarmed_replays += 1;
+        if self.rows.is_released() {
+            // Already aborted or closed: the gate is open for good and the cause recorded.
+            return;
+        }
+        let detail = format!(
+            "a graph replay published {count} ids with no step armed (replayed without begin()); its consumer was released with zero rows, never another step's"
+        );
+        self.rows
+            .release_unaccounted(&format!("gather worker: {detail}"));
+        ctl.stats.failures += 1;
+        if ctl.failure.is_none() {
+            ctl.failure = Some(Error::UnarmedReplay { detail });
+        }
+        self.cv.notify_all();
+    }
+
+    /// Poll for READY while a step is armed: hot for `spin`, then short naps. Returns
+    /// false if the rows were released or the worker stopped.
+    pub(super) fn wait_ready(&self) -> bool {
+        let t0 = Instant::now();
+        loop {
+            if self.mailbox().is_ready() {
+                return true;
+            }
+            if self.stop.load(Ordering::Acquire) || self.rows.is_released() {
+                return false;
+            }
+            pause(t0.elapsed(), self.opts.spin, NAP);
+        }
+    }
+
+    pub(super) fn fill_step(&self, ids: &mut Vec<i64>, rows: &mut Vec<i64>) -> Result<usize> {
+        let count = self.mailbox().take(ids);
+        let extent = self.rows.step_rows().unwrap_or(0);
+        if count > ids.len() || count > extent {
+            return Err(Error::rows(format!(
+                "the GPU published {count} ids but the step holds {extent} rows (mailbox {})",
+                ids.len().max(count)
+            )));
+        }
+        self.map
+            .map(ids, rows, self.source.rows(), &self.source.name())?;
+        let src = &self.source;
+        let skip = self.opts.skip_gather;
+        self.rows
+            .fill_with(rows.len(), None, Duration::from_secs(1), |dst| {
+                if skip {
+                    return Ok(());
+                }
+                src.gather_rows(rows, dst)
+            })?;
+        Ok(count)
+    }
+}
+
+pub(super) fn run(sh: &Shared) {
+    crate::os::fine_timer_slack();
+    let max_ids = sh.mailbox().max_ids();
+    let mut ids = Vec::with_capacity(max_ids);
+    let mut rows = Vec::with_capacity(max_ids);
+    // Rows of the last fill: the next step's size is most likely the same (decode batches).
+    let mut last_rows = 0usize;
+    while let Some(step) = sh.next_step() {
+        let armed_at = Instant::now();
+        let warm = sh.source.own_pool_for(last_rows).map(WarmThreads::start);
+        // Counted under the `ctl` lock each way below takes anyway.
+        let warmed = u64::from(warm.is_some());
+        let ready = sh.wait_ready();
+        drop(warm);
+        if !ready {
+            // Released or stopping: nothing to fill. Mark the step handled so a waiting
+            // complete() returns (it then reports the rows' own state).
+            let mut ctl = sh.ctl();
+            ctl.stats.warmed_steps += warmed;
+            ctl.handled = ctl.handled.max(step);
+            sh.cv.notify_all();
+            continue;
+        }
+        let t_ready = Instant::now();
+        // The GPU reached the step: from now on it may be waiting for these rows.
+        sh.rows.watch(step);
+        // A panic here (a bug) must still release the GPU: it becomes the step's error.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            sh.fill_step(&mut ids, &mut rows)
+        }))
+        .unwrap_or_else(|_| {
+            Err(Error::state(
+                Op::Fill,
+                "the gather worker panicked while filling this step",
+            ))
+        });
+        let ns = t_ready.elapsed().as_nanos() as u64;
+        last_rows = rows.len();
+        let mut ctl = sh.ctl();
+        ctl.stats.warmed_steps += warmed;
+        match result {
+            Ok(count) => {
+                let eager = ctl.eager.contains(&step);
+                let st = &mut ctl.stats;
+                st.fills += 1;
+                st.ids_total += count as u64;
+                st.ready_to_filled_ns_last = ns;
+                st.ready_to_filled_ns_max = st.ready_to_filled_ns_max.max(ns);
+                st.ready_to_filled_ns_total += ns;
+                if eager {
+                    st.eager_fills += 1;
+                    st.eager_fill_ns_total += ns;
+                }
+                st.armed_to_ready_ns_last = (t_ready - armed_at).as_nanos() as u64;
+            }
+            Err(e) => {
+                sh.rows.abort(&format!("gather worker: {e}"));
+                ctl.stats.failures += 1;
+                if ctl.failure.is_none() {
+                    ctl.failure = Some(e);
+                }
+            }
+        }
+        ctl.handled = ctl.handled.max(step);
+        sh.cv.notify_all();
+    }
+}
