@@ -298,14 +298,17 @@ def test_check_command_reports(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> 
     from ple_memops.vllm.__main__ import main
 
     monkeypatch.delenv("PLE_MEMOPS_TABLE_BACKEND", raising=False)
-    assert main(["check"]) == 1
+    # Switched off is how the plugin ships, not an error: exit 0, and say how to switch on.
+    assert main(["check"]) == 0
     out = capsys.readouterr().out
     assert "vllm: 0.33.0" in out and "plugin: discovered" in out and "switch: off" in out
     assert "compatible: yes" in out
+    assert "ready, switched off" in out and "set PLE_MEMOPS_TABLE_BACKEND=mmap" in out
     monkeypatch.setenv("PLE_MEMOPS_TABLE_BACKEND", "mmap")
     assert main(["check"]) == 0
     out = capsys.readouterr().out
     assert "switch: on" in out
+    assert "ready: vLLM would serve" in out
     assert "settings: copy auto (PLE_MEMOPS_COPY), spin the core's default" in out
     # One setting at a time: what the check prints, or its refusal of a bad value.
     for var, value, rc, says in (
@@ -320,6 +323,20 @@ def test_check_command_reports(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> 
     monkeypatch.setenv("VLLM_PLUGINS", "someone_else")
     assert main(["check"]) == 1
     assert "does not name 'ple_memops'" in capsys.readouterr().out
+    # The command line: help text for its argument and exit codes, and the exit status a
+    # script sees for a compatible install switched off.
+    monkeypatch.delenv("VLLM_PLUGINS")
+    with pytest.raises(SystemExit) as helped:
+        main(["check", "--help"])
+    assert helped.value.code == 0
+    out = capsys.readouterr().out
+    assert "check: is vLLM installed" in out and "exit status: 0 compatible" in out
+    env = {k: v for k, v in os.environ.items() if k != "PLE_MEMOPS_TABLE_BACKEND"}
+    off = subprocess.run(
+        [sys.executable, "-m", "ple_memops.vllm", "check"], capture_output=True, text=True, env=env
+    )
+    assert off.returncode == 0, off.stdout + off.stderr
+    assert "switch: off" in off.stdout
 
 
 # -- the custom ops ---------------------------------------------------------------------------

@@ -1,6 +1,11 @@
 """``python -m ple_memops.vllm check``: is the plugin discovered by vLLM, switched on, and
-compatible with the installed vLLM? Exit 0 when it would serve mmap PLE tables, 1 when
-it is off or vLLM's names differ, 2 when vLLM or the plugin's entry point is missing."""
+compatible with the installed vLLM?
+
+Exit status: 0 when the install is compatible, switched on or off (off is how the plugin
+ships: the check then says how to switch it on); 1 when something would go wrong (vLLM's
+names differ from the ones the plugin was tested with, a setting has a bad value,
+``VLLM_PLUGINS`` keeps the plugin out); 2 when vLLM or the plugin's entry point is not
+installed."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, entry_points, version
 
 from ..errors import InvalidArgumentError
+from . import _compat
 from .settings import (
     BACKEND_ENV,
     COPY_ENV,
@@ -32,6 +38,10 @@ def check() -> int:
         vllm_version = version("vllm")
     except PackageNotFoundError:
         print("vllm: not installed")
+        print(
+            f"install it with: pip install vllm=={_compat.TESTED_VERSIONS[-1]} "
+            "(the version ple-memops is tested with)"
+        )
         return 2
     print(f"vllm: {vllm_version}")
     found = [ep for ep in entry_points(group=GROUP) if ep.name == NAME]
@@ -70,8 +80,6 @@ def check() -> int:
             f"diagnostics: {SKIP_GATHER_ENV} is set: rows are NOT gathered (wrong tokens); "
             "for timing the protocol only"
         )
-    from . import _compat
-
     vllm_seen, problems = _compat.check()
     if problems:
         print(f"compatible: no, vLLM {vllm_seen} differs from what the plugin was tested with:")
@@ -80,8 +88,12 @@ def check() -> int:
         return 1
     print(f"compatible: yes (vLLM {vllm_seen}: every name the plugin relies on is there)")
     if not settings.mmap:
-        print(f"set {BACKEND_ENV}=mmap to serve Qwen4Exp PLE tables from the checkpoint")
-        return 1
+        print(
+            f"ready, switched off: vLLM runs as released; set {BACKEND_ENV}=mmap in the "
+            "server's environment to serve Qwen4Exp PLE tables from the checkpoint"
+        )
+        return 0
+    print("ready: vLLM would serve Qwen4Exp PLE tables from the checkpoint (mmap)")
     return 0
 
 
@@ -90,8 +102,16 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m ple_memops.vllm",
         description="ple-memops's vLLM plugin: memory-mapped Qwen4Exp PLE tables whose FULL "
         "CUDA graphs wait for rows gathered after launch.",
+        epilog="check's exit status: 0 compatible (switched on or off), 1 a problem (vLLM's "
+        "names differ, a bad setting, VLLM_PLUGINS keeps the plugin out), 2 vLLM or the "
+        "plugin's entry point not installed",
     )
-    parser.add_argument("command", choices=["check"])
+    parser.add_argument(
+        "command",
+        choices=["check"],
+        help="check: is vLLM installed, the plugin discovered, switched on, configured and "
+        "compatible with the installed vLLM (reads the environment, starts no engine)",
+    )
     parser.parse_args(argv)
     return check()
 
