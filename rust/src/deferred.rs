@@ -25,6 +25,7 @@ use crate::cuda::stall::{StallClock, StallSamples, Stamp};
 use crate::error::{Error, Op, Result};
 use crate::probe;
 use crate::state::Phase;
+use crate::wait::wait_until;
 use crate::watchdog::{self, Watched};
 
 /// Sizes and policy of one object.
@@ -227,29 +228,6 @@ impl std::fmt::Debug for DeferredRows {
             .field("row_bytes", &self.shared.cfg.row_bytes)
             .field("phase", &self.phase_name())
             .finish()
-    }
-}
-
-const SPIN: Duration = Duration::from_micros(50);
-
-/// Spin, then yield, then sleep briefly until `ready()` or `timeout`.
-pub(crate) fn wait_until(timeout: Duration, mut ready: impl FnMut() -> bool) -> bool {
-    let t0 = Instant::now();
-    loop {
-        if ready() {
-            return true;
-        }
-        let e = t0.elapsed();
-        if e >= timeout {
-            return false;
-        }
-        if e < SPIN {
-            std::hint::spin_loop();
-        } else if e < SPIN * 20 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
-        }
     }
 }
 

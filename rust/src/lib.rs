@@ -22,6 +22,7 @@ mod os;
 pub mod probe;
 pub mod state;
 pub mod table;
+mod wait;
 pub mod watchdog;
 pub mod worker;
 

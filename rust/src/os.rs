@@ -1,5 +1,21 @@
-//! Operating-system tuning for the crate's own threads (the one `unsafe` call outside
-//! CUDA and the page cache).
+//! Operating-system queries and tuning shared across the crate: the page size (the table's
+//! mapping, page-cache calls and residency bookkeeping all count in it) and a fine timer
+//! slack for the crate's own threads.
+
+use std::sync::OnceLock;
+
+/// The system page size (4 KiB on x86-64 Linux), read once.
+pub fn page_size() -> usize {
+    static PAGE: OnceLock<usize> = OnceLock::new();
+    *PAGE.get_or_init(|| {
+        // SAFETY: sysconf has no preconditions.
+        let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        usize::try_from(p)
+            .ok()
+            .filter(|&p| p.is_power_of_two())
+            .unwrap_or(4096)
+    })
+}
 
 /// Ask for a 1 us timer slack on the calling thread (Linux; elsewhere a no-op). The
 /// default 50 us slack stretches a 20 us sleep to 50-70 us, which a worker polling for a

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use crate::cuda::driver::{self, Attr, DeviceBuffer, Kernels, OwnedStream, PrimaryContext};
 use crate::cuda::pinned::{HostFlag, PinnedBuf};
-use crate::deferred::wait_until;
 use crate::error::{Error, Result};
+use crate::wait::wait_until;
 
 /// One piece of evidence.
 #[derive(Debug, Clone, PartialEq, Eq)]

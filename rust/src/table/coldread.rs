@@ -33,8 +33,8 @@ use memmap2::Advice;
 use rayon::prelude::*;
 
 use super::discover::MappedFile;
-use super::pagecache::page_size;
 use crate::error::{Error, Result};
+use crate::os::page_size;
 
 /// Setting this environment variable to anything but `""`/`"0"` makes io_uring count as
 /// unavailable (for tests of the fallback, and for hosts where it misbehaves).

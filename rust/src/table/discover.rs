@@ -81,7 +81,7 @@ impl MappedFile {
         let Some(lost) = self.lost() else {
             return Ok(());
         };
-        let Some(at) = lost.hits(off, len.max(1), super::pagecache::page_size()) else {
+        let Some(at) = lost.hits(off, len.max(1), crate::os::page_size()) else {
             return Ok(());
         };
         let why = match lost.from {

@@ -9,25 +9,14 @@
 
 use std::os::fd::AsRawFd;
 use std::path::Path;
-use std::sync::OnceLock;
 
 use memmap2::{Advice, UncheckedAdvice};
 
 use super::discover::{MappedFile, Segment};
 use crate::error::{Error, Result};
 
-/// The system page size (4 KiB on x86-64 Linux), read once.
-pub fn page_size() -> usize {
-    static PAGE: OnceLock<usize> = OnceLock::new();
-    *PAGE.get_or_init(|| {
-        // SAFETY: sysconf has no preconditions.
-        let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-        usize::try_from(p)
-            .ok()
-            .filter(|&p| p.is_power_of_two())
-            .unwrap_or(4096)
-    })
-}
+/// The system page size (one place for the whole crate: [`crate::os::page_size`]).
+pub use crate::os::page_size;
 
 /// The machine's physical memory in bytes (`sysconf`; 0 if unknown).
 pub fn physical_memory_bytes() -> u64 {

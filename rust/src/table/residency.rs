@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use super::discover::Segment;
-use super::pagecache::page_size;
+use crate::os::page_size;
 
 /// Heat saturates here (a byte; aging halves it).
 const HEAT_MAX: u8 = u8::MAX;
