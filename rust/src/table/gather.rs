@@ -103,7 +103,7 @@ fn prefetch_row(data: &[u8], off: usize, len: usize) {
     }
 }
 
-/// [`RowSource::copy_if`] for one shard and rows of exactly `N` bytes; `start` is the
+/// [`MappedRows::copy_if`] for one shard and rows of exactly `N` bytes; `start` is the
 /// shard's offset in its file (for `known`).
 #[inline(always)]
 fn copy_fixed<T: Id, const N: usize, K: Fn(usize, usize) -> bool>(
@@ -162,8 +162,9 @@ pub(crate) fn first_bad<T: Id>(ids: &[T], rows: u64) -> Option<(usize, i64)> {
         .map(|p| (p, ids[p].as_i64()))
 }
 
-/// Where rows come from: one mapped byte range per shard, by first row.
-pub(crate) struct RowSource<'a> {
+/// A table's rows as they lie in its mapped files: one byte range per shard, by first
+/// row. (Not [`crate::worker::RowSource`], the worker's trait for anything that gathers.)
+pub(crate) struct MappedRows<'a> {
     pub files: &'a [MappedFile],
     pub segments: &'a [Segment],
     /// `ends[i]` is one past segment i's last table row.
@@ -171,7 +172,7 @@ pub(crate) struct RowSource<'a> {
     pub row_bytes: usize,
 }
 
-impl RowSource<'_> {
+impl MappedRows<'_> {
     /// Segment index and byte offset (in its file's mapping) of row `id` (in range).
     #[inline(always)]
     pub fn locate(&self, id: u64) -> (usize, usize) {

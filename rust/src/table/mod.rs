@@ -36,7 +36,7 @@ pub use sigbus::handler_is_current as sigbus_guard_active;
 use crate::error::{Error, Result};
 use coldread::{ColdRow, Uring};
 use discover::Layout;
-use gather::{first_bad, Id, RowSource};
+use gather::{first_bad, Id, MappedRows};
 use residency::PageMap;
 
 /// Row ids to gather: `int32` or `int64`, as the caller has them (no conversion copy).
@@ -491,8 +491,9 @@ impl MmapTable {
         }
     }
 
-    fn source(&self) -> RowSource<'_> {
-        RowSource {
+    /// The table's rows where they lie: its shards' byte ranges in the mapped files.
+    fn mapped_rows(&self) -> MappedRows<'_> {
+        MappedRows {
             files: &self.inner.layout.files,
             segments: &self.inner.layout.segments,
             ends: &self.inner.ends,
@@ -553,7 +554,7 @@ impl MmapTable {
         if files.iter().all(|f| f.lost().is_none()) {
             return Ok(());
         }
-        let src = self.source();
+        let src = self.mapped_rows();
         for &id in ids {
             let (si, off) = src.locate(id.as_i64() as u64);
             let f = &files[src.segments[si].file];
@@ -563,7 +564,7 @@ impl MmapTable {
     }
 
     fn gather_checked<T: Id>(&self, ids: &[T], dst: &mut [u8]) -> Result<()> {
-        let src = self.source();
+        let src = self.mapped_rows();
         let pm = &self.inner.pages;
         let rb = src.row_bytes;
         // The warm path: copy while every row's pages are known resident (a bit test or
@@ -603,7 +604,7 @@ impl MmapTable {
     /// system call per row to every cold gather. A known page the kernel dropped behind our
     /// back is not read here but faulted in by the copy: slower, still correct; the known
     /// set is bounded (see [`PageStats::pages_forgotten`]) so such pages do not pile up.
-    fn gather_cold<T: Id>(&self, src: &RowSource<'_>, ids: &[T], dst: &mut [u8]) -> Result<()> {
+    fn gather_cold<T: Id>(&self, src: &MappedRows<'_>, ids: &[T], dst: &mut [u8]) -> Result<()> {
         let pm = &self.inner.pages;
         let rb = src.row_bytes;
         let mut hits: Vec<(&mut [u8], &[u8])> = Vec::new();

@@ -1217,7 +1217,7 @@ fn warm_check_cost() {
                 })
                 .collect();
             let mut dst = vec![0u8; n * row_bytes];
-            let src = t.source();
+            let src = t.mapped_rows();
             let mut a = vec![];
             let mut b = vec![];
             let mut c = vec![];
