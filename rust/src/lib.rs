@@ -3,15 +3,47 @@
 //!
 //! Crate organisation (raw FFI -> thin wrappers -> safe types -> bindings):
 //!
-//! * [`cuda`]: all CUDA `unsafe` code: the driver loader and `Result`-returning
-//!   wrappers over cudarc's `sys`, and the pinned, device-mapped memory types.
+//! * [`cuda`]: everything that talks to the CUDA driver: the loader, the `Result`
+//!   wrappers over cudarc's `sys` and the RAII handles ([`cuda::driver`]), the pinned,
+//!   device-mapped memory types, the stall clock.
 //! * [`state`]: the lifecycle as a pure state machine.
-//! * [`probe`]: the per-device capability probe.
+//! * [`probe`](mod@probe): the per-device capability probe.
 //! * [`deferred`]: [`DeferredRows`], the safe type the bindings use.
+//! * [`worker`]: [`GatherWorker`], device-produced ids gathered on a native thread.
 //! * [`table`]: [`MmapTable`], a memory-mapped safetensors table and the native row
 //!   gather.
+//! * [`watchdog`], [`error`], and two private helpers: `os` (the page size, the timer
+//!   slack) and `wait` (a bounded spin-yield-sleep wait).
 //! * `python` (feature `python`): the PyO3 module `ple_memops._native`; nothing else in
 //!   the crate knows about Python.
+//!
+//! # Where the `unsafe` code is
+//!
+//! Every `unsafe` block carries a `// SAFETY:` comment (`clippy::undocumented_unsafe_blocks`
+//! is denied) and `unsafe fn` bodies still need blocks (`unsafe_op_in_unsafe_fn` is
+//! denied). It lives in:
+//!
+//! * `cuda`: every driver call (`cuda::driver`, the only code that calls cudarc's `sys`),
+//!   `Send`/`Sync` for driver handles, raw-pointer views of pinned memory
+//!   (`cuda::pinned`), the stall clock's launches (`cuda::stall`).
+//! * The edges of the safe types, where the caller vouches for what Rust cannot check:
+//!   [`DeferredRows::new`] (a raw staging buffer), [`DeferredRows::enqueue`],
+//!   [`DeferredRows::enqueue_for`], [`DeferredRows::stamp_arrival`] and
+//!   [`GatherWorker::publish`] (a raw stream; device addresses of ids), and the driver
+//!   calls and staging writes behind them (`deferred`, which also declares its shared
+//!   state `Send`/`Sync`, and `worker`'s `mailbox.rs`); the probe's live run on its own
+//!   stream (`probe`). [`DeferredRows::fill`], [`DeferredRows::fill_with`] and
+//!   [`DeferredRows::prepare_dummy`] are safe functions, yet in the synchronous fallback
+//!   they enqueue the copy on the raw stream they are given, trusted as live.
+//! * `table`: mapping the file (`discover`), page-cache system calls (`pagecache`), the
+//!   SIGBUS handler (`sigbus`), io_uring submissions (`coldread`; `floor`'s benchmark
+//!   instruments, with `posix_fadvise`), cache prefetch hints (`gather`).
+//! * `os`: `sysconf` and `prctl`.
+//! * `python`: the calls of those `unsafe fn`s with the pointers and stream handles torch
+//!   hands over.
+//!
+//! None in `state`, `watchdog`, `wait`, `error`, `table`'s `mod.rs` and `residency`, or
+//! `worker` outside `mailbox.rs` (and its tests' host buffers).
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 

@@ -1,6 +1,7 @@
 //! Operating-system queries and tuning shared across the crate: the page size (the table's
-//! mapping, page-cache calls and residency bookkeeping all count in it) and a fine timer
-//! slack for the crate's own threads.
+//! mapping, page-cache calls, residency bookkeeping and SIGBUS handler all count in it)
+//! and a fine timer slack for the crate's own threads. Each is one libc call (`sysconf`,
+//! `prctl`), this module's only `unsafe`.
 
 use std::sync::OnceLock;
 

@@ -13,6 +13,10 @@
 //!
 //! The table is immutable once open and cheap to clone (an `Arc`); any number of threads
 //! may gather at once.
+//!
+//! `unsafe` in `table`: mapping the file (`discover`), the page-cache system calls
+//! (`pagecache`), the SIGBUS handler (`sigbus`), io_uring submissions (`coldread`,
+//! `floor`) and cache prefetch hints (`gather`); none in this file or `residency`.
 
 pub mod coldread;
 pub mod discover;

@@ -228,13 +228,7 @@ pub(crate) fn guarded<R>(f: impl FnOnce() -> R) -> R {
 fn install() -> bool {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
-        // SAFETY: sysconf has no preconditions.
-        let ps = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-        let ps = usize::try_from(ps)
-            .ok()
-            .filter(|p| p.is_power_of_two())
-            .unwrap_or(4096);
-        PAGE.store(ps, Ordering::Relaxed);
+        PAGE.store(crate::os::page_size(), Ordering::Relaxed);
         // SAFETY: an all-zero `sigaction` is a valid value of the C struct (SIG_DFL, empty
         // mask, no flags); it is only an out-parameter here.
         let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
