@@ -23,6 +23,7 @@ wrong rows (the consumer reads zeros), a typed error at the next call.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -238,7 +239,13 @@ class StandInRunner:
     adds to vLLM)."""
 
     def __init__(
-        self, ckpt: Path, device: Any, *, deferred: bool = True, stats_every: float | None = None
+        self,
+        ckpt: Path,
+        device: Any,
+        *,
+        deferred: bool = True,
+        stats_every: float | None = None,
+        time_stalls: bool = False,
     ) -> None:
         self.device = torch.device(device)
         names = checkpoint_tensor_names(ckpt)
@@ -260,6 +267,7 @@ class StandInRunner:
             timeout=TIMEOUT,
             deferred=deferred,
             stats_every=stats_every,
+            time_stalls=time_stalls,
         )
         self.model = StandInModel(self.hooks, self.device)
         z = dict(device=self.device)
@@ -449,9 +457,16 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.n
 
 
 def _boot(
-    ckpt: Path, device: str, *, deferred: bool = True, stats_every: float | None = None
+    ckpt: Path,
+    device: str,
+    *,
+    deferred: bool = True,
+    stats_every: float | None = None,
+    time_stalls: bool = False,
 ) -> StandInRunner:
-    r = StandInRunner(ckpt, device, deferred=deferred, stats_every=stats_every)
+    r = StandInRunner(
+        ckpt, device, deferred=deferred, stats_every=stats_every, time_stalls=time_stalls
+    )
     r.reqs = 0
     return r
 
@@ -488,7 +503,7 @@ def _serve(r: StandInRunner, tables: dict[str, np.ndarray], rng: np.random.Gener
 @pytest.mark.gpu
 def test_mrv2_sequence_every_step_checked(ckpt: tuple[Path, dict[str, np.ndarray]]) -> None:
     path, tables = ckpt
-    r = _boot(path, "cuda")
+    r = _boot(path, "cuda", time_stalls=True)
     try:
         assert r.hooks.deferred, r.hooks.plan.reason
         pool = torch.cuda.graph_pool_handle()
@@ -530,6 +545,14 @@ def test_mrv2_sequence_every_step_checked(ckpt: tuple[Path, dict[str, np.ndarray
             part = f"{replays} replays {replay_ns / replays / 1e3:.1f} us, {eager} eager "
             part += f"{worker.eager_fill_ns_total / eager / 1e3:.1f} us)"
             assert part in line, (part, line)
+        # Each layer's GPU stall, one sample a step its consumer ran (replays, eager
+        # steps, and the warm-ups' and dummies' inline consumers): at least every armed
+        # step's, and the rows were checked right, so the stamps changed nothing.
+        stalls = line.split("GPU stall per step: ")[1]
+        for name in stats:
+            short = name[name.index("layers.") :].split(".ple")[0]
+            got = re.search(rf"{re.escape(short)} (\d+) steps, (\d+) stalled", stalls)
+            assert got is not None and int(got.group(1)) >= armed, (short, stalls)
         assert r.hooks.log_stats() is None  # no stats_every: only forced lines
     finally:
         r.shutdown()
