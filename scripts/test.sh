@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-echo "== install test prerequisites (pip's cache serves repeat runs)"
+echo "== install test prerequisites (a first run downloads torch: minutes; pip's cache serves reruns)"
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 # torch from PyPI is a large CUDA build; it is used on the CPU here (tests of tensors as
 # staging buffers and rows) and on the GPU where there is one.
@@ -19,7 +19,7 @@ cargo clippy --all-targets --locked -- -D warnings
 cargo clippy --all-targets --locked --features python -- -D warnings
 cargo test --locked -q
 
-echo "== build and install the wheel (manylinux_2_28, where vLLM 0.33.0's own wheel installs)"
+echo "== build and install the wheel (manylinux_2_28, where vLLM 0.33.0's own wheel installs; minutes)"
 # zig links against glibc 2.28 whatever this machine's glibc is; maturin audits the symbols.
 rm -rf dist
 $PY -m maturin build --release --locked --zig --compatibility manylinux_2_28 -o dist -q
@@ -45,11 +45,19 @@ echo "== vLLM 0.33.0 (CPU): the wheel installed as a vLLM plugin, no other step;
 VENV=${PLE_MEMOPS_VLLM_VENV:-$PWD/.venv-vllm}
 if ! "$VENV/bin/python" -c 'import importlib.metadata as m; assert m.version("vllm") == "0.33.0"' \
         >/dev/null 2>&1; then
+    echo "-- building the vLLM environment $VENV: vLLM 0.33.0 and its own torch, about 9.5 GB;"
+    echo "   this takes several minutes (about 5 on a fresh 2-core machine) and prints nothing"
+    echo "   until pip is done; later runs reuse it"
     $PY -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "vllm==0.33.0"
+    echo "-- vLLM environment ready: $VENV"
+else
+    echo "-- reusing the vLLM environment $VENV (vLLM 0.33.0 is there)"
 fi
+echo "-- installing pytest and the wheel into the vLLM environment"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "pytest>=8"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps \
     dist/*.whl
 export VLLM_TARGET_DEVICE=cpu
+echo "-- the plugin's tests against the released vLLM, on the CPU"
 (cd /tmp && "$VENV/bin/python" -m pytest "$OLDPWD/tests/test_vllm_real.py" -q -p no:cacheprovider)
