@@ -139,9 +139,15 @@ def test_bench_cpu_path_every_variant_identical(gemma_ckpt: Path) -> None:
     variants, skipped = bench.available()
     assert variants == ["gpu-table", "sync-gather", "fallback"]
     assert set(skipped) == {"pinned-uva", "deferred-host", "deferred-device"}
+    seen: list[str] = []
+    bench.progress = seen.append
     results = bench.run_batch(
         3, 6, variants=variants, styles=["sync"], placements=["early", "late"]
     )
+    # What the progress bar is sized by is what reports progress (a capture counts with
+    # the run that follows it): the recording and one run per variant and placement.
+    ran = [s for s in seen if not s.endswith("capture")]
+    assert len(ran) == bench.planned_runs(variants, ["sync"], ["early", "late"]) == 5
     got = {(r.variant, r.placement) for r in results}
     assert got == {
         ("gpu-table", "-"),

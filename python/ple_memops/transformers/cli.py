@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from .checkpoints import (
     e2b_gemma3n_config,
     tiny_gemma3n_config,
 )
-from .runner import ALL_VARIANTS, ATTENTIONS, DEFERRED_VARIANTS, STYLES, GemmaBench, RunResult
+from .runner import ALL_VARIANTS, ATTENTIONS, STYLES, GemmaBench, RunResult
 
 __all__ = ["add_bench_args", "add_demo_args", "bench_main", "demo_main"]
 
@@ -122,15 +123,27 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
 
 
 class _Progress(AbstractContextManager["_Progress"]):
+    """A tqdm bar on stderr, counting the runs of the variants that run here; while it is
+    shown, log records and lines printed to stdout are written above it (the bar is
+    cleared, the line written, the bar redrawn) instead of into it."""
+
     def __init__(self, total: int, enabled: bool) -> None:
         self.bar: Any = None
+        self._redirects = ExitStack()
         if enabled:
             try:
                 from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
-
-                self.bar = tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)
+                from tqdm.contrib.logging import (  # type: ignore[import-untyped,unused-ignore]
+                    logging_redirect_tqdm,
+                )
             except ImportError:
-                self.bar = None
+                pass
+            else:
+                self.bar = tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)
+                self._redirects.enter_context(logging_redirect_tqdm(tqdm_class=tqdm))
+                above = _AboveBar(self.bar, sys.stdout)
+                self._redirects.callback(above.finish)  # after stdout is restored
+                self._redirects.enter_context(redirect_stdout(above))
         self.last = ""
 
     def __call__(self, what: str) -> None:
@@ -141,9 +154,41 @@ class _Progress(AbstractContextManager["_Progress"]):
         self.last = what
 
     def __exit__(self, *exc: object) -> None:
+        self._redirects.close()
         if self.bar is not None:
-            self.bar.update(1)
+            if self.last:
+                self.bar.update(1)
             self.bar.close()
+
+
+class _AboveBar(io.TextIOBase):
+    """A stdout whose complete lines are written above a progress bar."""
+
+    def __init__(self, bar: Any, out: Any) -> None:
+        self._bar, self._out, self._pending = bar, out, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        self._pending += s
+        if "\n" in self._pending:
+            done, _, self._pending = self._pending.rpartition("\n")
+            self._bar.clear()
+            self._out.write(done + "\n")
+            self._out.flush()
+            self._bar.refresh()
+        return len(s)
+
+    def flush(self) -> None:
+        self._out.flush()
+
+    def finish(self) -> None:
+        """Write what is left of an unfinished line."""
+        if self._pending:
+            self._out.write(self._pending)
+            self._pending = ""
+        self._out.flush()
 
 
 def _device(arg: str | None) -> Any:
@@ -177,16 +222,6 @@ def load_gemma(
     served = serve(model, checkpoint, placement=placement)
     model.to(device)
     return served, stock
-
-
-def _runs_total(args: Any, variants: list[str]) -> int:
-    per_batch = 1 + 2 * len(args.styles)  # reference: record, styles, styles again
-    for v in variants:
-        if v == "gpu-table":
-            continue
-        n_pl = len(args.placements) if v in DEFERRED_VARIANTS else 1
-        per_batch += n_pl * len(args.styles)
-    return per_batch * len(args.batch)
 
 
 def _run(
@@ -229,7 +264,9 @@ def _run(
     from . import _report
 
     deadline = getattr(args, "deadline", None)
-    with _Progress(_runs_total(args, variants), not args.no_progress) as prog:
+    styles = args.styles if device.type == "cuda" else ["sync"]  # no async on the CPU path
+    total = bench.planned_runs(variants, styles, args.placements) * len(args.batch)
+    with _Progress(total, not args.no_progress) as prog:
         bench.progress = prog
         if deadline is not None:
             bench.deadline = t0 + deadline
@@ -241,7 +278,7 @@ def _run(
                 b,
                 args.steps,
                 variants=variants,
-                styles=args.styles if device.type == "cuda" else ["sync"],
+                styles=styles,
                 placements=args.placements,
                 cold=getattr(args, "page_cache", "warm") == "cold",
             )

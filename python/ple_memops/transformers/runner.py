@@ -163,6 +163,33 @@ class GemmaBench:
 
     _installed = installed
 
+    # -- what a batch runs ------------------------------------------------------------------
+
+    def placements_of(self, variant: str, placements: list[str]) -> list[str]:
+        """The consumer placements ``variant`` runs in, of those asked for."""
+        if variant == "gpu-table":
+            return ["-"]
+        if variant == "pinned-uva":
+            return ["early"]  # the stock module: the stock placement
+        # The fallback fills before the launch, so where its consumer sits does not change
+        # its time; the CPU path runs it in every placement (that is where the late
+        # placement's code is checked without a GPU).
+        both = (*DEFERRED_VARIANTS, "fallback") if not self.cuda else DEFERRED_VARIANTS
+        return placements if variant in both else placements[:1]
+
+    def planned_runs(self, variants: list[str], styles: list[str], placements: list[str]) -> int:
+        """The progress steps :meth:`run_batch` reports for one batch with these arguments
+        (a capture counts with the run that follows it): the reference's recording, its
+        timed runs (twice on a GPU: before and after the others), and every other
+        variant's runs in each of its placements."""
+        ref_runs = len(styles) * (2 if self.cuda else 1)
+        others = sum(
+            len(self.placements_of(v, placements)) * len(styles)
+            for v in variants
+            if v != "gpu-table"
+        )
+        return 1 + ref_runs + others
+
     # -- one batch size ---------------------------------------------------------------------
 
     def run_batch(
@@ -188,15 +215,7 @@ class GemmaBench:
             for variant in variants:
                 if variant == "gpu-table":
                     continue
-                # The fallback fills before the launch, so where its consumer sits does not
-                # change its time; the CPU path runs it in every placement (that is where
-                # the late placement's code is checked without a GPU).
-                both = (*DEFERRED_VARIANTS, "fallback") if not self.cuda else DEFERRED_VARIANTS
-                if variant == "pinned-uva":
-                    vplacements = ["early"]  # the stock module: the stock placement
-                else:
-                    vplacements = placements if variant in both else placements[:1]
-                for placement in vplacements:
+                for placement in self.placements_of(variant, placements):
                     if self.deadline is not None and time.perf_counter() > self.deadline:
                         print(f"batch {batch}: {variant} ({placement}) skipped: past the deadline")
                         continue
