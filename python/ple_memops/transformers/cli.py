@@ -296,12 +296,19 @@ def _run(
     return results, bench, skipped
 
 
+def _shapes(bench: GemmaBench) -> dict[str, tuple[int, int]]:
+    """``name -> (rows, row_bytes)`` of every table the model serves."""
+    return {name: (t.rows, t.row_bytes) for name, t in bench.served.tables.items()}
+
+
 def _finish(args: Any, results: list[RunResult], bench: GemmaBench, title: str) -> int:
     from . import _report
 
     print(_report.text_table(results))
+    if not bench.cuda:
+        print(_report.CPU_TIMINGS)
     table_bytes = bench.served.server.table_bytes
-    for line in _report.summary(results, table_bytes):
+    for line in _report.summary(results, table_bytes, _shapes(bench)):
         print(line)
     if args.png:
         print(_report.plot(results, args.png, title))
@@ -406,7 +413,10 @@ def _finish_bench(args: Any, results: list[RunResult], bench: GemmaBench, title:
                 f"--page-cache {args.page_cache}`\n\n"
             )
             f.write(_report.markdown(results) + "\n\n")
-            for line in _report.summary(results, bench.served.server.table_bytes):
+            if not bench.cuda:
+                f.write(f"- {_report.CPU_TIMINGS}\n")
+            table_bytes = bench.served.server.table_bytes
+            for line in _report.summary(results, table_bytes, _shapes(bench)):
                 f.write(f"- {line}\n")
     return _finish(args, results, bench, title)
 
