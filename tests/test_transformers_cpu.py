@@ -486,6 +486,55 @@ def test_cli_demo_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert all(r["logits_identical"] in (None, True) for r in data["runs"])
 
 
+def test_cli_demo_as_a_newcomer_runs_it_on_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The README's command as is (progress bar on, no --png), from a directory of one's own.
+    pytest.importorskip("tqdm")
+    import tempfile
+
+    from ple_memops.__main__ import main
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    rc = main(
+        [
+            *("demo", "--cache-dir", str(tmp_path / "cache")),
+            *("--steps", "3", "--batch", "1,2", "--device", "cpu"),
+        ]
+    )
+    got = capsys.readouterr()
+    out, err = got.out, got.err
+    assert rc == 0, out + err
+    # The bar counts what runs here (5 runs a batch on the CPU) and ends full.
+    counts = re.findall(r"(\d+)/(\d+) \[[^]]*run", err)  # ours (unit: run), not transformers'
+    assert counts and {total for _, total in counts} == {"10"}, err
+    assert counts[-1] == ("10", "10"), err
+    # A log record is written above the bar, on a line of its own.
+    pieces = re.split(r"[\r\n]", err)
+    logged = [p for p in pieces if "use the host path" in p]
+    assert logged and all(p.startswith("ple_memops: PLE rows") for p in logged), err
+    # A word where timings are noise; the memory saved, computed from the table's shape.
+    assert "CPU timings are not meaningful for the deferred protocol" in out
+    assert (
+        "memory, computed from the table (384 rows x 128 B): the GPU table holds 48.00 KiB "
+        "of GPU memory; the deferred path holds instead 256 B on the GPU (staging, batch 2) "
+        "and 256 B pinned: saves 47.75 KiB of GPU memory"
+    ) in out
+    # The PNG goes to the temporary directory, never where the command was run.
+    assert list(cwd.iterdir()) == []
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "PNG skipped" in out
+    else:
+        assert (tmp_path / "tmp" / "ple_memops_demo.png").is_file()
+        assert f"PNG written: {tmp_path / 'tmp' / 'ple_memops_demo.png'}" in out
+
+
 def test_cli_bench_writes_markdown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from ple_memops.__main__ import main
 

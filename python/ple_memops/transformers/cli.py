@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import sys
+import tempfile
 import time
 from contextlib import AbstractContextManager, ExitStack, redirect_stdout
 from pathlib import Path
@@ -45,7 +46,9 @@ def _csv_of(choices: tuple[str, ...]) -> Any:
     return parse
 
 
-def _common(ap: argparse.ArgumentParser, *, steps: int, batches: str, track: bool) -> None:
+def _common(
+    ap: argparse.ArgumentParser, *, steps: int, batches: str, track: bool, png: str
+) -> None:
     ap.add_argument("--steps", type=int, default=steps, help="decode steps per run")
     ap.add_argument("--batch", type=_csv_ints, default=_csv_ints(batches), help="batch sizes")
     ap.add_argument(
@@ -61,7 +64,9 @@ def _common(ap: argparse.ArgumentParser, *, steps: int, batches: str, track: boo
         "--variants", type=_csv_of(ALL_VARIANTS), default=list(ALL_VARIANTS), help="which variants"
     )
     ap.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if any)")
-    ap.add_argument("--png", default=None, help="where to draw per-step latency (PNG)")
+    ap.add_argument(
+        "--png", default=None, metavar="PATH", help=f"where to draw per-step latency ({png})"
+    )
     ap.add_argument("--json", default=None, help="write every run (per-step times too) as JSON")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument(
@@ -86,14 +91,27 @@ def _common(ap: argparse.ArgumentParser, *, steps: int, batches: str, track: boo
     )
 
 
+_CACHE_DEFAULT = "$PLE_MEMOPS_CACHE, else $XDG_CACHE_HOME/ple_memops, else ~/.cache/ple_memops"
+
+
 def add_demo_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--checkpoint",
         default=None,
         help="a Gemma 3n checkpoint directory (default: a tiny random one, built if missing)",
     )
-    ap.add_argument("--cache-dir", default=None, help="where the default checkpoint is built")
-    _common(ap, steps=64, batches="1,4", track=True)
+    ap.add_argument(
+        "--cache-dir",
+        default=None,
+        help=f"where the default checkpoint is built (default: {_CACHE_DEFAULT})",
+    )
+    _common(
+        ap,
+        steps=64,
+        batches="1,4",
+        track=True,
+        png="default: ple_memops_demo.png in the system's temporary directory",
+    )
 
 
 def add_bench_args(ap: argparse.ArgumentParser) -> None:
@@ -103,7 +121,11 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
         help="tiny, e2b (E2B shapes, random weights, built once) or a checkpoint directory",
     )
     ap.add_argument("--layers", type=int, default=None, help="layers of the built model")
-    ap.add_argument("--cache-dir", default=None, help="where built checkpoints live")
+    ap.add_argument(
+        "--cache-dir",
+        default=None,
+        help=f"where built checkpoints live (default: {_CACHE_DEFAULT})",
+    )
     ap.add_argument(
         "--page-cache",
         choices=("warm", "cold"),
@@ -119,7 +141,7 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
         "(what was measured is still reported)",
     )
     ap.add_argument("--qwen", action="store_true", help="also run the Qwen4Exp eager check")
-    _common(ap, steps=256, batches="1,8,64", track=True)
+    _common(ap, steps=256, batches="1,8,64", track=True, png="default: none drawn")
 
 
 class _Progress(AbstractContextManager["_Progress"]):
@@ -324,6 +346,13 @@ def _finish(args: Any, results: list[RunResult], bench: GemmaBench, title: str) 
     return 1 if bad or bad_eager else 0
 
 
+def default_png() -> Path:
+    """Where ``demo`` draws its PNG without ``--png``: ``ple_memops_demo.png`` in the
+    system's temporary directory (``$TMPDIR``, else ``/tmp`` on Linux), not the current
+    directory (a run from a repository's root would leave it there)."""
+    return Path(tempfile.gettempdir()) / "ple_memops_demo.png"
+
+
 def demo_main(args: Any) -> int:
     """Build (if missing) a tiny random Gemma 3n checkpoint with transformers'
     ``save_pretrained``, decode with every variant this machine can run, check tokens and
@@ -339,7 +368,7 @@ def demo_main(args: Any) -> int:
         build_checkpoint(ckpt, tiny_gemma3n_config())
         print(("using" if had else "built") + f" the default checkpoint {ckpt}")
     if args.png is None:
-        args.png = "ple_memops_demo.png"
+        args.png = str(default_png())
     results, bench, _ = _run(args, ckpt, f"Gemma 3n ({ckpt.name}): per-step latency")
     return _finish(args, results, bench, f"Gemma 3n ({ckpt.name}): per-step latency")
 
