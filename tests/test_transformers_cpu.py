@@ -571,6 +571,18 @@ def test_cli_check_and_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 0
     out = capsys.readouterr().out
     assert "{demo,bench,check}" in out
+    # Every option of every command says what it does.
+    for command in ("demo", "bench", "check"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        lines = capsys.readouterr().out.splitlines()
+        # "  --flag METAVAR   help", or the help on the next line, indented past the flags
+        options = [i for i, line in enumerate(lines) if line.startswith("  -")]
+        assert len(options) > 4, lines
+        for i in options:
+            inline = re.match(r"^  -\S.*?\s{2,}\S", lines[i])
+            below = i + 1 < len(lines) and re.match(r"^ {20,}\S", lines[i + 1])
+            assert inline or below, (command, lines[i])
 
 
 def test_capture_patch_memoises_scalars_only_in_scope() -> None:

@@ -126,10 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="the side-by-side benchmark (BENCHMARKS.md form)")
     cli.add_bench_args(bench)
     check = sub.add_parser("check", help="probe the device and replay deferred rows in a graph")
-    check.add_argument("--device", type=int, default=0)
-    check.add_argument("--steps", type=int, default=100)
-    check.add_argument("--rows", type=int, default=16)
-    check.add_argument("--row-bytes", type=int, default=160)
+    check.add_argument(
+        "--device", type=int, default=0, metavar="N", help="CUDA device ordinal (default: 0)"
+    )
+    check.add_argument(
+        "--steps", type=int, default=100, help="steps to replay, each checked (default: 100)"
+    )
+    check.add_argument(
+        "--rows", type=int, default=16, help="rows a step delivers at most (default: 16)"
+    )
+    check.add_argument("--row-bytes", type=int, default=160, help="bytes of one row (default: 160)")
     check.add_argument("--cpu", action="store_true", help="use the host fallback even with a GPU")
     a = ap.parse_args(argv)
     if a.command == "demo":

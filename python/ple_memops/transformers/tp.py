@@ -124,14 +124,39 @@ def main(argv: list[str] | None = None) -> int:
     from .cli import load_gemma
     from .runner import Decoder, GemmaBench, RunResult
 
-    ap = argparse.ArgumentParser(prog="python -m ple_memops.transformers.tp")
-    ap.add_argument("--model", default="e2b", help="e2b or small")
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    ap.add_argument("--batch", default="8")
-    ap.add_argument("--steps", type=int, default=128)
-    ap.add_argument("--styles", default="sync,async")
-    ap.add_argument("--cache-dir", default=None)
+    ap = argparse.ArgumentParser(
+        prog="python -m ple_memops.transformers.tp",
+        description="Gemma 3n decode with tensor parallelism 2 (run with torchrun "
+        "--nproc_per_node=2), PLE rows deferred on every rank, checked against TP 2 with the "
+        "table in GPU memory and against TP 1.",
+    )
+    ap.add_argument(
+        "--model",
+        default="e2b",
+        help="e2b (E2B shapes, random weights) or small (fp32-friendly, fast to build); "
+        "built once in the cache directory (default: e2b)",
+    )
+    ap.add_argument(
+        "--layers", type=int, default=None, help="layers of the built model (default: its own)"
+    )
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="weights' dtype (default: bfloat16)",
+    )
+    ap.add_argument("--batch", default="8", help="batch sizes, comma-separated (default: 8)")
+    ap.add_argument("--steps", type=int, default=128, help="decode steps per run (default: 128)")
+    ap.add_argument(
+        "--styles",
+        default="sync,async",
+        help="scheduling styles, comma-separated; the CPU runs sync only (default: sync,async)",
+    )
+    ap.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where built checkpoints live (default: $PLE_MEMOPS_CACHE, else the user cache)",
+    )
     ap.add_argument(
         "--device", default=None, help="cuda (NCCL; default when there is a GPU) or cpu (gloo)"
     )
