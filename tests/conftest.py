@@ -3,7 +3,18 @@ no CUDA device is usable."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+
+
+@pytest.fixture(scope="module")
+def torch() -> Any:
+    """torch with CUDA initialised (GPU tests: the module is skipped without a device)."""
+    import torch
+
+    torch.cuda.init()
+    return torch
 
 
 def _gpu_skip_reason() -> str | None:

@@ -25,14 +25,6 @@ HIST = 512
 
 
 @pytest.fixture(scope="module")
-def torch():  # type: ignore[no-untyped-def]
-    import torch
-
-    torch.cuda.init()
-    return torch
-
-
-@pytest.fixture(scope="module")
 def table(tmp_path_factory: pytest.TempPathFactory) -> pm.MmapTable:
     data = np.random.default_rng(0).integers(0, 256, (TABLE_ROWS, WIDTH), dtype=np.uint8)
     path = tmp_path_factory.mktemp("ckpt") / "model.safetensors"

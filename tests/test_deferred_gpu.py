@@ -30,14 +30,6 @@ def copy(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture(scope="module")
-def torch():  # type: ignore[no-untyped-def]
-    import torch
-
-    torch.cuda.init()
-    return torch
-
-
 def host_rows(k: int, seed: int, width: int = ROW) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=(k, width), dtype=np.uint8)
 

@@ -27,14 +27,6 @@ N = 64
 
 
 @pytest.fixture(scope="module")
-def torch():  # type: ignore[no-untyped-def]
-    import torch
-
-    torch.cuda.init()
-    return torch
-
-
-@pytest.fixture(scope="module")
 def table(tmp_path_factory: pytest.TempPathFactory) -> pm.MmapTable:
     data = np.random.default_rng(0).integers(0, 256, (10_000, ROW), dtype=np.uint8)
     path = tmp_path_factory.mktemp("stall") / "model.safetensors"

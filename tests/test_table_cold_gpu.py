@@ -24,14 +24,6 @@ pytestmark = pytest.mark.gpu
 WIDTH = 160
 
 
-@pytest.fixture(scope="module")
-def torch():  # type: ignore[no-untyped-def]
-    import torch
-
-    torch.cuda.init()
-    return torch
-
-
 def _write(path: Path, rows: int, seed: int = 0) -> None:
     data = np.random.default_rng(seed).integers(0, 256, (rows, WIDTH), dtype=np.uint8)
     save_file({"w": data.view(np.float16)}, str(path))
