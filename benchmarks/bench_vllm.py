@@ -1,5 +1,5 @@
-"""vLLM 0.33.0 serving a random-weight Qwen4Exp with its PLE tables three ways, side by side
-(issue 13, section 3): ``gpu`` (the tables in GPU memory, ``engram_config.cpu_offload=False``),
+"""vLLM 0.33.0 serving a random-weight Qwen4Exp with its PLE tables three ways, side by side:
+``gpu`` (the tables in GPU memory, ``engram_config.cpu_offload=False``),
 ``uva`` (vLLM's default: pinned host tables read by the GPU over UVA) and ``mmap``
 (ple-memops: the tables read from the checkpoint's files through the page cache, FULL decode
 graphs waiting for rows the host gathers after the launch).
@@ -49,7 +49,7 @@ The verdict line reports (never asserts) the targets: mmap within 1% of the GPU 
 throughput and ITL p50 at every concurrency and never below UVA's throughput; TTFT under
 the mixed load no worse than UVA's.
 
-Cut from issue 13 section 3 to fit a 10-minute device call, and why: the model is
+What the real model has that this one cuts, to fit a 10-minute device call: the model is
 ``--layers`` (default 24) deep with ``--experts`` (default 64) experts instead of 40 x 512
 (three servers' weights must fit one H200 together and the checkpoint must be written in
 well under a minute); full-attention layers are dense (vLLM's ``Qwen3NextAttention``), not
@@ -117,7 +117,7 @@ STOCK_VARIANTS: dict[str, dict[str, Any]] = {
 # More mmap servers on request (--backends): the device side of a deferred step forced to
 # the polling kernel or to stream memory operations, and the synchronous fallback (the
 # probe's failure forced: FULL graphs kept, each replay after an ids graph and a host
-# gather), the way issue 13 asks them measured in the real engine.
+# gather), each measured in the real engine.
 MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     "mmap": {},
     "mmap-kernel": {"copy": "kernel"},
@@ -1294,7 +1294,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="GPUs each engine spans (issue 16: 2 on nvidia-h200-x2); every "
+                   help="GPUs each engine spans (2 on a two-GPU host); every "
                         "server, or vllm bench command, uses all of them")  # fmt: skip
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--capture-sizes", type=ints, default=[1, 2, 4, 8, 16, 24, 32, 48, 64])

@@ -228,8 +228,8 @@ def test_tokens_equal_the_stock_engine(
         # Only the first PLE layer's table has threads of its own. Its worker keeps them
         # awake only after a fill that ran on them (256 KiB and up): the tiny model's
         # largest, a 1,024-token chunk, is 128 KiB, so none here (the warm path at a real
-        # size: BENCHMARKS.md, the sixth run; with a 16 KiB threshold this test ran it),
-        # and no other worker has any to warm.
+        # size: BENCHMARKS.md, "The first PLE layer on threads of its own"; with a 16 KiB
+        # threshold this test ran it), and no other worker has any to warm.
         first = min(stats["own_threads"], key=lambda n: int(n.split("layers.")[1].split(".")[0]))
         assert stats["own_threads"] == {
             n: (lead if n == first else None) for n in stats["own_threads"]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where a deferred step's time goes, on the lent H200: the stall-timing GPU tests, then the
+# Where a deferred step's time goes, on an H200: the stall-timing GPU tests, then the
 # ablation ladder of `vllm serve` servers at c64 on the benchmark model with one 24 GiB BF16
 # PLE table on decoder layer 0, interleaved and paired round by round. Run from the
 # repository root after scripts/vllm-h200/setup.sh, with our wheel in /tmp/site; logs go to

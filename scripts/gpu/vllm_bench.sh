@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# benchmarks/bench_vllm.py on the lent H200: three `vllm serve` servers of a random-weight
+# benchmarks/bench_vllm.py on an H200: three `vllm serve` servers of a random-weight
 # Qwen4Exp (PLE tables on the GPU, pinned + UVA, and ple-memops' mmap), interleaved loads,
 # the table in BENCHMARKS.md form. Run from the repository root after
 # scripts/vllm-h200/setup.sh (vLLM in /tmp/vllm-site, our wheel in /tmp/site), as
