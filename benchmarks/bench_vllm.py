@@ -12,7 +12,7 @@ experts of 512 with a shared expert, top-10 routing; 4 hyper-connection streams 
 ple_embed_dim 2048), ``--layers`` deep with ``--experts`` experts, and PLE tables of
 ``--table-gib`` GiB in all over ``--ple-layers`` layers (BF16 or FP8 with a global scale,
 ``--dtype``). It is written once per configuration under ``--ckpt-root`` (random weights,
-generated on the GPU, streamed into safetensors; ``tests/vllm_bench_model.py``) with a
+generated on the GPU, streamed into safetensors; ``benchmarks/vllm_bench_model.py``) with a
 word-level tokenizer beside it, so ``vllm bench serve|latency|throughput --model DIR`` work
 on it too.
 
@@ -95,14 +95,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
-
-import vllm_bench_model as vbm  # noqa: E402
+# The harness modules beside this script (on sys.path when it is run as a script).
+import vllm_bench_model as vbm
 
 # The offline bundle leaves CuTe DSL out: the model then takes its unfused hyper-connection
 # path in every vLLM process (a vLLM general plugin on PYTHONPATH).
-from vllm_serve_check import write_test_plugin as write_plugin  # noqa: E402
+from vllm_harness import write_test_plugin as write_plugin
+
+HERE = Path(__file__).resolve().parent
 
 BACKENDS = ("gpu", "uva", "mmap")
 # Servers of vLLM's own table paths beside the three: a second GPU-table server (A against

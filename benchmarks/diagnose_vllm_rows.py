@@ -1,8 +1,9 @@
 """Where do an mmap engine's tokens part from the stock engine's? A diagnostic for the real
 vLLM 0.33.0 engine on a GPU (``scripts/gpu/all_gpu_tests.sh`` runs it unless ``DIAG=0``).
 
-Every engine serves the workload of ``tests/test_vllm_engine_gpu.py`` (BF16 tiny Qwen4Exp)
-with a check inside its PLE embedding, captured into the CUDA graphs with the rest: the rows
+Every engine serves the workload of ``tests/test_vllm_engine_gpu.py`` (BF16 tiny Qwen4Exp:
+its engine, prompts and sampling as ``benchmarks/vllm_harness.py`` copies them) with a
+check inside its PLE embedding, captured into the CUDA graphs with the rest: the rows
 the consumer reads are compared, byte for byte, with the checkpoint file's rows at the ids
 the model computed, on the device, at every real step (dummy and warm-up passes excluded).
 Each layer reports its checked calls, rows that differ, ids out of range and a fingerprint
@@ -16,7 +17,6 @@ import argparse
 import gc
 import os
 import re
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -26,8 +26,6 @@ os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ["PLE_MEMOPS_TABLE_BACKEND"] = "mmap"
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _MUL = 0x9E3779B97F4A7C15 - (1 << 64)  # an odd int64 for the id fingerprint
@@ -161,18 +159,12 @@ def main() -> int:
 
         hyperconnection.MAX_FUSED_M = 0
         hc_down_silu.MAX_FUSED_M = 0
-    import importlib.util
+    # The harness module beside this script (on sys.path when it is run as a script).
+    import vllm_harness as harness
 
-    spec = importlib.util.spec_from_file_location(
-        "engine_tests", Path(__file__).resolve().parent.parent / "tests/test_vllm_engine_gpu.py"
-    )
-    assert spec and spec.loader
-    engine_tests = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(engine_tests)
-    import vllm_checkpoints as ckpts
-
+    workload = harness.engine_workload()
     root = Path(tempfile.mkdtemp(prefix="ple-diag-"))
-    ckpt = ckpts.write_checkpoint(root / "bf16", fp8=False, max_position_embeddings=8192)
+    ckpt = harness.write_checkpoint(root / "bf16", fp8=False, max_position_embeddings=8192)
     box = {"ckpt": ckpt}
     results: dict[str, Any] = {}
     for variant in args.variants.split(","):
@@ -193,14 +185,14 @@ def main() -> int:
         if base == "mmap-sync":
             os.environ["PLE_MEMOPS_FORCE_SYNC"] = "1"
         _CHECKS.clear()
-        # The engine tests' own engine (eagerly: vLLM's enforce_eager turns the graphs off).
-        llm = engine_tests._engine(ckpt, backend, **({"enforce_eager": True} if eager else {}))
+        # The engine tests' engine (eagerly: vLLM's enforce_eager turns the graphs off).
+        llm = harness.engine(ckpt, backend, **({"enforce_eager": True} if eager else {}))
         try:
-            tokens = engine_tests._generate(llm)
+            tokens = harness.generate(llm, workload)
             torch.cuda.synchronize()
             checks = {k: c.report() for k, c in sorted(_CHECKS.items())}
         finally:
-            engine_tests._close(llm)
+            harness.close(llm)
             gc.collect()
         results[variant] = (tokens, checks)
         print(f"== {variant}: {checks}", flush=True)

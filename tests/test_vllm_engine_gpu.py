@@ -70,6 +70,8 @@ MAX_TOKENS = 24
 LONG = 3072
 
 
+# benchmarks/vllm_harness.py copies this workload and _engine's defaults for the
+# diagnostic (benchmarks/diagnose_vllm_rows.py): keep the two in step.
 def _workload() -> list[list[list[int]]]:
     """Batches of prompts, each a list of token ids (the tiny model's vocabulary is 128;
     7 is its EOS, which greedy sampling may pick: ignore_eos keeps lengths fixed)."""

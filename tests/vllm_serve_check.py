@@ -6,8 +6,9 @@ process, which loads ple-memops's plugin by itself), waits for it to be healthy,
 completions, and checks that they come back and that the engine core said it serves the
 PLE tables from the checkpoint with deferred rows. The server is stopped in every case;
 every wait is bounded. The bundle of ``scripts/vllm-h200`` leaves CuTe DSL out, so a
-test-only plugin (written to a temporary folder on ``PYTHONPATH``) makes the model take
-its unfused path in every process, as the in-process tests do by hand.
+test-only plugin (``benchmarks/vllm_harness.py``, written to a temporary folder on
+``PYTHONPATH``) makes the model take its unfused path in every process, as the in-process
+tests do by hand.
 """
 
 from __future__ import annotations
@@ -25,36 +26,12 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.resolve().parent / "benchmarks"))
+from vllm_harness import write_test_plugin  # noqa: E402
 
-SUBSTITUTES = """
-def register():
-    try:
-        import cutlass  # noqa: F401
-    except ImportError:
-        from vllm.models.qwen4_exp.nvidia import hyperconnection
-        from vllm.models.qwen4_exp.nvidia.ops.cute_dsl import hc_down_silu
-
-        hyperconnection.MAX_FUSED_M = 0
-        hc_down_silu.MAX_FUSED_M = 0
-"""
-
+__all__ = ["write_test_plugin"]  # vllm_tp2_check.py imports it from here
 
 GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8]}
-
-
-def write_test_plugin(root: Path) -> Path:
-    """A vLLM general plugin under ``root`` (a module and its dist-info, for ``PYTHONPATH``)
-    that makes the Qwen4Exp model take its unfused path where CuTe DSL is missing, in
-    every vLLM process."""
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "h200_substitutes.py").write_text(SUBSTITUTES)
-    info = root / "h200_substitutes-0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: h200-substitutes\nVersion: 0\n")
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nh200_substitutes = h200_substitutes:register\n"
-    )
-    return root
 
 
 def _port() -> int:

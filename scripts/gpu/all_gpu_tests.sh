@@ -32,7 +32,7 @@ if [ "${DIAG:-1}" = 1 ] && [ $SECONDS -lt 420 ]; then
     # Stock in vLLM's default breakable graphs vs FULL graphs vs mmap (the mmap engines run
     # FULL decode graphs; the engine tests compare against stock in the same mode).
     echo "== diagnose: stock (breakable graphs) vs stock (FULL graphs) vs mmap"
-    (cd /tmp && PYTHONPATH=/tmp/vllm-site:/tmp/site:$R/tests VLLM_USE_FLASHINFER_SAMPLER=0 \
+    (cd /tmp && PYTHONPATH=/tmp/vllm-site:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 \
         timeout $((560 - SECONDS)) python3 -W ignore "$R/benchmarks/diagnose_vllm_rows.py" \
         --variants stock,stock-full,mmap 2>&1) >"$OUT/diag.log"
     grep -E "^\|" "$OUT/diag.log"

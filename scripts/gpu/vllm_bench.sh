@@ -34,7 +34,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/ple-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_BREAKABLE_CUDAGRAPH=0
-export PYTHONPATH=/tmp/vllm-site:/tmp/site:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=/tmp/vllm-site:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 unset PLE_MEMOPS_TABLE_BACKEND  # the bench sets it in the mmap server only
 DTYPE=${DTYPE:-bf16}
 TAG=${TAG:-$DTYPE}  # names the outputs: two runs in one call need two tags

@@ -5,7 +5,7 @@ GPU where there is one) and streamed into safetensors files of our own, in the l
 transformers' ``save_pretrained`` writes (fused experts split per expert, each PLE table
 split into ``ngram_embedding.shard_<k>.weight``), with each PLE layer's shards in a file
 of its own (``ple-layer-<i>.safetensors``, ``i`` the 0-based decoder layer) and, for FP8,
-``float8_e4m3fn`` rows with a global ``weight_scale`` (as ``tests/vllm_checkpoints.py``).
+``float8_e4m3fn`` rows with a global ``weight_scale`` (as ``vllm_harness.py``'s tiny ones).
 
 Full-attention layers (``indexed_attention`` without the QSA indexer fields, which vLLM
 serves with its dense ``Qwen3NextAttention``) are a layout transformers cannot build: their

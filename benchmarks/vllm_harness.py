@@ -1,0 +1,220 @@
+"""What the vLLM benchmarks and diagnostics share with the vLLM tests (which import it from
+here): the tiny Qwen4Exp checkpoints, the test-only vLLM plugin that makes the model take its
+unfused path where CuTe DSL is missing, and the engine workload of the real-engine tests
+(``tests/test_vllm_engine_gpu.py``) for ``diagnose_vllm_rows.py``.
+
+The tiny checkpoints are written by transformers' own ``Qwen4ExpForCausalLM.save_pretrained``
+(safetensors), optionally repacked so each PLE layer's table shards sit in a file of their
+own, with FP8 tables and their global scale (what an FP8 Qwen4Exp checkpoint carries).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+# PLE on decoder layers 0 and 2 (1-based ids 1 and 3); 4 ids per token (ngram_size 3,
+# 2 heads per n-gram), 16-wide rows; tables of 4096 and 4224 rows in 4 shards each.
+CONFIG: dict[str, Any] = dict(
+    ngram_size=3,
+    heads_per_ngram=2,
+    ple_embed_dim=64,
+    ngram_vocab_size_base=1000,
+    split_ngram_parts=4,
+    eos_token_id=7,
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=4,
+    ple_layer_ids=[1, 3],
+    layer_types=["linear_attention"] * 4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    hc_lowrank=8,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    shared_expert_intermediate_size=32,
+    linear_num_value_heads=2,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    max_position_embeddings=512,
+    output_gate_type="sigmoid",
+)
+PLE_LAYERS = (0, 2)
+HEADS = 4
+HEAD_DIM = 16
+
+
+def write_checkpoint(
+    root: Path, *, fp8: bool, separate_tables: bool = True, **overrides: Any
+) -> Path:
+    """Write the checkpoint under ``root`` and return its directory (``overrides``: config
+    keys that differ from :data:`CONFIG`, e.g. ``max_position_embeddings``)."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    from ple_memops.vllm.tables import is_table_weight
+
+    hf = root / "hf"
+    torch.manual_seed(0)
+    model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**(CONFIG | overrides))).to(torch.bfloat16)
+    with torch.no_grad():  # make the tables' rows distinct and far from zero
+        for name, p in model.named_parameters():
+            if name.endswith("ngram_embedding.weight"):
+                p.copy_(torch.randn_like(p, dtype=torch.float32).to(p.dtype))
+    model.save_pretrained(hf, max_shard_size="200KB")
+    if not fp8 and not separate_tables:
+        return hf
+    out = root / ("fp8" if fp8 else "bf16")
+    out.mkdir()
+    tensors: dict[str, Any] = {}
+    for f in sorted(hf.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as s:
+            for k in s.keys():
+                tensors[k] = s.get_tensor(k)
+    files: dict[str, dict[str, Any]] = {"model-rest.safetensors": {}}
+    for name, t in tensors.items():
+        if not is_table_weight(name):
+            files["model-rest.safetensors"][name] = t
+    for layer in PLE_LAYERS:
+        stem = f"model.layers.{layer}.ple.ple_embedding.ngram_embedding"
+        shards = {k: v for k, v in tensors.items() if k.startswith(stem + ".shard_")}
+        if fp8:
+            amax = max(float(v.float().abs().max()) for v in shards.values())
+            scale = amax / 448.0
+            shards = {k: (v.float() / scale).to(torch.float8_e4m3fn) for k, v in shards.items()}
+            files["model-rest.safetensors"][f"{stem}.weight_scale"] = torch.tensor(
+                scale, dtype=torch.float32
+            )
+        files[f"ple-layer-{layer}.safetensors"] = shards
+    weight_map = {}
+    for fname, content in files.items():
+        save_file(content, str(out / fname))
+        weight_map.update(dict.fromkeys(content, fname))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    config = json.loads((hf / "config.json").read_text())
+    if fp8:
+        config["ple_embedding_dtype"] = "float8_e4m3fn"
+    (out / "config.json").write_text(json.dumps(config))
+    shutil.copy(hf / "generation_config.json", out / "generation_config.json")
+    return out
+
+
+SUBSTITUTES = """
+def register():
+    try:
+        import cutlass  # noqa: F401
+    except ImportError:
+        from vllm.models.qwen4_exp.nvidia import hyperconnection
+        from vllm.models.qwen4_exp.nvidia.ops.cute_dsl import hc_down_silu
+
+        hyperconnection.MAX_FUSED_M = 0
+        hc_down_silu.MAX_FUSED_M = 0
+"""
+
+
+def write_test_plugin(root: Path) -> Path:
+    """A vLLM general plugin under ``root`` (a module and its dist-info, for ``PYTHONPATH``)
+    that makes the Qwen4Exp model take its unfused path where CuTe DSL is missing, in
+    every vLLM process."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "h200_substitutes.py").write_text(SUBSTITUTES)
+    info = root / "h200_substitutes-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: h200-substitutes\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nh200_substitutes = h200_substitutes:register\n"
+    )
+    return root
+
+
+# The engine workload of tests/test_vllm_engine_gpu.py (a copy of what the diagnostic runs:
+# the same prompts, engine settings and greedy sampling; keep the two in step).
+ENGINE_GRAPH_SIZES = [1, 2, 4, 8]
+ENGINE_MAX_TOKENS = 24
+ENGINE_LONG = 3072
+
+
+def engine_workload() -> list[list[list[int]]]:
+    """Batches of prompts, each a list of token ids (the tiny model's vocabulary is 128;
+    7 is its EOS, which greedy sampling may pick: ignore_eos keeps lengths fixed)."""
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+
+    def prompt(n: int) -> list[int]:
+        return [int(x) for x in torch.randint(8, 128, (n,), generator=g)]
+
+    shared = prompt(600)
+    return [
+        [prompt(5)],  # decode at size 1
+        [prompt(3), prompt(9), prompt(4)],  # 3 requests: padded up to the size-4 graph
+        [prompt(2 + i) for i in range(8)],  # size 8
+        # Long prompts in chunks while short ones decode; two share a prefix.
+        [prompt(ENGINE_LONG), prompt(1500), prompt(6), prompt(11), shared + prompt(40)],
+        [shared + prompt(30), prompt(2)],  # a prefix-cache hit
+    ]
+
+
+def engine(ckpt: Path, backend: str, **kw: Any) -> Any:
+    """A ``vllm.LLM`` on the tiny checkpoint as the engine tests build it: ``backend`` is
+    ``stock`` (pinned/UVA tables), ``gpu`` (tables in GPU memory) or ``mmap``; ``kw`` goes
+    to ``vllm.LLM`` (e.g. ``enforce_eager=True``)."""
+    from vllm import LLM
+
+    extra: dict[str, Any] = {"gdn_prefill_backend": "triton"}  # FlashInfer is not bundled
+    backend_name = "mmap" if backend == "mmap" else "default"
+    extra["ple_memops"] = {"table_backend": backend_name, "copy": "auto"}
+    return LLM(
+        model=str(ckpt),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=4096,
+        max_num_seqs=8,
+        max_num_batched_tokens=1024,  # long prompts prefill in chunks beside decodes
+        enable_prefix_caching=True,
+        gpu_memory_utilization=0.15,
+        async_scheduling=True,
+        engram_config={"cpu_offload": backend != "gpu"},
+        additional_config=extra,
+        compilation_config={
+            "cudagraph_mode": "FULL_DECODE_ONLY",
+            "cudagraph_capture_sizes": ENGINE_GRAPH_SIZES,
+        },
+        **kw,
+    )
+
+
+def generate(llm: Any, workload: list[list[list[int]]]) -> list[list[list[int]]]:
+    """Each batch's greedy output tokens, per request."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(
+        max_tokens=ENGINE_MAX_TOKENS, temperature=0, detokenize=False, ignore_eos=True
+    )
+    out = []
+    for batch in workload:
+        done = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
+        out.append([list(o.outputs[0].token_ids) for o in done])
+    return out
+
+
+def close(llm: Any) -> None:
+    """Shut the engine down and free what it holds (another can be built after)."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
