@@ -143,17 +143,17 @@ def probe_floor(path: Path, quick: bool) -> dict[str, Any]:
     evicted file where O_DIRECT is refused)."""
     direct = True
     try:
-        _native.bench_read_batches(str(path), 1, 2, True)
+        _native._bench_read_batches(str(path), 1, 2, True)
     except pm.TableIoError as e:
         print(f"O_DIRECT refused ({e}); the probe reads through the page cache, evicted")
         direct = False
     k = 2 if quick else 1
     r: dict[str, Any] = {"direct": direct}
     for depth, batches in ((1, 300 // k), (16, 200 // k), (64, 60 // k)):
-        t = _native.bench_read_batches(str(path), depth, batches, direct, depth)
+        t = _native._bench_read_batches(str(path), depth, batches, direct, depth)
         r[f"batch{depth}_us"] = statistics.median(t) * 1e6
     for depth, reads in ((16, 20000 // k), (64, 40000 // k)):
-        secs = _native.bench_read_sustained(str(path), depth, reads, direct, 100 + depth)
+        secs = _native._bench_read_sustained(str(path), depth, reads, direct, 100 + depth)
         r[f"iops{depth}"] = reads / secs
     return r
 
@@ -182,7 +182,7 @@ def cold_trials(
             table.drop_pages()
             before = table.resident_bytes()
             if what == "floor":
-                floors.append(_native.bench_read_batches(str(path), n, 1, direct, k)[0] * 1e6)
+                floors.append(_native._bench_read_batches(str(path), n, 1, direct, k)[0] * 1e6)
                 continue
             if before > 0:
                 not_cold += 1
@@ -470,7 +470,7 @@ def host(args: argparse.Namespace) -> dict[str, Any]:
     t_def = pm.MmapTable.open(path, NAME)
 
     print("\n== warm gathers (rows read before: their pages known resident), from Python")
-    lat = _native.bench_memory_latency_ns(1 << 30, 2_000_000 if args.quick else 5_000_000)
+    lat = _native._bench_memory_latency_ns(1 << 30, 2_000_000 if args.quick else 5_000_000)
     res["memory_latency_ns"] = lat
     warm = {}
     t_def.drop_pages()

@@ -4,10 +4,10 @@ __all__ = [
     "DeferredRowsCore",
     "GatherWorkerCore",
     "MmapTableCore",
+    "_bench_memory_latency_ns",
+    "_bench_read_batches",
+    "_bench_read_sustained",
     "_raise_kind",
-    "bench_memory_latency_ns",
-    "bench_read_batches",
-    "bench_read_sustained",
     "driver_info",
     "error_kinds",
     "probe",
@@ -135,13 +135,14 @@ class MmapTableCore:
     def drop_pages(self) -> None: ...
     def page_stats(self) -> dict[str, Any]: ...
 
-def bench_read_batches(
+# Benchmark instruments (benchmarks/bench_cold.py), not the public API.
+def _bench_read_batches(
     path: str, depth: int, batches: int, direct: bool = True, seed: int = 0
 ) -> list[float]: ...
-def bench_read_sustained(
+def _bench_read_sustained(
     path: str, depth: int, reads: int, direct: bool = True, seed: int = 0
 ) -> float: ...
-def bench_memory_latency_ns(buffer_bytes: int, hops: int, seed: int = 0) -> float: ...
+def _bench_memory_latency_ns(buffer_bytes: int, hops: int, seed: int = 0) -> float: ...
 
 @final
 class GatherWorkerCore:

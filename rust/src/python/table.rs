@@ -337,11 +337,14 @@ impl PyMmapTable {
     }
 }
 
+// The benchmarks' instruments (`table::floor`), bound with a leading underscore: they are
+// not the public API.
+
 /// Benchmark instrument: `batches` rounds of `depth` random 4 KiB reads of `path`
 /// submitted together through io_uring (`O_DIRECT` unless `direct=False`); each round's
 /// seconds.
 #[pyfunction]
-#[pyo3(signature = (path, depth, batches, direct=true, seed=0))]
+#[pyo3(name = "_bench_read_batches", signature = (path, depth, batches, direct=true, seed=0))]
 fn bench_read_batches(
     py: Python<'_>,
     path: PathBuf,
@@ -357,7 +360,7 @@ fn bench_read_batches(
 /// Benchmark instrument: `reads` random 4 KiB reads of `path` with `depth` in flight;
 /// the seconds they took.
 #[pyfunction]
-#[pyo3(signature = (path, depth, reads, direct=true, seed=0))]
+#[pyo3(name = "_bench_read_sustained", signature = (path, depth, reads, direct=true, seed=0))]
 fn bench_read_sustained(
     py: Python<'_>,
     path: PathBuf,
@@ -373,7 +376,7 @@ fn bench_read_sustained(
 /// Benchmark instrument: nanoseconds per hop of a dependent pointer chase over
 /// `buffer_bytes` (one cache-line miss per hop when far larger than the last-level cache).
 #[pyfunction]
-#[pyo3(signature = (buffer_bytes, hops, seed=0))]
+#[pyo3(name = "_bench_memory_latency_ns", signature = (buffer_bytes, hops, seed=0))]
 fn bench_memory_latency_ns(
     py: Python<'_>,
     buffer_bytes: usize,
