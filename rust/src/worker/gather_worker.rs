@@ -161,9 +161,7 @@ impl GatherWorker {
     fn begin_step(&self, rows: usize, eager: bool) -> Result<u64> {
         let sh = &self.shared;
         let mut ctl = sh.ctl();
-        if let Some(e) = ctl.failure.take() {
-            ctl.armed.clear();
-            ctl.eager.clear();
+        if let Some(e) = ctl.take_failure() {
             return Err(e);
         }
         if ctl.armed.len() >= sh.opts.depth {
@@ -225,9 +223,7 @@ impl GatherWorker {
     fn complete_waiting(&self, timeout: Duration) -> Result<()> {
         let sh = &self.shared;
         let mut ctl = sh.ctl();
-        if let Some(e) = ctl.failure.take() {
-            ctl.armed.clear();
-            ctl.eager.clear();
+        if let Some(e) = ctl.take_failure() {
             return Err(e);
         }
         let Some(&step) = ctl.armed.front() else {
@@ -254,9 +250,7 @@ impl GatherWorker {
         }
         ctl.armed.pop_front();
         ctl.eager.retain(|&s| s > step);
-        if let Some(e) = ctl.failure.take() {
-            ctl.armed.clear();
-            ctl.eager.clear();
+        if let Some(e) = ctl.take_failure() {
             return Err(e);
         }
         ctl.stats.steps += 1;

@@ -139,9 +139,7 @@ impl GatherWorker {
             if sh.stop.load(Ordering::Acquire) {
                 return Err(Error::Closed);
             }
-            if let Some(e) = ctl.failure.take() {
-                ctl.armed.clear();
-                ctl.eager.clear();
+            if let Some(e) = ctl.take_failure() {
                 return Err(e);
             }
             sh.rows

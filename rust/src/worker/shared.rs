@@ -32,6 +32,15 @@ pub(super) struct Ctl {
 }
 
 impl Ctl {
+    /// The recorded failure, if any, with every armed step dropped: a failed worker's
+    /// steps are over (the GPU was released), and the next call reports why once.
+    pub(super) fn take_failure(&mut self) -> Option<Error> {
+        let e = self.failure.take()?;
+        self.armed.clear();
+        self.eager.clear();
+        Some(e)
+    }
+
     pub(super) fn next_to_fill(&self) -> Option<u64> {
         self.armed.iter().copied().find(|&s| s > self.handled)
     }
