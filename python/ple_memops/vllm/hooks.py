@@ -359,24 +359,18 @@ class PleRunnerHooks:
         if entry is not None:
             return self._replay_sync(desc, entry, launch)
         rows = int(desc.num_tokens) * self.rows_per_token
-        host = self.host
+        # driver.launch(), in its three parts so each is timed on its own: completing the
+        # oldest step when `depth` are armed (a wait for its fill), arming, the launch.
         t0 = time.perf_counter_ns()
-        # A step completed here is a wait for the worker's fill, counted apart from arming.
         with self.driver.guard(f"completing a step before the replay of {desc}"):
             self.driver.settle(self.driver.depth - 1)
         t1 = time.perf_counter_ns()
-        host.add("wait", t1 - t0)
-        inner = [0]
-
-        def timed_launch() -> T:
-            t = time.perf_counter_ns()
-            try:
-                return launch()
-            finally:
-                inner[0] = time.perf_counter_ns() - t
-
-        out = self.driver.launch(rows, timed_launch, what=f"the replay of {desc}")
-        host.add("arm", time.perf_counter_ns() - t1 - inner[0])
+        self.driver.arm(rows)
+        t2 = time.perf_counter_ns()
+        self.host.add("wait", t1 - t0)
+        self.host.add("arm", t2 - t1)
+        with self.driver.guard(f"the replay of {desc}"):
+            out = launch()
         if self.stats_every is not None and not isinstance(self._scope, _Step):
             self.log_stats()  # a replay outside step(): step() checks its own at its end
         return out
