@@ -26,7 +26,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -56,41 +55,17 @@ import ple_memops as pm  # noqa: E402
 from ple_memops.vllm import _compat, ops, plugin, qwen4exp, runner  # noqa: E402
 from ple_memops.vllm.hooks import build_hooks  # noqa: E402
 from ple_memops.vllm.ngram import NGramHasher, NGramLayout  # noqa: E402
+from ple_memops.vllm.settings import Settings, engine_settings  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vllm_checkpoints as ckpts  # noqa: E402
+import vllm_cpu  # noqa: E402
+
+dist = vllm_cpu.dist  # the fixture
+_load = vllm_cpu.load_model
+free_port = vllm_cpu.free_port
 
 HERE = Path(__file__).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def dist() -> Any:
-    """A one-rank gloo world, as vLLM's CPU workers set it up."""
-    from vllm.distributed import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
-
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
-            local_rank=0,
-            backend="gloo",
-        )
-        initialize_model_parallel(1, 1)
-    yield
-    destroy_model_parallel()
-    destroy_distributed_environment()
 
 
 @pytest.fixture(scope="module", params=["bf16", "fp8"])
@@ -119,20 +94,6 @@ def installed() -> Any:
     record = plugin.install()
     yield record
     record.undo()
-
-
-def _load(vc: VllmConfig) -> tuple[torch.nn.Module, Any]:
-    """vLLM's default loader, minus the CPU kernel packing after loading (it needs vLLM's
-    compiled ``_C`` extension, which the CPU wheel does not carry)."""
-    from vllm.model_executor.model_loader import get_model_loader
-    from vllm.model_executor.model_loader.utils import initialize_model
-
-    with set_current_vllm_config(vc):
-        loader = get_model_loader(vc.load_config)
-        with torch.device("cpu"):
-            model = initialize_model(vllm_config=vc, model_config=vc.model_config)
-        loader.load_weights(model, vc.model_config)
-    return model, loader
 
 
 # -- the plugin, as vLLM loads it -----------------------------------------------------------
@@ -560,14 +521,14 @@ def test_switch_per_engine_and_refusals(
     # Through vLLM's own config resolution (our Qwen4Exp config hook): no data-parallel
     # sharing of a pinned table that does not exist.
     vc = _config(checkpoint, mmap=True)
-    assert qwen4exp.engine_settings(vc).mmap
+    assert engine_settings(vc).mmap
     assert vc.engram_config is not None and vc.engram_config.dp_shared_memory is False
-    assert not qwen4exp.engine_settings(_config(checkpoint)).mmap
+    assert not engine_settings(_config(checkpoint)).mmap
     monkeypatch.setenv("PLE_MEMOPS_TABLE_BACKEND", "mmap")
-    assert qwen4exp.engine_settings(_config(checkpoint)).mmap
+    assert engine_settings(_config(checkpoint)).mmap
     off = {"ple_memops": {"table_backend": "default", "timeout": 5}}
-    assert qwen4exp.engine_settings(_config(checkpoint, additional_config=off)) == (
-        qwen4exp.Settings("default", 5.0)
+    assert engine_settings(_config(checkpoint, additional_config=off)) == (
+        Settings("default", 5.0)
     )
     monkeypatch.delenv("PLE_MEMOPS_TABLE_BACKEND")
     with pytest.raises(pm.UnsupportedError, match="embedding_across_dp"):
@@ -620,7 +581,7 @@ def test_switch_per_engine_and_refusals(
 
 
 def test_tensor_parallel_ranks_read_full_rows(checkpoint: Path, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
     env.pop("PLE_MEMOPS_TABLE_BACKEND", None)
     procs = [

@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -38,15 +39,15 @@ from vllm.models.qwen4_exp.nvidia.model import (
 
 from ..errors import StateError, UnsupportedError
 from . import ops
-from .settings import BACKEND_ENV, CONFIG_KEY, Settings
-from .tables import TABLE_DTYPES, is_table_weight
+from .layer import MmapTableLayer, TableExpectations, find_tables
+from .settings import BACKEND_ENV, CONFIG_KEY, engine_settings
+from .tables import TABLE_DTYPES, LayerTable, find_layer_table, is_table_weight
 
 __all__ = [
     "ARCHITECTURES",
     "Qwen4ExpMmapForCausalLM",
     "Qwen4ExpMmapForConditionalGeneration",
     "Qwen4ExpPLEMmapEmbedding",
-    "engine_settings",
     "find_mmap_embeddings",
     "layer_weight_scale",
     "verify_and_update_config",
@@ -55,20 +56,18 @@ __all__ = [
 logger = logging.getLogger("ple_memops")
 
 _TABLE_CLASSES = ("Qwen4ExpPLEDeviceEmbedding", "Qwen4ExpPLEPinnedHostEmbedding")
+_LAYER = re.compile(r"layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding$")
 _BREAKABLE = "VLLM_USE_BREAKABLE_CUDAGRAPH"
 # What the user asked for, read when the plugin installs (before vLLM's config can set it).
 _USER_BREAKABLE = os.environ.get(_BREAKABLE)
 
 
-def engine_settings(vllm_config: Any) -> Settings:
-    """This engine's settings (the environment, then ``additional_config``)."""
-    return Settings.for_engine(getattr(vllm_config, "additional_config", None))
-
-
-class Qwen4ExpPLEMmapEmbedding(Qwen4ExpPLEEmbedding):
+class Qwen4ExpPLEMmapEmbedding(Qwen4ExpPLEEmbedding, MmapTableLayer):
     """A PLE table served from the checkpoint's memory map (see the module)."""
 
     supports_prefetch: ClassVar[bool] = True
+    # `_note_ids_source` gives a synchronous plan's FULL graphs vLLM's own id computation.
+    ple_memops_ids_source: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -137,6 +136,23 @@ class Qwen4ExpPLEMmapEmbedding(Qwen4ExpPLEEmbedding):
     @property
     def row_bytes(self) -> int:
         return int(self.embedding_dim) * int(self.weight.element_size())
+
+    def ple_memops_layer_index(self) -> int:
+        match = _LAYER.search(self.ple_memops_name)
+        if match is None:
+            raise UnsupportedError(f"cannot tell the decoder layer of {self.ple_memops_name}")
+        return int(match.group(1))
+
+    def ple_memops_table(self, names: Iterable[str]) -> LayerTable:
+        return find_layer_table(names, self.ple_memops_layer_index())
+
+    def ple_memops_expect(self) -> TableExpectations:
+        return TableExpectations(
+            rows=int(self.org_vocab_size),
+            row_bytes=self.row_bytes,
+            dtype=self.table_dtype,
+            scale=layer_weight_scale(self),
+        )
 
     def allocate_embedding_weight(
         self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype
@@ -362,8 +378,8 @@ def config_hooks() -> dict[str, type]:
 
 
 def find_mmap_embeddings(model: torch.nn.Module) -> list[Qwen4ExpPLEMmapEmbedding]:
-    """The model's mmap PLE tables, in module order."""
-    return [m for m in model.modules() if isinstance(m, Qwen4ExpPLEMmapEmbedding)]
+    """The model's mmap Qwen4Exp PLE tables, in module order."""
+    return [m for m in find_tables(model) if isinstance(m, Qwen4ExpPLEMmapEmbedding)]
 
 
 def layer_weight_scale(module: Any) -> float | None:

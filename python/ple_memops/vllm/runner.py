@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -40,8 +39,9 @@ from .._common import plan_device
 from ..errors import InvalidArgumentError, UnsupportedError
 from ..table import MmapTable
 from .hooks import PleRunnerHooks, build_hooks
-from .qwen4exp import engine_settings, find_mmap_embeddings, layer_weight_scale
-from .tables import checkpoint_tensor_names, find_layer_table, open_layer_table
+from .layer import find_tables
+from .settings import engine_settings
+from .tables import checkpoint_tensor_names, open_layer_table
 
 __all__ = [
     "FORCE_SYNC_ENV",
@@ -91,8 +91,6 @@ def _world_rank() -> int:
         return 0
     return int(dist.get_rank())
 
-
-_LAYER = re.compile(r"layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding$")
 
 _BaseRunner: Any = vllm_model_runner.GPUModelRunner
 _BaseManager: Any = cudagraph_utils.ModelCudaGraphManager
@@ -145,9 +143,10 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
     """Open every mmap PLE table of ``runner.model`` (right after vLLM loaded it, outside
     any capture, before the profile run), build the plan and bind the layers. When the
     plan cannot defer (the probe or a worker fails on any rank), every rank's layers
-    gather synchronously before their consumer and FULL CUDA graphs are turned off, with
-    one warning naming the reason. ``None`` when the model has no mmap PLE table."""
-    layers = find_mmap_embeddings(runner.model)
+    gather synchronously before their consumer and FULL CUDA graphs are kept where the
+    model can recompute its ids before a replay (else turned off), with one warning naming
+    the reason. ``None`` when the model has no mmap PLE table."""
+    layers = find_tables(runner.model)
     if not layers:
         return None
     settings = engine_settings(runner.vllm_config)
@@ -162,24 +161,21 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
         int(runner.vllm_config.scheduler_config.max_num_batched_tokens),
         int(compilation.max_cudagraph_capture_size or 0),
     )
+    ids_source = all(m.ple_memops_ids_source for m in layers)
     tables: dict[str, MmapTable] = {}
     try:
-        index = {}
-        for module in layers:
-            match = _LAYER.search(module.ple_memops_name)
-            if match is None:
-                raise UnsupportedError(f"cannot tell the decoder layer of {module.ple_memops_name}")
-            index[module.ple_memops_name] = int(match.group(1))
+        index = {m.ple_memops_name: m.ple_memops_layer_index() for m in layers}
         first = min(index.values())  # the PLE layer every step waits for
         for module in layers:
             layer = index[module.ple_memops_name]
+            expect = module.ple_memops_expect()
             tables[module.ple_memops_name] = open_layer_table(
                 ckpt,
-                find_layer_table(names, layer),
-                rows=int(module.org_vocab_size),
-                row_bytes=module.row_bytes,
-                dtype=module.table_dtype,
-                scale=layer_weight_scale(module),
+                module.ple_memops_table(names),
+                rows=expect.rows,
+                row_bytes=expect.row_bytes,
+                dtype=expect.dtype,
+                scale=expect.scale,
                 gather_threads=settings.first_layer_threads if layer == first else None,
             )
         build: dict[str, Any] = dict(
@@ -192,6 +188,7 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
             stats_every=settings.stats_every,
             time_stalls=settings.time_stalls,
             skip_gather=settings.diag_skip_gather,
+            sync_graphs=ids_source,
         )
         raw = os.environ.get(FORCE_SYNC_ENV)
         forced = forced_sync(raw, _world_rank())
@@ -210,7 +207,7 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
             t.close()
         raise
     for module in layers:
-        module.ple_memops_hooks = hooks
+        module.ple_memops_bind(hooks, max_tokens)
     if settings.diag_skip_gather:
         logger.warning(
             "ple-memops: diagnostics: the PLE rows are NOT gathered (diag_skip_gather): every "
@@ -231,6 +228,13 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
             # No CUDA device: no graph to keep.
             compilation.cudagraph_mode = CUDAGraphMode.NONE
             graphs = f"CUDA graphs are turned off (cudagraph_mode {mode.name} -> NONE)"
+        elif not ids_source and mode is not None and mode != CUDAGraphMode.NONE:
+            # The model cannot recompute its ids before a replay: no graph may read rows.
+            compilation.cudagraph_mode = CUDAGraphMode.NONE
+            graphs = (
+                f"CUDA graphs are turned off (cudagraph_mode {mode.name} -> NONE: this "
+                "model's graphs cannot compute their ids before a replay)"
+            )
         elif mode is not None and mode != CUDAGraphMode.NONE:
             graphs = (
                 f"CUDA graphs stay on (cudagraph_mode {mode.name}): before each replay a "
@@ -368,7 +372,7 @@ class PleGPUModelRunner(_BaseRunner):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             hooks.shutdown()
-            for module in find_mmap_embeddings(self.model):
-                module.ple_memops_hooks = None
+            for module in find_tables(self.model):
+                module.ple_memops_bind(None, 0)
             self.ple_rows = None
         super().shutdown()

@@ -43,6 +43,7 @@ __all__ = [
     "TIMEOUT_ENV",
     "TIME_STALLS_ENV",
     "Settings",
+    "engine_settings",
 ]
 
 BACKEND_ENV = "PLE_MEMOPS_TABLE_BACKEND"
@@ -258,3 +259,8 @@ def _section(additional_config: object) -> Mapping[str, Any] | None:
 def installed_by_env(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the environment switches the plugin on (what the plugin reads at load)."""
     return Settings.from_env(environ).mmap
+
+
+def engine_settings(vllm_config: object) -> Settings:
+    """A vLLM engine's settings (the environment, then its ``additional_config``)."""
+    return Settings.for_engine(getattr(vllm_config, "additional_config", None))

@@ -1,0 +1,64 @@
+"""What the CPU tests against the real vLLM share (``test_vllm_real.py``,
+``test_vllm_gemma4_real.py``): a one-rank gloo world as vLLM's CPU workers set it up, and
+vLLM's default loader. Imported after vLLM is known to be importable."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+
+__all__ = ["dist", "free_port", "load_model"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def dist() -> Iterator[None]:
+    """A one-rank gloo world, as vLLM's CPU workers set it up."""
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+            local_rank=0,
+            backend="gloo",
+        )
+        initialize_model_parallel(1, 1)
+    yield
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+def load_model(vc: VllmConfig) -> tuple[torch.nn.Module, Any]:
+    """vLLM's default loader in the model's dtype, as the engine runs it, minus the CPU
+    kernel packing after loading (it needs vLLM's compiled ``_C`` extension, which the
+    CPU wheel does not carry): linear layers compute with ``torch.nn.functional.linear``."""
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with set_current_vllm_config(vc):
+        loader = get_model_loader(vc.load_config)
+        with torch.device("cpu"), set_default_torch_dtype(vc.model_config.dtype):
+            model = initialize_model(vllm_config=vc, model_config=vc.model_config)
+        loader.load_weights(model, vc.model_config)
+    for module in model.modules():
+        if hasattr(module, "quant_method") and not hasattr(module, "cpu_linear"):
+            module.cpu_linear = torch.nn.functional.linear
+    return model, loader
