@@ -218,3 +218,98 @@ def close(llm: Any) -> None:
     del llm
     gc.collect()
     cleanup_dist_env_and_memory()
+
+
+# -- Gemma 4 ---------------------------------------------------------------------------------
+
+# A tiny Gemma 4 with per-layer inputs: 4 decoder layers (3 sliding, 1 full; one head size,
+# 64, so FlashAttention 3 serves every layer), a 16-wide slice a layer: 64-wide rows of
+# 128 bytes in BF16.
+GEMMA4_CONFIG: dict[str, Any] = dict(
+    vocab_size=128,
+    vocab_size_per_layer_input=112,  # ids 112..127 read row 0, as in vLLM
+    hidden_size=64,
+    hidden_size_per_layer_input=16,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    global_head_dim=64,
+    layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    sliding_window=64,
+    intermediate_size=96,
+    max_position_embeddings=8192,
+    eos_token_id=1,
+    pad_token_id=0,
+    bos_token_id=2,
+)
+GEMMA4_TABLE = "embed_tokens_per_layer.weight"
+
+
+def write_gemma4_checkpoint(
+    root: Path, *, multimodal: bool = False, separate_table: bool = True, **overrides: Any
+) -> Path:
+    """A tiny Gemma 4 written by transformers' own ``Gemma4ForCausalLM.save_pretrained``
+    (``multimodal``: ``Gemma4ForConditionalGeneration``'s, with a tiny vision tower), under
+    ``root``; ``separate_table`` moves the per-layer table into a file of its own (what the
+    loader can skip). ``overrides``: text-config keys that differ from
+    :data:`GEMMA4_CONFIG` (e.g. the real E2B widths for the benchmark)."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import Gemma4TextConfig
+
+    text = Gemma4TextConfig(**(GEMMA4_CONFIG | overrides))
+    torch.manual_seed(0)
+    if multimodal:
+        from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+        config = Gemma4Config(
+            text_config=text.to_dict(),
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                head_dim=16,
+            ),
+            audio_config=None,
+        )
+        model: Any = Gemma4ForConditionalGeneration(config)
+    else:
+        from transformers import Gemma4ForCausalLM
+
+        model = Gemma4ForCausalLM(text)
+    model = model.to(torch.bfloat16)
+    with torch.no_grad():  # rows far from zero and distinct, so a wrong row shows
+        for name, p in model.named_parameters():
+            if name.endswith(GEMMA4_TABLE):
+                p.copy_(torch.randn_like(p, dtype=torch.float32).to(p.dtype))
+    hf = root / ("hf-mm" if multimodal else "hf")
+    model.save_pretrained(hf)
+    if not separate_table:
+        return hf
+    out = root / ("mm" if multimodal else "text")
+    out.mkdir()
+    tensors: dict[str, Any] = {}
+    for f in sorted(hf.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as s:
+            for k in s.keys():
+                tensors[k] = s.get_tensor(k)
+    files: dict[str, dict[str, Any]] = {"model-rest.safetensors": {}, "model-ple.safetensors": {}}
+    for name, t in tensors.items():
+        files["model-ple.safetensors" if name.endswith(GEMMA4_TABLE) else "model-rest.safetensors"][
+            name
+        ] = t
+    weight_map = {}
+    for fname, content in files.items():
+        save_file(content, str(out / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(content, fname))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    for extra in hf.glob("*.json"):
+        if extra.name != "model.safetensors.index.json":
+            shutil.copy(extra, out / extra.name)
+    return out

@@ -60,4 +60,5 @@ echo "-- installing pytest and the wheel into the vLLM environment"
     dist/*.whl
 export VLLM_TARGET_DEVICE=cpu
 echo "-- the plugin's tests against the released vLLM, on the CPU"
-(cd /tmp && "$VENV/bin/python" -m pytest "$OLDPWD/tests/test_vllm_real.py" -q -p no:cacheprovider)
+(cd /tmp && "$VENV/bin/python" -m pytest "$OLDPWD/tests/test_vllm_real.py" \
+    "$OLDPWD/tests/test_vllm_gemma4_real.py" -q -p no:cacheprovider)

@@ -517,7 +517,7 @@ class RecordingPlan:
         self.log.append(f"dummy {name} {rows}")
         return self.bufs[name][:rows]
 
-    def staging(self, name: str, n: int) -> Any:
+    def staging(self, name: str, n: int | None = None) -> Any:
         return self.bufs[name][:n]
 
     def abort(self, reason: str) -> None:

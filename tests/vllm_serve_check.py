@@ -1,7 +1,8 @@
 """``vllm serve`` with ``PLE_MEMOPS_TABLE_BACKEND=mmap`` on a GPU host, asked over HTTP on
-localhost (``python3 tests/vllm_serve_check.py``; ``scripts/gpu/vllm_engine.sh`` runs it).
+localhost (``python3 tests/vllm_serve_check.py [qwen4exp|gemma4]``; ``scripts/gpu/
+vllm_engine.sh`` and ``scripts/gpu/vllm_gemma4.sh`` run it).
 
-Writes the tiny Qwen4Exp checkpoint, starts the server (its engine core is a separate
+Writes the tiny Qwen4Exp (or Gemma 4) checkpoint, starts the server (its engine core is a separate
 process, which loads ple-memops's plugin by itself), waits for it to be healthy, sends
 completions, and checks that they come back and that the engine core said it serves the
 PLE tables from the checkpoint with deferred rows. The server is stopped in every case;
@@ -45,11 +46,19 @@ def _get(url: str, timeout: float = 5) -> int:
         return int(r.status)
 
 
-def main() -> int:
+def main(model: str = "qwen4exp") -> int:
     import vllm_checkpoints as ckpts
 
     work = Path(tempfile.mkdtemp(prefix="ple-serve-"))
-    ckpt = ckpts.write_checkpoint(work / "ckpt", fp8=False, max_position_embeddings=8192)
+    if model == "gemma4":
+        ckpt = ckpts.write_gemma4_checkpoint(work / "ckpt")
+        extra, skipped = "{}", "Skipped 1/2 safetensors shard(s)"
+    elif model == "qwen4exp":
+        ckpt = ckpts.write_checkpoint(work / "ckpt", fp8=False, max_position_embeddings=8192)
+        extra, skipped = '{"gdn_prefill_backend": "triton"}', "Skipped 2/3 safetensors shard(s)"
+    else:
+        print(f"unknown model {model!r} (qwen4exp or gemma4)")
+        return 2
     plugin_dir = write_test_plugin(work / "plugins")
     port = _port()
     env = dict(os.environ, PLE_MEMOPS_TABLE_BACKEND="mmap", VLLM_USE_FLASHINFER_SAMPLER="0")
@@ -60,7 +69,7 @@ def main() -> int:
         "--skip-tokenizer-init", "--dtype", "bfloat16", "--max-model-len", "2048",
         "--max-num-seqs", "8", "--gpu-memory-utilization", "0.15",
         "--compilation-config", json.dumps(GRAPHS),
-        "--additional-config", '{"gdn_prefill_backend": "triton"}',
+        "--additional-config", extra,
     ]  # fmt: skip
     log_path = work / "server.log"
     with open(log_path, "w") as log:
@@ -106,11 +115,17 @@ def main() -> int:
         text = log_path.read_text()
         # vLLM's own loader says it skipped the files that hold only table rows: only the
         # plugin's model tells it that they hold nothing it loads.
-        served = "Skipped 2/3 safetensors shard(s) holding no weights the model loads" in text
-        print(f"completions: {done} requests served over HTTP on port {port}")
-        print("engine core says:", [ln for ln in text.splitlines() if "Skipped 2/3" in ln][:1])
+        needle = f"{skipped} holding no weights the model loads"
+        served = needle in text
+        print(f"{model}: {done} requests served over HTTP on port {port}")
+        print("engine core says:", [ln for ln in text.splitlines() if skipped in ln][:1])
+        deferred = [ln for ln in text.splitlines() if "FULL CUDA graphs defer their rows" in ln]
+        print("and:", deferred[:1])
         if not served:
             print("FAIL: the engine core read the table files (the plugin was not active there)")
+            return 1
+        if not deferred:
+            print("FAIL: the engine core does not say its graphs defer their rows")
             return 1
         print("PASS: vllm serve with PLE_MEMOPS_TABLE_BACKEND=mmap serves")
         return 0
@@ -123,4 +138,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(*sys.argv[1:2]))

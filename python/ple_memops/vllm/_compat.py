@@ -2,12 +2,12 @@
 anything is installed.
 
 The plugin subclasses and wraps private parts of vLLM 0.33.0 (the Model Runner V2 runner,
-its CUDA graph manager, the NVIDIA Qwen4Exp model and its PLE embedding, the Qwen4Exp
-config hook, the default loader's file filter). A vLLM whose names or signatures differ
-would run the plugin half-way, which is worse than not at all: :func:`check` lists every
-difference and :func:`require` refuses to start with one error naming the version and
-each of them. Signatures are compared by parameter names, kinds and defaults
-(annotations vary with how a module was imported).
+its CUDA graph manager, the NVIDIA Qwen4Exp model and its PLE embedding, Gemma 4's text
+and multimodal models, their config hooks, the default loader's file filter). A vLLM
+whose names or signatures differ would run the plugin half-way, which is worse than not
+at all: :func:`check` lists every difference and :func:`require` refuses to start with one
+error naming the version and each of them. Signatures are compared by parameter names,
+kinds and defaults (annotations vary with how a module was imported).
 """
 
 from __future__ import annotations
@@ -118,6 +118,8 @@ _NE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 _CE = "vllm.models.qwen4_exp.common.ngram_embedding"
 _NM = "vllm.models.qwen4_exp.nvidia.model"
 _MC = "vllm.model_executor.models.config"
+_G4 = "vllm.model_executor.models.gemma4"
+_G4M = "vllm.model_executor.models.gemma4_mm"
 
 REQUIREMENTS: tuple[Requirement, ...] = (
     # The runner: subclassed, and rebound where the worker imports it when it builds one.
@@ -219,6 +221,64 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         f"{_MC}:Qwen4ExpForConditionalGenerationConfig.verify_and_update_config",
         "(vllm_config)",
     ),
+    # Gemma 4: its per-layer table built by a module-level name, the lookup and the
+    # combination the plugin's self-decoder splits around the rows, the multimodal class's
+    # eager rows and its forward.
+    _signature(f"{_G4}:Gemma4ForCausalLM.__init__", "(self, *, vllm_config, prefix='')"),
+    _exists(f"{_G4}:VocabParallelEmbedding", type),
+    _source_has(
+        f"{_G4}:Gemma4Model",
+        "self.embed_tokens_per_layer = VocabParallelEmbedding(",
+        "builds the per-layer table with the module-level class",
+    ),
+    _source_has(
+        f"{_G4}:Gemma4Model",
+        "self.self_decoder = Gemma4SelfDecoderLayers(",
+        "owns the lookup and projection in its self-decoder",
+    ),
+    _source_has(
+        f"{_G4}:Gemma4Model.forward",
+        "per_layer_embeds = self.get_per_layer_inputs(input_ids)",
+        "looks the rows up before projecting",
+    ),
+    _signature(f"{_G4}:Gemma4SelfDecoderLayers.get_per_layer_inputs", "(self, input_ids)"),
+    _source_has(
+        f"{_G4}:Gemma4SelfDecoderLayers.get_per_layer_inputs",
+        "per_layer_embeds = per_layer_embeds * self.embed_scale_per_layer",
+        "scales the rows right after the lookup",
+    ),
+    _signature(
+        f"{_G4}:Gemma4SelfDecoderLayers.project_per_layer_inputs",
+        "(self, inputs_embeds, per_layer_inputs)",
+    ),
+    _source_has(
+        f"{_G4}:Gemma4SelfDecoderLayers.project_per_layer_inputs",
+        "return (per_layer_projection + per_layer_inputs) * self.per_layer_input_scale",
+        "adds the rows to the normalised projection, then scales",
+    ),
+    _signature(
+        f"{_G4M}:Gemma4ForConditionalGeneration.__init__", "(self, *, vllm_config, prefix='')"
+    ),
+    _source_has(
+        f"{_G4M}:Gemma4ForConditionalGeneration.__init__",
+        "self.per_layer_embeddings = torch.zeros(",
+        "keeps the step's rows in a buffer",
+    ),
+    _signature(
+        f"{_G4M}:Gemma4ForConditionalGeneration.embed_input_ids",
+        "(self, input_ids, multimodal_embeddings=None, *, is_multimodal=None)",
+    ),
+    _signature(
+        f"{_G4M}:Gemma4ForConditionalGeneration.forward",
+        "(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs)",
+    ),
+    _source_has(
+        f"{_G4M}:Gemma4ForConditionalGeneration.forward",
+        "self._clear_mm_prefix_for_full_attn_layers()",
+        "clears the multimodal prefix ranges before the language model",
+    ),
+    _config_map_has("Gemma4ForCausalLM"),
+    _config_map_has("Gemma4ForConditionalGeneration"),
     # Load time: where the checkpoint is, and the per-file filter of unused weights.
     _signature(
         "vllm.model_executor.model_loader.default_loader:DefaultModelLoader._prepare_weights",

@@ -106,7 +106,7 @@ class PlanLike(Protocol):
         self, name: str, ids: Any, rows: int | None = None, *, stream: Any = None
     ) -> Any: ...
     def dummy_now(self, name: str, rows: int, *, stream: Any = None) -> Any: ...
-    def staging(self, name: str, n: int) -> Any: ...
+    def staging(self, name: str, n: int | None = None) -> Any: ...
     def abort(self, reason: str) -> None: ...
     def close(self) -> None: ...
 
@@ -226,6 +226,7 @@ class PleRunnerHooks:
         self._wait_descs: set[Any] = set()
         self.sync_graphs = bool(sync_graphs)
         self._ids_graphs: dict[Any, _IdsGraph] = {}
+        self._ids_buffers: dict[str, Any] = {}
         self.eager_steps = 0
         self.sync_replays = 0
         self.recorded_graphs = 0
@@ -598,6 +599,48 @@ class PleRunnerHooks:
         rows = self.driver.gather_now(name, ids.reshape(-1), rows=n)
         if int(rows.data_ptr()) != int(output.data_ptr()):
             output.copy_(rows)
+
+    def ids_buffer(self, name: str) -> Any:
+        """Layer ``name``'s own ids buffer (``int64``, as many as its staging has rows),
+        allocated on first use, outside any capture (a model that stages through
+        :meth:`stage_ids` asks for it when it is bound)."""
+        buf = self._ids_buffers.get(name)
+        if buf is None:
+            import torch
+
+            staging = self.plan.staging(name)
+            if staging.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise StateError(
+                    f"ple-memops: the ids buffer of {name} is first needed inside a capture; "
+                    "reserve it when the layer is bound (ids_buffer)"
+                )
+            buf = torch.zeros(staging.shape[0], dtype=torch.int64, device=staging.device)
+            self._ids_buffers[name] = buf
+        return buf
+
+    def stage_ids(self, name: str, ids: Any) -> Any:
+        """The compiled models' first op: ``ids`` copied into :meth:`ids_buffer` on the
+        current stream (their memory may be reused by the graph as soon as this returns,
+        while the rows are gathered from them later), then :meth:`stage` into the plan's
+        staging view. Returns an empty ``[rows, 0]`` token for :meth:`read_rows`."""
+        flat = ids.reshape(-1)
+        n = int(flat.numel())
+        if n % self.rows_per_token:
+            raise StateError(
+                f"ple-memops: {name} staged {n} row ids, not a multiple of {self.rows_per_token}"
+            )
+        owned = self.ids_buffer(name)[:n]
+        owned.copy_(flat)
+        self.stage(name, owned, self.output(name, n // self.rows_per_token))
+        return flat.new_empty((n, 0))
+
+    def read_rows(self, name: str, staged: Any) -> Any:
+        """The compiled models' second op: :meth:`join`, then the rows copied out of the
+        staging view on the current stream (a new tensor: the op is functional)."""
+        n = int(staged.shape[0])
+        output = self.output(name, n // self.rows_per_token)
+        self.join(name, output)
+        return output.clone()
 
     def join(self, name: str, output: Any) -> None:
         """The PLE op's second half, right before the consumer: under capture the main

@@ -1,4 +1,5 @@
-"""The PLE rows custom ops: ``torch.ops.ple_memops.stage_rows`` and ``join_rows``.
+"""The PLE rows custom ops: ``torch.ops.ple_memops.stage_rows`` and ``join_rows`` (for an
+eager model), ``stage_ids`` and ``read_rows`` (for a model ``torch.compile`` compiles).
 
 A leaf module: it imports torch only and knows nothing of the runner. Both ops mutate a
 caller-provided output (the plan's staging view a consumer reads) and return nothing, so
@@ -10,12 +11,22 @@ must carry its runner hooks as ``ple_memops_hooks``. Registered with ``torch.lib
 once, the same way whatever was imported first, with fake implementations for
 ``torch.compile``.
 
-The model calls::
+An eager model calls::
 
     out = hooks.output(name, tokens)          # uint8 [tokens * H, row_bytes]
     stage_rows(ids, out, name)                # early: publish (captured) or gather (eager)
     ...                                       # GPU work the host gather overlaps
     join_rows(out, name)                      # right before the first consumer of out
+
+A compiled model calls the functional pair instead: Inductor (vLLM's inductor config has
+no auto-functionalization v2) hands a mutating op a clone of a graph input, never the
+staging buffer a captured consumer must read, and reuses the memory of the ids as soon
+as the op that read them returns, while the rows are gathered from them later::
+
+    staged = stage_ids(ids, name)             # the ids copied to the hooks' own buffer,
+                                              # then staged; an empty [rows, 0] token
+    ...
+    rows = read_rows(staged, row_bytes, name) # joined, then copied: uint8 [rows, row_bytes]
 """
 
 # No ``from __future__ import annotations``: the op schemas are inferred from these
@@ -31,7 +42,7 @@ import torch
 
 from ..errors import StateError
 
-__all__ = ["join_rows", "layers", "stage_rows"]
+__all__ = ["join_rows", "layers", "read_rows", "stage_ids", "stage_rows"]
 
 _LIB = torch.library.Library("ple_memops", "FRAGMENT")  # type: ignore[no-untyped-call]
 _LAYERS: "contextvars.ContextVar[Mapping[str, Any] | None]" = contextvars.ContextVar(
@@ -89,12 +100,34 @@ def _join_rows_fake(output: torch.Tensor, layer_name: str) -> None:
     return None
 
 
+def _stage_ids(ids: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return _layer(layer_name).stage_ids(layer_name, ids)  # type: ignore[no-any-return]
+
+
+def _read_rows(staged: torch.Tensor, row_bytes: int, layer_name: str) -> torch.Tensor:
+    return _layer(layer_name).read_rows(layer_name, staged)  # type: ignore[no-any-return]
+
+
+def _stage_ids_fake(ids: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return ids.new_empty((ids.numel(), 0))
+
+
+def _read_rows_fake(staged: torch.Tensor, row_bytes: int, layer_name: str) -> torch.Tensor:
+    return staged.new_empty((staged.shape[0], row_bytes), dtype=torch.uint8)
+
+
 _LIB.define("stage_rows(Tensor ids, Tensor(a!) output, str layer_name) -> ()")  # type: ignore[no-untyped-call]
 _LIB.define("join_rows(Tensor(a!) output, str layer_name) -> ()")  # type: ignore[no-untyped-call]
 _LIB.impl("stage_rows", _stage_rows, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
 _LIB.impl("join_rows", _join_rows, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
 torch.library.register_fake("ple_memops::stage_rows", _stage_rows_fake, lib=_LIB)
 torch.library.register_fake("ple_memops::join_rows", _join_rows_fake, lib=_LIB)
+_LIB.define("stage_ids(Tensor ids, str layer_name) -> Tensor")  # type: ignore[no-untyped-call]
+_LIB.define("read_rows(Tensor staged, int row_bytes, str layer_name) -> Tensor")  # type: ignore[no-untyped-call]
+_LIB.impl("stage_ids", _stage_ids, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+_LIB.impl("read_rows", _read_rows, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+torch.library.register_fake("ple_memops::stage_ids", _stage_ids_fake, lib=_LIB)
+torch.library.register_fake("ple_memops::read_rows", _read_rows_fake, lib=_LIB)
 
 
 def stage_rows(ids: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
@@ -105,3 +138,16 @@ def stage_rows(ids: torch.Tensor, output: torch.Tensor, layer_name: str) -> None
 def join_rows(output: torch.Tensor, layer_name: str) -> None:
     """Make ``output`` ready for its consumer (see the module)."""
     torch.ops.ple_memops.join_rows(output, layer_name)
+
+
+def stage_ids(ids: torch.Tensor, layer_name: str) -> torch.Tensor:
+    """Stage layer ``layer_name``'s rows for ``ids`` (a compiled model); returns the token
+    :func:`read_rows` takes (see the module)."""
+    staged: torch.Tensor = torch.ops.ple_memops.stage_ids(ids, layer_name)
+    return staged
+
+
+def read_rows(staged: torch.Tensor, row_bytes: int, layer_name: str) -> torch.Tensor:
+    """The rows :func:`stage_ids` staged, ready: a new ``uint8 [rows, row_bytes]``."""
+    rows: torch.Tensor = torch.ops.ple_memops.read_rows(staged, row_bytes, layer_name)
+    return rows

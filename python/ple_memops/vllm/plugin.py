@@ -10,9 +10,10 @@ with nothing installed), then installs, all or nothing:
 
 * Model Runner V2's runner class (where the GPU worker imports it when it builds one):
   :class:`~ple_memops.vllm.runner.PleGPUModelRunner`;
-* the Qwen4Exp architectures (``ModelRegistry.register_model`` replaces vLLM's entries):
-  :mod:`~ple_memops.vllm.qwen4exp`'s subclasses;
-* the Qwen4Exp config hooks, extended with the mmap backend's refusals.
+* the Qwen4Exp and Gemma 4 architectures (``ModelRegistry.register_model`` replaces
+  vLLM's entries): the subclasses of :mod:`~ple_memops.vllm.qwen4exp` and
+  :mod:`~ple_memops.vllm.gemma4`;
+* their config hooks, extended with the mmap backend's refusals.
 
 Each engine then chooses with ``additional_config={"ple_memops": {...}}`` (see
 :mod:`.settings`); one that says ``"table_backend": "default"`` runs vLLM's code paths.
@@ -99,8 +100,9 @@ def install() -> Installed:
         from vllm.model_executor.models import config as model_configs
         from vllm.v1.worker.gpu import model_runner as vllm_model_runner
 
-        from . import qwen4exp, runner
+        from . import gemma4, qwen4exp, runner
 
+        models = (qwen4exp, gemma4)
         record = Installed(version)
         try:
             _log_through_vllm(record)
@@ -111,7 +113,8 @@ def install() -> Installed:
                 runner.PleGPUModelRunner,
                 "vllm.v1.worker.gpu.model_runner.GPUModelRunner -> PleGPUModelRunner",
             )
-            for arch, cls in qwen4exp.ARCHITECTURES.items():
+            architectures = {a: c for m in models for a, c in m.ARCHITECTURES.items()}
+            for arch, cls in architectures.items():
                 previous = ModelRegistry.models.get(arch)
 
                 def restore(arch: str = arch, previous: Any = previous) -> None:
@@ -123,7 +126,8 @@ def install() -> Installed:
                 ModelRegistry.register_model(arch, cls)
                 record._undo.append(restore)
                 record.changes.append(f"model {arch} -> {cls.__qualname__}")
-            for arch, hook in qwen4exp.config_hooks().items():
+            hooks = {a: h for m in models for a, h in m.config_hooks().items()}
+            for arch, hook in hooks.items():
                 _set_item(
                     record,
                     model_configs.MODELS_CONFIG_MAP,

@@ -1,9 +1,12 @@
-"""Find and open each Qwen4Exp PLE layer's n-gram table in a safetensors checkpoint, by
-the checkpoint's own tensor names (no engine needed).
+"""Find and open PLE tables in a safetensors checkpoint, by the checkpoint's own tensor
+names (no engine needed).
 
-A layer's table is stored as row shards ``<prefix>layers.<i>.ple.ple_embedding.
-ngram_embedding.shard_<k>.weight`` (concatenated in shard order; ``<prefix>`` is e.g.
-``model.`` or ``model.language_model.``) or, unsharded, as ``...ngram_embedding.weight``.
+* Qwen4Exp: each PLE layer's n-gram table, stored as row shards ``<prefix>layers.<i>.ple.
+  ple_embedding.ngram_embedding.shard_<k>.weight`` (concatenated in shard order;
+  ``<prefix>`` is e.g. ``model.`` or ``model.language_model.``) or, unsharded, as
+  ``...ngram_embedding.weight``.
+* Gemma 4 / Gemma 3n: one table for all layers, ``<prefix>embed_tokens_per_layer.weight``
+  (``[vocab_size_per_layer_input, num_hidden_layers * hidden_size_per_layer_input]``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ __all__ = [
     "LayerTable",
     "checkpoint_tensor_names",
     "find_layer_table",
+    "find_per_layer_table",
+    "is_per_layer_table_weight",
     "is_table_weight",
     "open_layer_table",
 ]
@@ -30,6 +35,7 @@ __all__ = [
 _TABLE_WEIGHT = re.compile(
     r"(?:^|\.)layers\.\d+\.ple\.ple_embedding\.ngram_embedding\.(?:shard_\d+\.)?weight$"
 )
+_PER_LAYER_WEIGHT = re.compile(r"(?:^|\.)embed_tokens_per_layer\.weight$")
 _INDEX = "model.safetensors.index.json"
 
 # vLLM / torch dtype names -> the safetensors dtype MmapTable reports.
@@ -46,6 +52,11 @@ def is_table_weight(name: str) -> bool:
     """Whether checkpoint tensor ``name`` is (a row shard of) a PLE n-gram table, which
     the mmap backend serves from the file instead of loading (its scale is not)."""
     return _TABLE_WEIGHT.search(name) is not None
+
+
+def is_per_layer_table_weight(name: str) -> bool:
+    """Whether checkpoint tensor ``name`` is a Gemma per-layer embedding table."""
+    return _PER_LAYER_WEIGHT.search(name) is not None
 
 
 def _header_names(path: Path) -> list[str]:
@@ -116,6 +127,20 @@ def find_layer_table(names: Iterable[str], layer_index: int) -> LayerTable:
         f"the checkpoint holds no PLE table for layer {layer_index} "
         f"(no '...{tail}.shard_<k>.weight' or '...{tail}.weight')"
     )
+
+
+def find_per_layer_table(names: Iterable[str]) -> LayerTable:
+    """The Gemma per-layer embedding table (``...embed_tokens_per_layer.weight``), one
+    tensor for every decoder layer; :class:`TableError` when there is none or several."""
+    found = sorted(n for n in names if is_per_layer_table_weight(n))
+    if len(found) > 1:
+        raise TableError(f"the per-layer embedding table is ambiguous in the checkpoint: {found}")
+    if not found:
+        raise TableError(
+            "the checkpoint holds no per-layer embedding table (no "
+            "'...embed_tokens_per_layer.weight')"
+        )
+    return LayerTable(0, name=found[0])
 
 
 def open_layer_table(

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Gemma 4 in the real vLLM 0.33.0 engine on an H200, ple-memops installed as its plugin:
+# the engine tests (tests/test_vllm_gemma4_engine_gpu.py), then `vllm serve` of the tiny
+# Gemma 4 with the environment switch and an HTTP client on localhost. Run from the
+# repository root after .vllm-bundle/c/setup.sh (vLLM in /tmp/vllm-site) with our wheel in
+# /tmp/site; logs go to $OUT. Wall time: about 5 minutes on a fresh host (the first
+# engines compile vLLM's Triton kernels and the model's Inductor graphs).
+set -uo pipefail
+OUT=${OUT:-/tmp/ple-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+export PYTHONPATH=/tmp/vllm-site:/tmp/site:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
+R=$PWD
+start=$(date +%s)
+(cd /tmp && timeout "${ENGINE_LIMIT:-420}" python3 -m pytest "$R/tests/test_vllm_gemma4_engine_gpu.py" \
+    -v -s -rs -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::FutureWarning \
+    -W ignore::UserWarning 2>&1) >"$OUT/gemma4_pytest.log"
+rc=$?
+echo "== gemma4 engine: pytest exit $rc in $(( $(date +%s) - start )) s (124 = hit the time limit)"
+grep -E "PASSED|FAILED|ERROR|SKIPPED|mmap async:|scheduling:|plan:|what the engine raised" \
+    "$OUT/gemma4_pytest.log" | sed 's/^.*tests\//  /' | head -40
+if [ $rc -ne 0 ]; then
+    sed -n '/= FAILURES =/,$p' "$OUT/gemma4_pytest.log" | grep -E "^(E |FAILED|___)" | head -40
+fi
+tail -1 "$OUT/gemma4_pytest.log"
+[ "${SERVE:-1}" = 1 ] || exit $rc
+echo "== vllm serve (Gemma 4) with PLE_MEMOPS_TABLE_BACKEND=mmap"
+timeout 200 python3 "$R/tests/vllm_serve_check.py" gemma4 2>&1 | tee "$OUT/gemma4_serve.log" | tail -8
+src=${PIPESTATUS[0]}
+echo "== serve: exit $src"
+[ $rc -eq 0 ] && exit $src
+exit $rc

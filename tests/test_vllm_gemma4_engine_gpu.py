@@ -1,0 +1,249 @@
+"""Gemma 4 in the real vLLM 0.33.0 engine on a GPU, through ``vllm.LLM``, with ple-memops
+installed as a plugin and switched on by the environment, as a user would.
+
+Every engine serves the same greedy workload and its tokens must equal the stock engine's
+(vLLM's per-layer table in GPU memory, in the same graph mode: FULL decode graphs of
+sizes 1, 2, 4, 8, the model compiled by vLLM as usual) token for token: short prompts at
+every captured size, batches padded up to one, long prompts prefilled in chunks beside
+decodes, prefix-cache hits, ids outside the table (row 0). The mmap engines must really
+have deferred (armed replays of every captured size, eager steps deferred too):
+
+* ``Gemma4ForCausalLM`` with async scheduling on and off; then its table file truncated
+  under the engine: a typed error naming the file, no hang, the GPU usable after;
+* ``Gemma4ForConditionalGeneration`` (what the released checkpoints are), text prompts;
+* a plan forced synchronous (as a failed probe would): the tokens stay the stock
+  engine's, without CUDA graphs (this model cannot compute its ids before a replay).
+
+Run alone (``scripts/gpu/vllm_gemma4.sh``): the switch is process-wide. Skipped, with the
+reason, without vLLM or a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not in the bundle
+os.environ["PLE_MEMOPS_TABLE_BACKEND"] = "mmap"  # the plugin installs; engines choose below
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("GPU test: no CUDA device", allow_module_level=True)
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/gpu/vllm_gemma4.sh)")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import vllm_checkpoints as ckpts  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+SIZES = [1, 2, 4, 8]
+MAX_TOKENS = 24
+
+
+def _workload() -> list[list[list[int]]]:
+    """Batches of prompts (vocabulary 128; ids 112..127 are outside the per-layer table
+    and read its row 0)."""
+    g = torch.Generator().manual_seed(7)
+
+    def prompt(n: int) -> list[int]:
+        return [int(x) for x in torch.randint(3, 128, (n,), generator=g)]
+
+    shared = prompt(600)
+    return [
+        [prompt(5)],  # decode at size 1
+        [prompt(3), prompt(9), prompt(4)],  # padded up to the size-4 graph
+        [prompt(2 + i) for i in range(8)],  # size 8
+        [prompt(3072), prompt(1500), prompt(6), prompt(11), shared + prompt(40)],  # chunks
+        [shared + prompt(30), prompt(2)],  # a prefix-cache hit
+    ]
+
+
+WORKLOAD = _workload()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gemma4")
+    return {
+        "text": ckpts.write_gemma4_checkpoint(root),
+        "mm": ckpts.write_gemma4_checkpoint(root, multimodal=True),
+    }
+
+
+def _engine(ckpt: Path, backend: str, *, async_scheduling: bool = True, **kw: Any) -> LLM:
+    if (ckpt / "config.json").read_text().find("Gemma4ForConditionalGeneration") >= 0:
+        kw.setdefault("limit_mm_per_prompt", {"image": 0, "audio": 0, "video": 0})
+    return LLM(
+        model=str(ckpt),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=4096,
+        max_num_seqs=8,
+        max_num_batched_tokens=1024,  # long prompts prefill in chunks beside decodes
+        enable_prefix_caching=True,
+        gpu_memory_utilization=0.15,
+        async_scheduling=async_scheduling,
+        additional_config={"ple_memops": {"table_backend": backend}},
+        compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": SIZES},
+        **kw,
+    )
+
+
+def _generate(llm: LLM) -> list[list[list[int]]]:
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, detokenize=False, ignore_eos=True)
+    out = []
+    for batch in WORKLOAD:
+        done = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
+        out.append([list(o.outputs[0].token_ids) for o in done])
+    return out
+
+
+def _rows_stats(worker: Any) -> dict[str, Any]:
+    hooks = worker.model_runner.ple_rows
+    if hooks is None:
+        return {"hooks": False}
+    stats = hooks.plan.stats()
+    return {
+        "hooks": True,
+        "mode": hooks.plan.mode,
+        "layers": hooks.layer_names,
+        "armed": hooks.armed_steps,
+        "eager": hooks.eager_steps,
+        "graphs": len(hooks.wait_descs),
+        "watchdog_releases": sum(int(r.watchdog_releases) for r, _ in stats.values()),
+        "cudagraph_mode": str(worker.vllm_config.compilation_config.cudagraph_mode),
+    }
+
+
+def _close(llm: LLM) -> None:
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def _serve(llm: LLM) -> tuple[list[list[list[int]]], dict[str, Any]]:
+    try:
+        got = _generate(llm)
+        (stats,) = llm.collective_rpc(_rows_stats)
+    finally:
+        _close(llm)
+    return got, stats
+
+
+def _assert_same_tokens(reference: list[Any], got: list[Any]) -> None:
+    wrong = []
+    for b, (want, have) in enumerate(zip(reference, got, strict=True)):
+        for r, (w, h) in enumerate(zip(want, have, strict=True)):
+            if w != h:
+                first = next(i for i, (x, y) in enumerate(zip(w, h, strict=True)) if x != y)
+                wrong.append(
+                    f"batch {b} request {r}: from token {first}: {h[first:]} != {w[first:]}"
+                )
+    assert not wrong, "differs from the stock engine:\n" + "\n".join(wrong)
+
+
+def _assert_deferred(stats: dict[str, Any]) -> None:
+    assert stats["hooks"] and stats["mode"] == "deferred", stats
+    assert stats["graphs"] == len(SIZES) and stats["armed"] >= 4 * MAX_TOKENS, stats
+    assert stats["eager"] >= len(WORKLOAD) and stats["watchdog_releases"] == 0, stats
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints: dict[str, Path]) -> dict[str, list[list[list[int]]]]:
+    """The stock engine's tokens (vLLM's table in GPU memory), for both classes."""
+    refs = {}
+    for kind, ckpt in checkpoints.items():
+        tokens, stats = _serve(_engine(ckpt, "default"))
+        assert stats == {"hooks": False}
+        refs[kind] = tokens
+    return refs
+
+
+def _chain(exc: BaseException | None) -> str:
+    parts = []
+    while exc is not None:
+        parts.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    return "\n".join(parts)
+
+
+def test_text_model_async_then_its_table_truncated_under_the_engine(
+    checkpoints: dict[str, Path], reference: dict[str, Any], tmp_path: Path
+) -> None:
+    ckpt = tmp_path / "cut"
+    shutil.copytree(checkpoints["text"], ckpt)
+    llm = _engine(ckpt, "mmap")
+    try:
+        got = _generate(llm)
+        (stats,) = llm.collective_rpc(_rows_stats)
+        print(f"\ntext mmap async: {stats}")
+        _assert_same_tokens(reference["text"], got)
+        _assert_deferred(stats)
+        assert stats["cudagraph_mode"].endswith("FULL_DECODE_ONLY"), stats
+        table = ckpt / "model-ple.safetensors"
+        with open(table, "r+b") as f:
+            f.truncate(4096)  # what an in-place copy does to a file being served
+        os.posix_fadvise(os.open(table, os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
+        sp = SamplingParams(max_tokens=8, temperature=0, detokenize=False, ignore_eos=True)
+        start = time.monotonic()
+        with pytest.raises(Exception) as info:
+            for _ in range(4):
+                llm.generate(
+                    [TokensPrompt(prompt_token_ids=list(range(3, 111)))] * 4, sp, use_tqdm=False
+                )
+        elapsed = time.monotonic() - start
+        text = _chain(info.value)
+        print(f"\nwhat the engine raised after {elapsed:.1f} s:\n{text[:1500]}")
+        assert elapsed < 60, "the failure took as long as a hang"
+        assert "model-ple.safetensors" in text or "TableIoError" in text, text[:2000]
+    finally:
+        try:
+            _close(llm)
+        except Exception as exc:  # a dead engine may refuse a clean shutdown
+            print(f"shutdown after the fault: {exc!r}")
+    x = torch.randn(256, 256, device="cuda")
+    assert torch.isfinite((x @ x).sum()).item()
+    torch.cuda.synchronize()
+
+
+def test_text_model_without_async_scheduling(
+    checkpoints: dict[str, Path], reference: dict[str, Any]
+) -> None:
+    got, stats = _serve(_engine(checkpoints["text"], "mmap", async_scheduling=False))
+    print(f"\ntext mmap sync scheduling: {stats}")
+    _assert_same_tokens(reference["text"], got)
+    _assert_deferred(stats)
+
+
+def test_multimodal_class(checkpoints: dict[str, Path], reference: dict[str, Any]) -> None:
+    got, stats = _serve(_engine(checkpoints["mm"], "mmap"))
+    print(f"\nmultimodal mmap async: {stats}")
+    _assert_same_tokens(reference["mm"], got)
+    _assert_deferred(stats)
+    assert stats["layers"] == ["language_model.model.embed_tokens_per_layer"], stats
+
+
+def test_a_sync_plan_serves_without_graphs(
+    checkpoints: dict[str, Path], reference: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PLE_MEMOPS_FORCE_SYNC", "1")
+    got, stats = _serve(_engine(checkpoints["text"], "mmap"))
+    print(f"\ntext mmap, synchronous plan: {stats}")
+    _assert_same_tokens(reference["text"], got)
+    assert stats["mode"] == "sync" and stats["graphs"] == 0 and stats["armed"] == 0, stats
+    assert stats["cudagraph_mode"].endswith("NONE"), stats

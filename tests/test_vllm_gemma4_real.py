@@ -1,0 +1,267 @@
+"""Gemma 4's per-layer embedding table through the plugin, against the real vLLM 0.33.0 on
+the CPU (``VLLM_TARGET_DEVICE=cpu``), with checkpoints transformers wrote
+(``Gemma4ForCausalLM`` and ``Gemma4ForConditionalGeneration``'s ``save_pretrained``).
+Skipped, with the reason, where vLLM is not installed (``scripts/test.sh`` runs this file
+in its vLLM environment).
+
+What runs here: both classes built by vLLM's own loader with the switch on, the table
+neither read (in a file of its own) nor allocated, or read and dropped (in a file with
+other weights); the per-layer inputs of the stock model and ours bit for bit, eager and
+compiled by Inductor (the stock graph and ours compiled alike), ids outside the table
+reading row 0, image positions reading row 0 through the multimodal class's own
+``embed_input_ids``; the config hook's graph mode and refusals; a checkpoint whose table
+is missing or does not match. The engine on the GPU: ``test_vllm_gemma4_engine_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+vllm = pytest.importorskip(
+    "vllm",
+    reason="vLLM 0.33.0 is not installed here (scripts/test.sh runs this file in its "
+    "vLLM environment)",
+)
+
+import torch  # noqa: E402
+from vllm.config import (  # noqa: E402
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+
+import ple_memops as pm  # noqa: E402
+from ple_memops.vllm import gemma4, ops, plugin, runner  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import vllm_checkpoints as ckpts  # noqa: E402
+import vllm_cpu  # noqa: E402
+
+dist = vllm_cpu.dist  # the fixture
+
+MMAP = {"ple_memops": {"table_backend": "mmap"}}
+TABLE_ROWS = ckpts.GEMMA4_CONFIG["vocab_size_per_layer_input"]
+
+
+@pytest.fixture(scope="module")
+def installed() -> Any:
+    record = plugin.install()
+    yield record
+    record.undo()
+
+
+@pytest.fixture(scope="module", params=["text", "mm"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("gemma4")
+    return ckpts.write_gemma4_checkpoint(root, multimodal=request.param == "mm")
+
+
+def _config(ckpt: Path, *, mmap: bool, **kw: Any) -> VllmConfig:
+    return VllmConfig(
+        model_config=ModelConfig(model=str(ckpt), skip_tokenizer_init=True, dtype="bfloat16"),
+        load_config=LoadConfig(load_format="safetensors"),
+        additional_config=MMAP if mmap else {"ple_memops": {"table_backend": "default"}},
+        **kw,
+    )
+
+
+def _language(model: Any) -> Any:
+    """The ``Gemma4Model`` of either class."""
+    return model.language_model.model if hasattr(model, "language_model") else model.model
+
+
+def _attach(model: Any, vc: VllmConfig) -> Any:
+    fake = types.SimpleNamespace(model=model, vllm_config=vc, device=torch.device("cpu"))
+    with set_current_vllm_config(vc):
+        hooks = runner.attach_runner(fake)
+    assert hooks is not None
+    return hooks
+
+
+def _per_layer_inputs(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The model's per-layer inputs for ``ids``, as its forward computes them."""
+    lm = _language(model)
+    embeds = lm.embed_input_ids(ids.clamp(0, 127))
+    out: torch.Tensor = lm.project_per_layer_inputs(embeds, lm.get_per_layer_inputs(ids))
+    return out
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (n,), generator=g, dtype=torch.int64)
+    ids[0], ids[-1] = TABLE_ROWS, -1  # outside the table: row 0
+    return ids
+
+
+def test_the_model_loads_without_its_table_and_its_inputs_are_the_stock_models(
+    checkpoint: Path, dist: Any, installed: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.model_executor.model_loader import default_loader
+
+    kept: list[list[str]] = []
+    real_filter = default_loader.filter_safetensors_files_by_weight_name
+
+    def spy(files: list[str], is_unused: Any) -> list[str]:
+        result = real_filter(files, is_unused)
+        kept.append([Path(f).name for f in result])
+        return result
+
+    monkeypatch.setattr(default_loader, "filter_safetensors_files_by_weight_name", spy)
+    mmap_cfg = _config(checkpoint, mmap=True)
+    model, _ = vllm_cpu.load_model(mmap_cfg)
+    assert type(model) in (gemma4.Gemma4MmapForCausalLM, gemma4.Gemma4MmapForConditionalGeneration)
+    # The table's file was not read; nothing of the table was allocated.
+    assert kept == [["model-rest.safetensors"]]
+    (table,) = gemma4.find_mmap_tables(model)
+    assert table.weight.numel() == 0 and table.org_vocab_size == TABLE_ROWS
+    monkeypatch.undo()
+    stock_cfg = _config(checkpoint, mmap=False)
+    stock, _ = vllm_cpu.load_model(stock_cfg)
+    assert not gemma4.find_mmap_tables(stock)  # the switch is per engine
+    assert not hasattr(stock, "is_unused_checkpoint_weight")
+
+    hooks = _attach(model, mmap_cfg)
+    layers = mmap_cfg.compilation_config.static_forward_context
+    try:
+        assert hooks.plan.mode == "host" and hooks.layer_names == [table.ple_memops_name]
+        for n, seed in ((1, 1), (9, 2), (40, 3)):
+            ids = _ids(n, seed)
+            with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
+                got = _per_layer_inputs(model, ids)
+            with set_current_vllm_config(stock_cfg):
+                want = _per_layer_inputs(stock, ids)
+            assert got.shape == want.shape == (n, 4, 16) and want.abs().sum() > 0
+            assert torch.equal(got, want), (n, (got.float() - want.float()).abs().max())
+        # Compiled by Inductor (as vLLM compiles Gemma 4), ours and the stock model's
+        # graphs give the same bits; eager and compiled differ (fused arithmetic), so the
+        # comparison can tell.
+        ours = torch.compile(
+            lambda ids: _per_layer_inputs(model, ids), fullgraph=True, dynamic=True
+        )
+        theirs = torch.compile(
+            lambda ids: _per_layer_inputs(stock, ids), fullgraph=True, dynamic=True
+        )
+        differs_from_eager = False
+        for n, seed in ((8, 4), (13, 5)):
+            ids = _ids(n, seed)
+            with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
+                got = ours(ids)
+            with set_current_vllm_config(stock_cfg):
+                want = theirs(ids)
+                differs_from_eager |= not torch.equal(want, _per_layer_inputs(stock, ids))
+            assert torch.equal(got, want), (n, (got.float() - want.float()).abs().max())
+        assert differs_from_eager
+    finally:
+        hooks.shutdown()
+
+
+def test_the_multimodal_class_reads_row_0_at_image_positions(
+    tmp_path_factory: pytest.TempPathFactory, dist: Any, installed: Any
+) -> None:
+    ckpt = ckpts.write_gemma4_checkpoint(tmp_path_factory.mktemp("mm"), multimodal=True)
+    mmap_cfg, stock_cfg = _config(ckpt, mmap=True), _config(ckpt, mmap=False)
+    model, _ = vllm_cpu.load_model(mmap_cfg)
+    stock, _ = vllm_cpu.load_model(stock_cfg)
+    assert model.per_layer_embeddings is None  # vLLM's rows buffer is not allocated
+    hooks = _attach(model, mmap_cfg)
+    try:
+        ids = _ids(12, 6).clamp(0, 127)
+        image = torch.zeros(12, dtype=torch.bool)
+        image[3:7] = True  # placeholder positions: their ids read row 0
+        with set_current_vllm_config(mmap_cfg):
+            embeds = model.embed_input_ids(ids, is_multimodal=image)
+        with set_current_vllm_config(stock_cfg):
+            want_embeds = stock.embed_input_ids(ids, is_multimodal=image)
+        assert torch.equal(embeds, want_embeds)
+        assert model.ple_memops_ids[:12].tolist() == torch.where(image, 0, ids).tolist()
+        lm, ls = _language(model), _language(stock)
+        layers = mmap_cfg.compilation_config.static_forward_context
+        with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
+            staged = lm.get_per_layer_inputs(model.ple_memops_ids[:12])
+            got = lm.project_per_layer_inputs(embeds, staged)
+        with set_current_vllm_config(stock_cfg):
+            want = ls.project_per_layer_inputs(want_embeds, stock.per_layer_embeddings[:12])
+        assert torch.equal(got, want)
+    finally:
+        hooks.shutdown()
+
+
+def test_a_table_in_a_file_with_other_weights_is_read_and_dropped(
+    tmp_path_factory: pytest.TempPathFactory, dist: Any, installed: Any
+) -> None:
+    ckpt = ckpts.write_gemma4_checkpoint(tmp_path_factory.mktemp("one"), separate_table=False)
+    cfg = _config(ckpt, mmap=True)
+    model, _ = vllm_cpu.load_model(cfg)
+    (table,) = gemma4.find_mmap_tables(model)
+    assert table.weight.numel() == 0
+    hooks = _attach(model, cfg)
+    hooks.shutdown()
+
+
+def test_a_missing_or_mismatched_table_is_refused_naming_it(
+    checkpoint: Path, dist: Any, installed: Any, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    cfg = _config(checkpoint, mmap=True)
+    model, _ = vllm_cpu.load_model(cfg)
+    missing = tmp_path / "missing"
+    shutil.copytree(checkpoint, missing)
+    (missing / "model-ple.safetensors").unlink()
+    index = json.loads((missing / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {
+        k: v for k, v in index["weight_map"].items() if v != "model-ple.safetensors"
+    }
+    (missing / "model.safetensors.index.json").write_text(json.dumps(index))
+    cfg.model_config.model = str(missing)
+    with pytest.raises(pm.TableError, match="no per-layer embedding table"):
+        _attach(model, cfg)
+    narrow = tmp_path / "narrow"
+    shutil.copytree(checkpoint, narrow)
+    f = narrow / "model-ple.safetensors"
+    tensors = load_file(str(f))
+    save_file({k: v[:-1].contiguous() for k, v in tensors.items()}, str(f))
+    cfg.model_config.model = str(narrow)
+    with pytest.raises(pm.TableError, match=r"embed_tokens_per_layer\.weight.*111 rows"):
+        _attach(model, cfg)
+
+
+def test_graph_mode_and_refusals(installed: Any) -> None:
+    from vllm.config.compilation import CUDAGraphMode
+
+    # The hook alone, on configs without a model (a CPU platform's own is NONE): the
+    # default graph mode becomes FULL_DECODE_ONLY; FULL, FULL_DECODE_ONLY and NONE stay.
+    vc = VllmConfig(additional_config=MMAP)
+    for mode, want in (
+        (None, CUDAGraphMode.FULL_DECODE_ONLY),
+        (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY),
+        (CUDAGraphMode.FULL, CUDAGraphMode.FULL),
+        (CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_DECODE_ONLY),
+        (CUDAGraphMode.NONE, CUDAGraphMode.NONE),
+    ):
+        vc.compilation_config.cudagraph_mode = mode
+        gemma4.verify_and_update_config(vc)
+        assert vc.compilation_config.cudagraph_mode == want, mode
+    vc.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    with pytest.raises(pm.UnsupportedError, match="cudagraph_mode=PIECEWISE"):
+        gemma4.verify_and_update_config(vc)
+    off = VllmConfig(additional_config={"ple_memops": {"table_backend": "default"}})
+    off.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    gemma4.verify_and_update_config(off)  # the switch off: nothing refused, nothing changed
+    assert off.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    vc = VllmConfig(additional_config=MMAP)
+    vc.cache_config.kv_sharing_fast_prefill = True
+    vc.parallel_config = ParallelConfig(pipeline_parallel_size=2)
+    with pytest.raises(pm.UnsupportedError, match=r"pipeline parallelism.*kv_sharing_fast_prefill"):
+        gemma4.verify_and_update_config(vc)
