@@ -9,8 +9,9 @@ neither read (in a file of its own) nor allocated, or read and dropped (in a fil
 other weights); the per-layer inputs of the stock model and ours bit for bit, eager and
 compiled by Inductor (the stock graph and ours compiled alike), ids outside the table
 reading row 0, image positions reading row 0 through the multimodal class's own
-``embed_input_ids``; the config hook's graph mode and refusals; a checkpoint whose table
-is missing or does not match. The engine on the GPU: ``test_vllm_gemma4_engine_gpu.py``.
+``embed_input_ids``; the config hook's graph mode, async scheduling and refusals; a
+checkpoint whose table is missing or does not match. The engine on the GPU:
+``test_vllm_gemma4_engine_gpu.py``.
 """
 
 from __future__ import annotations
@@ -253,13 +254,20 @@ def test_graph_mode_and_refusals(installed: Any) -> None:
         vc.compilation_config.cudagraph_mode = mode
         gemma4.verify_and_update_config(vc)
         assert vc.compilation_config.cudagraph_mode == want, mode
+    # Async scheduling is turned off (see gemma4.verify_and_update_config), asked or not.
+    for asked in (None, True, False):
+        vc.scheduler_config.async_scheduling = asked
+        gemma4.verify_and_update_config(vc)
+        assert vc.scheduler_config.async_scheduling is False, asked
     vc.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
     with pytest.raises(pm.UnsupportedError, match="cudagraph_mode=PIECEWISE"):
         gemma4.verify_and_update_config(vc)
     off = VllmConfig(additional_config={"ple_memops": {"table_backend": "default"}})
     off.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    off.scheduler_config.async_scheduling = True
     gemma4.verify_and_update_config(off)  # the switch off: nothing refused, nothing changed
     assert off.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    assert off.scheduler_config.async_scheduling is True
     vc = VllmConfig(additional_config=MMAP)
     vc.cache_config.kv_sharing_fast_prefill = True
     vc.parallel_config = ParallelConfig(pipeline_parallel_size=2)

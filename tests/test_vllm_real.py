@@ -527,9 +527,7 @@ def test_switch_per_engine_and_refusals(
     monkeypatch.setenv("PLE_MEMOPS_TABLE_BACKEND", "mmap")
     assert engine_settings(_config(checkpoint)).mmap
     off = {"ple_memops": {"table_backend": "default", "timeout": 5}}
-    assert engine_settings(_config(checkpoint, additional_config=off)) == (
-        Settings("default", 5.0)
-    )
+    assert engine_settings(_config(checkpoint, additional_config=off)) == (Settings("default", 5.0))
     monkeypatch.delenv("PLE_MEMOPS_TABLE_BACKEND")
     with pytest.raises(pm.UnsupportedError, match="embedding_across_dp"):
         _config(checkpoint, EngramConfig(embedding_across_dp=True), mmap=True)

@@ -17,7 +17,7 @@ start=$(date +%s)
     -W ignore::UserWarning 2>&1) >"$OUT/gemma4_pytest.log"
 rc=$?
 echo "== gemma4 engine: pytest exit $rc in $(( $(date +%s) - start )) s (124 = hit the time limit)"
-grep -E "PASSED|FAILED|ERROR|SKIPPED|mmap async:|scheduling:|plan:|what the engine raised" \
+grep -E "PASSED|FAILED|ERROR|SKIPPED|async asked:|scheduling:|plan:|what the engine raised" \
     "$OUT/gemma4_pytest.log" | sed 's/^.*tests\//  /' | head -40
 if [ $rc -ne 0 ]; then
     sed -n '/= FAILURES =/,$p' "$OUT/gemma4_pytest.log" | grep -E "^(E |FAILED|___)" | head -40
