@@ -57,8 +57,6 @@ def write_checkpoint(
     """Write the checkpoint under ``root`` and return its directory (``overrides``: config
     keys that differ from :data:`CONFIG`, e.g. ``max_position_embeddings``)."""
     import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
     from ple_memops.vllm.tables import is_table_weight
@@ -75,11 +73,7 @@ def write_checkpoint(
         return hf
     out = root / ("fp8" if fp8 else "bf16")
     out.mkdir()
-    tensors: dict[str, Any] = {}
-    for f in sorted(hf.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as s:
-            for k in s.keys():
-                tensors[k] = s.get_tensor(k)
+    tensors = _read_tensors(hf)
     files: dict[str, dict[str, Any]] = {"model-rest.safetensors": {}}
     for name, t in tensors.items():
         if not is_table_weight(name):
@@ -95,19 +89,38 @@ def write_checkpoint(
                 scale, dtype=torch.float32
             )
         files[f"ple-layer-{layer}.safetensors"] = shards
-    weight_map = {}
-    for fname, content in files.items():
-        save_file(content, str(out / fname))
-        weight_map.update(dict.fromkeys(content, fname))
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map})
-    )
+    _write_files(out, files)
     config = json.loads((hf / "config.json").read_text())
     if fp8:
         config["ple_embedding_dtype"] = "float8_e4m3fn"
     (out / "config.json").write_text(json.dumps(config))
     shutil.copy(hf / "generation_config.json", out / "generation_config.json")
     return out
+
+
+def _read_tensors(folder: Path) -> dict[str, Any]:
+    """Every tensor of the ``.safetensors`` files in ``folder``, by name."""
+    from safetensors import safe_open
+
+    tensors: dict[str, Any] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                tensors[k] = st.get_tensor(k)
+    return tensors
+
+
+def _write_files(out: Path, files: dict[str, dict[str, Any]]) -> None:
+    """One safetensors file per entry of ``files`` (file name -> tensors) and the index."""
+    from safetensors.torch import save_file
+
+    weight_map = {}
+    for fname, content in files.items():
+        save_file(content, str(out / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(content, fname))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
 
 
 SUBSTITUTES = """
@@ -220,6 +233,29 @@ def close(llm: Any) -> None:
     cleanup_dist_env_and_memory()
 
 
+def assert_same_tokens(reference: list[Any], got: list[Any]) -> None:
+    """Every request's tokens of every batch equal the reference's; else one line a request
+    that differs, from its first different token."""
+    wrong = []
+    for b, (want, have) in enumerate(zip(reference, got, strict=True)):
+        for r, (w, h) in enumerate(zip(want, have, strict=True)):
+            if w != h:
+                first = next(i for i, (x, y) in enumerate(zip(w, h, strict=True)) if x != y)
+                wrong.append(
+                    f"batch {b} request {r}: from token {first}: {h[first:]} != {w[first:]}"
+                )
+    assert not wrong, "differs from the stock engine:\n" + "\n".join(wrong)
+
+
+def error_chain(exc: BaseException | None) -> str:
+    """An exception and its causes, one ``Type: message`` a line (what an engine raised)."""
+    parts = []
+    while exc is not None:
+        parts.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    return "\n".join(parts)
+
+
 # -- Gemma 4 ---------------------------------------------------------------------------------
 
 # A tiny Gemma 4 with per-layer inputs: 4 decoder layers (3 sliding, 1 full; one head size,
@@ -255,8 +291,6 @@ def write_gemma4_checkpoint(
     loader can skip). ``overrides``: text-config keys that differ from
     :data:`GEMMA4_CONFIG` (e.g. the real E2B widths for the benchmark)."""
     import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
     from transformers import Gemma4TextConfig
 
     text = Gemma4TextConfig(**(GEMMA4_CONFIG | overrides))
@@ -292,23 +326,13 @@ def write_gemma4_checkpoint(
         return hf
     out = root / ("mm" if multimodal else "text")
     out.mkdir()
-    tensors: dict[str, Any] = {}
-    for f in sorted(hf.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as s:
-            for k in s.keys():
-                tensors[k] = s.get_tensor(k)
+    tensors = _read_tensors(hf)
     files: dict[str, dict[str, Any]] = {"model-rest.safetensors": {}, "model-ple.safetensors": {}}
     for name, t in tensors.items():
         files["model-ple.safetensors" if name.endswith(GEMMA4_TABLE) else "model-rest.safetensors"][
             name
         ] = t
-    weight_map = {}
-    for fname, content in files.items():
-        save_file(content, str(out / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(content, fname))
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map})
-    )
+    _write_files(out, files)
     for extra in hf.glob("*.json"):
         if extra.name != "model.safetensors.index.json":
             shutil.copy(extra, out / extra.name)

@@ -62,6 +62,7 @@ import ple_memops as pm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vllm_checkpoints as ckpts  # noqa: E402
+from vllm_harness import assert_same_tokens, error_chain  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -218,7 +219,7 @@ def test_tokens_equal_the_stock_engine(
         _engine(checkpoints[kind], backend, async_scheduling=async_scheduling, copy=copy, lead=lead)
     )
     print(f"\n{kind} {backend} async={async_scheduling} copy={copy} lead={lead}: {stats}")
-    _assert_same_tokens(reference[kind], got)
+    assert_same_tokens(reference[kind], got)
     if backend == "mmap":
         assert stats["hooks"] and stats["mode"] == "deferred", stats
         # Every captured decode size waits for rows, and decode steps were armed replays;
@@ -271,7 +272,7 @@ def test_stall_timing_keeps_the_stock_engines_tokens(
     finally:
         _close(llm)
     print(f"\nstall timing: {stats}\n{stalls}")
-    _assert_same_tokens(stock_bf16, got)
+    assert_same_tokens(stock_bf16, got)
     assert stats["mode"] == "deferred" and stats["graphs"] == len(SIZES), stats
     assert set(stalls) == set(stats["own_threads"]), stalls
     for name, s in stalls.items():
@@ -288,30 +289,10 @@ def _serve(llm: LLM) -> tuple[list[list[list[int]]], dict[str, Any]]:
     return got, stats
 
 
-def _assert_same_tokens(reference: list[Any], got: list[Any]) -> None:
-    wrong = []
-    for b, (want, have) in enumerate(zip(reference, got, strict=True)):
-        for r, (w, h) in enumerate(zip(want, have, strict=True)):
-            if w != h:
-                first = next(i for i, (x, y) in enumerate(zip(w, h, strict=True)) if x != y)
-                wrong.append(
-                    f"batch {b} request {r}: from token {first}: {h[first:]} != {w[first:]}"
-                )
-    assert not wrong, "differs from the stock engine:\n" + "\n".join(wrong)
-
-
 # KV cache blocks: a few of the tiny model's requests at a time (each holds about two
 # blocks per KV cache group in vLLM's "align" cache mode; 16 hold at least one, which vLLM
 # checks at start-up).
 PREEMPT_BLOCKS = 16
-
-
-def _chain(exc: BaseException | None) -> str:
-    parts = []
-    while exc is not None:
-        parts.append(f"{type(exc).__name__}: {exc}")
-        exc = exc.__cause__ or exc.__context__
-    return "\n".join(parts)
 
 
 def _preemption_workload() -> list[list[int]]:
@@ -365,7 +346,7 @@ def test_preempted_requests_get_the_stock_engines_tokens(
         assert all(len(t) == out_len for t in tokens)
         assert preempted, f"{backend}: the KV cache was not small enough to preempt"
         results[backend] = (tokens, stats)
-    _assert_same_tokens([results["stock"][0]], [results["mmap"][0]])
+    assert_same_tokens([results["stock"][0]], [results["mmap"][0]])
     stats = results["mmap"][1]
     assert stats["mode"] == "deferred" and stats["armed"] >= out_len, stats
     assert stats["aborts"] == 0 and stats["watchdog_releases"] == 0, stats
@@ -380,7 +361,7 @@ def test_a_sync_plan_keeps_full_graphs(
     monkeypatch.setenv("PLE_MEMOPS_FORCE_SYNC", "1")
     got, stats = _serve(_engine(checkpoints["bf16"], "mmap"))
     print(f"\nbf16 mmap, synchronous plan: {stats}")
-    _assert_same_tokens(reference["bf16"], got)
+    assert_same_tokens(reference["bf16"], got)
     assert stats["hooks"] and stats["mode"] == "sync", stats
     assert stats["graphs"] == len(SIZES) and stats["sync_replays"] >= 4 * MAX_TOKENS, stats
     assert stats["armed"] == 0 and stats["eager"] == 0, stats
@@ -398,14 +379,14 @@ def test_a_table_removed_then_truncated_under_the_engine(
     llm = _engine(ckpt, "mmap")
     table = ckpt / "ple-layer-2.safetensors"
     try:
-        _assert_same_tokens(reference["bf16"], _generate(llm))
+        assert_same_tokens(reference["bf16"], _generate(llm))
         removed = ckpt / "ple-layer-0.safetensors"
         fd = os.open(removed, os.O_RDONLY)
         os.remove(removed)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
         assert llm.reset_prefix_cache()  # the same prefills as the first time
-        _assert_same_tokens(reference["bf16"], _generate(llm))
+        assert_same_tokens(reference["bf16"], _generate(llm))
         with open(table, "r+b") as f:
             f.truncate(16384)  # what an in-place copy does to a file being served
         os.posix_fadvise(os.open(table, os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
@@ -417,7 +398,7 @@ def test_a_table_removed_then_truncated_under_the_engine(
                     [TokensPrompt(prompt_token_ids=list(range(8, 120)))] * 4, sp, use_tqdm=False
                 )
         elapsed = time.monotonic() - start
-        text = _chain(info.value)
+        text = error_chain(info.value)
         print(f"\nwhat the engine raised after {elapsed:.1f} s:\n{text[:2000]}")
         assert elapsed < 60, "the failure took as long as a hang"
         assert "ple-layer-2.safetensors" in text or "TableIoError" in text, text[:2000]
@@ -444,6 +425,6 @@ def test_a_table_that_does_not_match_the_model_is_refused(
     save_file({k: v[:, : v.shape[1] // 2].contiguous() for k, v in tensors.items()}, str(f))
     with pytest.raises(Exception) as info:
         _engine(ckpt, "mmap")
-    text = _chain(info.value)
+    text = error_chain(info.value)
     assert "layers.2.ple.ple_embedding" in text and "does not match the model" in text, text
     assert isinstance(info.value, pm.TableError) or "TableError" in text

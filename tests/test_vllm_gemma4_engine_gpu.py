@@ -45,6 +45,7 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vllm_checkpoints as ckpts  # noqa: E402
+from vllm_harness import assert_same_tokens, close, error_chain  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -128,36 +129,13 @@ def _rows_stats(worker: Any) -> dict[str, Any]:
     }
 
 
-def _close(llm: LLM) -> None:
-    import gc
-
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
-
-
 def _serve(llm: LLM) -> tuple[list[list[list[int]]], dict[str, Any]]:
     try:
         got = _generate(llm)
         (stats,) = llm.collective_rpc(_rows_stats)
     finally:
-        _close(llm)
+        close(llm)
     return got, stats
-
-
-def _assert_same_tokens(reference: list[Any], got: list[Any]) -> None:
-    wrong = []
-    for b, (want, have) in enumerate(zip(reference, got, strict=True)):
-        for r, (w, h) in enumerate(zip(want, have, strict=True)):
-            if w != h:
-                first = next(i for i, (x, y) in enumerate(zip(w, h, strict=True)) if x != y)
-                wrong.append(
-                    f"batch {b} request {r}: from token {first}: {h[first:]} != {w[first:]}"
-                )
-    assert not wrong, "differs from the stock engine:\n" + "\n".join(wrong)
 
 
 def _assert_deferred(stats: dict[str, Any]) -> None:
@@ -177,14 +155,6 @@ def reference(checkpoints: dict[str, Path]) -> dict[str, list[list[list[int]]]]:
     return refs
 
 
-def _chain(exc: BaseException | None) -> str:
-    parts = []
-    while exc is not None:
-        parts.append(f"{type(exc).__name__}: {exc}")
-        exc = exc.__cause__ or exc.__context__
-    return "\n".join(parts)
-
-
 def test_text_model_then_its_table_truncated_under_the_engine(
     checkpoints: dict[str, Path], reference: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -195,7 +165,7 @@ def test_text_model_then_its_table_truncated_under_the_engine(
         got = _generate(llm)
         (stats,) = llm.collective_rpc(_rows_stats)
         print(f"\ntext mmap, async asked: {stats}")
-        _assert_same_tokens(reference["text"], got)
+        assert_same_tokens(reference["text"], got)
         _assert_deferred(stats)
         assert stats["async_scheduling"] is False, stats  # turned off by the plugin
         assert stats["cudagraph_mode"].endswith("FULL_DECODE_ONLY"), stats
@@ -211,13 +181,13 @@ def test_text_model_then_its_table_truncated_under_the_engine(
                     [TokensPrompt(prompt_token_ids=list(range(3, 111)))] * 4, sp, use_tqdm=False
                 )
         elapsed = time.monotonic() - start
-        text = _chain(info.value)
+        text = error_chain(info.value)
         print(f"\nwhat the engine raised after {elapsed:.1f} s:\n{text[:1500]}")
         assert elapsed < 60, "the failure took as long as a hang"
         assert "model-ple.safetensors" in text or "TableIoError" in text, text[:2000]
     finally:
         try:
-            _close(llm)
+            close(llm)
         except Exception as exc:  # a dead engine may refuse a clean shutdown
             print(f"shutdown after the fault: {exc!r}")
     x = torch.randn(256, 256, device="cuda")
@@ -230,14 +200,14 @@ def test_text_model_without_async_scheduling(
 ) -> None:
     got, stats = _serve(_engine(checkpoints["text"], "mmap", async_scheduling=False))
     print(f"\ntext mmap sync scheduling: {stats}")
-    _assert_same_tokens(reference["text"], got)
+    assert_same_tokens(reference["text"], got)
     _assert_deferred(stats)
 
 
 def test_multimodal_class(checkpoints: dict[str, Path], reference: dict[str, Any]) -> None:
     got, stats = _serve(_engine(checkpoints["mm"], "mmap"))
     print(f"\nmultimodal mmap, async asked: {stats}")
-    _assert_same_tokens(reference["mm"], got)
+    assert_same_tokens(reference["mm"], got)
     _assert_deferred(stats)
     assert stats["layers"] == ["language_model.model.embed_tokens_per_layer"], stats
 
@@ -248,6 +218,6 @@ def test_a_sync_plan_serves_without_graphs(
     monkeypatch.setenv("PLE_MEMOPS_FORCE_SYNC", "1")
     got, stats = _serve(_engine(checkpoints["text"], "mmap"))
     print(f"\ntext mmap, synchronous plan: {stats}")
-    _assert_same_tokens(reference["text"], got)
+    assert_same_tokens(reference["text"], got)
     assert stats["mode"] == "sync" and stats["graphs"] == 0 and stats["armed"] == 0, stats
     assert stats["cudagraph_mode"].endswith("NONE"), stats

@@ -46,7 +46,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from vllm.model_executor.models import config as model_configs
 from vllm.model_executor.models import gemma4 as vllm_gemma4
 from vllm.model_executor.models.gemma4 import Gemma4ForCausalLM, Gemma4SelfDecoderLayers
 from vllm.model_executor.models.gemma4_mm import Gemma4ForConditionalGeneration
@@ -62,7 +61,6 @@ __all__ = [
     "Gemma4MmapForCausalLM",
     "Gemma4MmapForConditionalGeneration",
     "Gemma4PLEMmapTable",
-    "config_hooks",
     "verify_and_update_config",
 ]
 
@@ -388,24 +386,6 @@ def verify_and_update_config(vllm_config: Any) -> None:
             "wait for rows gathered after its launch; decodes replay FULL graphs)",
             "(default)" if mode is None else mode.name,
         )
-
-
-def config_hooks() -> dict[str, type]:
-    """vLLM's Gemma 4 config hooks with :func:`verify_and_update_config` after each."""
-    hooks: dict[str, type] = {}
-    for arch in ARCHITECTURES:
-        base: Any = model_configs.MODELS_CONFIG_MAP[arch]
-
-        def verify(vllm_config: Any, _base: Any = base) -> None:
-            _base.verify_and_update_config(vllm_config)
-            verify_and_update_config(vllm_config)
-
-        hooks[arch] = type(
-            f"PleMemopsGemma4{base.__name__}",
-            (base,),
-            {"verify_and_update_config": staticmethod(verify), "__module__": __name__},
-        )
-    return hooks
 
 
 def find_mmap_tables(model: nn.Module) -> list[Gemma4PLEMmapTable]:

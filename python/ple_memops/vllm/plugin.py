@@ -126,7 +126,11 @@ def install() -> Installed:
                 ModelRegistry.register_model(arch, cls)
                 record._undo.append(restore)
                 record.changes.append(f"model {arch} -> {cls.__qualname__}")
-            hooks = {a: h for m in models for a, h in m.config_hooks().items()}
+            hooks = {
+                arch: _extended_config_hook(model_configs.MODELS_CONFIG_MAP[arch], m)
+                for m in models
+                for arch in m.ARCHITECTURES
+            }
             for arch, hook in hooks.items():
                 _set_item(
                     record,
@@ -147,6 +151,21 @@ def install() -> Installed:
             "; ".join(record.changes),
         )
         return record
+
+
+def _extended_config_hook(base: Any, model: Any) -> type:
+    """vLLM's config hook ``base`` for an architecture, with ``model``'s
+    ``verify_and_update_config`` (the mmap backend's refusals) right after its own."""
+
+    def verify(vllm_config: Any) -> None:
+        base.verify_and_update_config(vllm_config)
+        model.verify_and_update_config(vllm_config)
+
+    return type(
+        f"PleMemops{base.__name__}",
+        (base,),
+        {"verify_and_update_config": staticmethod(verify), "__module__": model.__name__},
+    )
 
 
 class _ToVllmLogger(logging.Handler):

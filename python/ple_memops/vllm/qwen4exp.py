@@ -25,7 +25,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
-from vllm.model_executor.models import config as model_configs
 from vllm.models.qwen4_exp.common.ngram_embedding import (
     Qwen4ExpPLEEmbedding,
     Qwen4ExpPLEEmbeddingMethod,
@@ -357,24 +356,6 @@ def verify_and_update_config(vllm_config: Any) -> None:
         vllm_config.engram_config = EngramConfig(dp_shared_memory=False)
     else:
         engram.dp_shared_memory = False
-
-
-def config_hooks() -> dict[str, type]:
-    """vLLM's Qwen4Exp config hooks with :func:`verify_and_update_config` after each."""
-    hooks: dict[str, type] = {}
-    for arch in ARCHITECTURES:
-        base: Any = model_configs.MODELS_CONFIG_MAP[arch]
-
-        def verify(vllm_config: Any, _base: Any = base) -> None:
-            _base.verify_and_update_config(vllm_config)
-            verify_and_update_config(vllm_config)
-
-        hooks[arch] = type(
-            f"PleMemops{base.__name__}",
-            (base,),
-            {"verify_and_update_config": staticmethod(verify), "__module__": __name__},
-        )
-    return hooks
 
 
 def find_mmap_embeddings(model: torch.nn.Module) -> list[Qwen4ExpPLEMmapEmbedding]:
