@@ -337,3 +337,55 @@ def write_gemma4_checkpoint(
         if extra.name != "model.safetensors.index.json":
             shutil.copy(extra, out / extra.name)
     return out
+
+
+# The Gemma 4 engine workload of tests/test_vllm_gemma4_engine_gpu.py and
+# benchmarks/diagnose_gemma4_async.py: the same engine settings, prompts and sampling.
+GEMMA4_GRAPH_SIZES = [1, 2, 4, 8]
+
+
+def gemma4_engine_workload() -> list[list[list[int]]]:
+    """Batches of prompts (vocabulary 128; ids 112..127 are outside the per-layer table and
+    read its row 0): every captured size, a padded batch, chunked long prompts beside
+    decodes, a prefix-cache hit."""
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+
+    def prompt(n: int) -> list[int]:
+        return [int(x) for x in torch.randint(3, 128, (n,), generator=g)]
+
+    shared = prompt(600)
+    return [
+        [prompt(5)],  # decode at size 1
+        [prompt(3), prompt(9), prompt(4)],  # padded up to the size-4 graph
+        [prompt(2 + i) for i in range(8)],  # size 8
+        [prompt(3072), prompt(1500), prompt(6), prompt(11), shared + prompt(40)],  # chunks
+        [shared + prompt(30), prompt(2)],  # a prefix-cache hit
+    ]
+
+
+def gemma4_engine(ckpt: Path, backend: str, **kw: Any) -> Any:
+    """A ``vllm.LLM`` on a tiny Gemma 4 checkpoint as the Gemma 4 engine tests build it
+    (``backend``: ``default`` or ``mmap``; ``kw`` overrides ``vllm.LLM``'s arguments)."""
+    from vllm import LLM
+
+    args: dict[str, Any] = dict(
+        model=str(ckpt),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=4096,
+        max_num_seqs=8,
+        max_num_batched_tokens=1024,  # long prompts prefill in chunks beside decodes
+        enable_prefix_caching=True,
+        gpu_memory_utilization=0.15,
+        async_scheduling=True,
+        additional_config={"ple_memops": {"table_backend": backend}},
+        compilation_config={
+            "cudagraph_mode": "FULL_DECODE_ONLY",
+            "cudagraph_capture_sizes": GEMMA4_GRAPH_SIZES,
+        },
+    )
+    if "Gemma4ForConditionalGeneration" in (ckpt / "config.json").read_text():
+        args["limit_mm_per_prompt"] = {"image": 0, "audio": 0, "video": 0}
+    return LLM(**(args | kw))

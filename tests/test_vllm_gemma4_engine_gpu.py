@@ -45,33 +45,20 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vllm_checkpoints as ckpts  # noqa: E402
-from vllm_harness import assert_same_tokens, close, error_chain  # noqa: E402
+from vllm_harness import (  # noqa: E402
+    GEMMA4_GRAPH_SIZES,
+    assert_same_tokens,
+    close,
+    error_chain,
+    gemma4_engine,
+    gemma4_engine_workload,
+)
 
 pytestmark = pytest.mark.gpu
 
-SIZES = [1, 2, 4, 8]
+SIZES = GEMMA4_GRAPH_SIZES
 MAX_TOKENS = 24
-
-
-def _workload() -> list[list[list[int]]]:
-    """Batches of prompts (vocabulary 128; ids 112..127 are outside the per-layer table
-    and read its row 0)."""
-    g = torch.Generator().manual_seed(7)
-
-    def prompt(n: int) -> list[int]:
-        return [int(x) for x in torch.randint(3, 128, (n,), generator=g)]
-
-    shared = prompt(600)
-    return [
-        [prompt(5)],  # decode at size 1
-        [prompt(3), prompt(9), prompt(4)],  # padded up to the size-4 graph
-        [prompt(2 + i) for i in range(8)],  # size 8
-        [prompt(3072), prompt(1500), prompt(6), prompt(11), shared + prompt(40)],  # chunks
-        [shared + prompt(30), prompt(2)],  # a prefix-cache hit
-    ]
-
-
-WORKLOAD = _workload()
+WORKLOAD = gemma4_engine_workload()
 
 
 @pytest.fixture(scope="module")
@@ -84,22 +71,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _engine(ckpt: Path, backend: str, *, async_scheduling: bool = True, **kw: Any) -> LLM:
-    if (ckpt / "config.json").read_text().find("Gemma4ForConditionalGeneration") >= 0:
-        kw.setdefault("limit_mm_per_prompt", {"image": 0, "audio": 0, "video": 0})
-    return LLM(
-        model=str(ckpt),
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=4096,
-        max_num_seqs=8,
-        max_num_batched_tokens=1024,  # long prompts prefill in chunks beside decodes
-        enable_prefix_caching=True,
-        gpu_memory_utilization=0.15,
-        async_scheduling=async_scheduling,
-        additional_config={"ple_memops": {"table_backend": backend}},
-        compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": SIZES},
-        **kw,
-    )
+    return gemma4_engine(ckpt, backend, async_scheduling=async_scheduling, **kw)
 
 
 def _generate(llm: LLM) -> list[list[list[int]]]:

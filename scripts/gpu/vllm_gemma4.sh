@@ -4,7 +4,9 @@
 # Gemma 4 with the environment switch and an HTTP client on localhost. Run from the
 # repository root after .vllm-bundle/c/setup.sh (vLLM in /tmp/vllm-site) with our wheel in
 # /tmp/site; logs go to $OUT. Wall time: about 5 minutes on a fresh host (the first
-# engines compile vLLM's Triton kernels and the model's Inductor graphs).
+# engines compile vLLM's Triton kernels and the model's Inductor graphs). DIAG=1 runs
+# benchmarks/diagnose_gemma4_async.py after the tests (about 5 minutes more: run it in a
+# call of its own with ENGINE_LIMIT=1 SERVE=0, or alone).
 set -uo pipefail
 OUT=${OUT:-/tmp/ple-out}
 mkdir -p "$OUT"
@@ -23,6 +25,13 @@ if [ $rc -ne 0 ]; then
     sed -n '/= FAILURES =/,$p' "$OUT/gemma4_pytest.log" | grep -E "^(E |FAILED|___)" | head -40
 fi
 tail -1 "$OUT/gemma4_pytest.log"
+if [ "${DIAG:-0}" = 1 ]; then
+    echo "== diagnostic: Gemma 4 under async scheduling (benchmarks/diagnose_gemma4_async.py)"
+    timeout "${DIAG_LIMIT:-420}" python3 "$R/benchmarks/diagnose_gemma4_async.py" \
+        >"$OUT/gemma4_diag.log" 2>&1
+    echo "== diagnostic: exit $?"
+    grep -E "^\|" "$OUT/gemma4_diag.log" | tail -9
+fi
 [ "${SERVE:-1}" = 1 ] || exit $rc
 echo "== vllm serve (Gemma 4) with PLE_MEMOPS_TABLE_BACKEND=mmap"
 timeout 200 python3 "$R/tests/vllm_serve_check.py" gemma4 2>&1 | tee "$OUT/gemma4_serve.log" | tail -8
