@@ -151,8 +151,8 @@ def write_test_plugin(root: Path) -> Path:
     return root
 
 
-# The engine workload of tests/test_vllm_engine_gpu.py (a copy of what the diagnostic runs:
-# the same prompts, engine settings and greedy sampling; keep the two in step).
+# The engine workload of tests/test_vllm_engine_gpu.py and benchmarks/diagnose_vllm_rows.py:
+# the same prompts, engine settings and greedy sampling.
 ENGINE_GRAPH_SIZES = [1, 2, 4, 8]
 ENGINE_MAX_TOKENS = 24
 ENGINE_LONG = 3072
@@ -179,16 +179,17 @@ def engine_workload() -> list[list[list[int]]]:
     ]
 
 
-def engine(ckpt: Path, backend: str, **kw: Any) -> Any:
+def engine(ckpt: Path, backend: str, *, settings: dict[str, Any] | None = None, **kw: Any) -> Any:
     """A ``vllm.LLM`` on the tiny checkpoint as the engine tests build it: ``backend`` is
-    ``stock`` (pinned/UVA tables), ``gpu`` (tables in GPU memory) or ``mmap``; ``kw`` goes
-    to ``vllm.LLM`` (e.g. ``enforce_eager=True``)."""
+    ``stock`` (pinned/UVA tables), ``gpu`` (tables in GPU memory) or ``mmap``; ``settings``
+    adds to the engine's ``ple_memops`` settings (e.g. ``{"copy": "kernel"}``); ``kw``
+    overrides ``vllm.LLM``'s arguments (e.g. ``async_scheduling=False``)."""
     from vllm import LLM
 
     extra: dict[str, Any] = {"gdn_prefill_backend": "triton"}  # FlashInfer is not bundled
     backend_name = "mmap" if backend == "mmap" else "default"
-    extra["ple_memops"] = {"table_backend": backend_name, "copy": "auto"}
-    return LLM(
+    extra["ple_memops"] = {"table_backend": backend_name, "copy": "auto"} | (settings or {})
+    args: dict[str, Any] = dict(
         model=str(ckpt),
         skip_tokenizer_init=True,
         dtype="bfloat16",
@@ -204,8 +205,8 @@ def engine(ckpt: Path, backend: str, **kw: Any) -> Any:
             "cudagraph_mode": "FULL_DECODE_ONLY",
             "cudagraph_capture_sizes": ENGINE_GRAPH_SIZES,
         },
-        **kw,
     )
+    return LLM(**(args | kw))
 
 
 def generate(llm: Any, workload: list[list[list[int]]]) -> list[list[list[int]]]:

@@ -23,7 +23,6 @@ reason, without vLLM or a GPU.
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import sys
@@ -62,37 +61,22 @@ import ple_memops as pm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vllm_checkpoints as ckpts  # noqa: E402
-from vllm_harness import assert_same_tokens, error_chain  # noqa: E402
+from vllm_harness import (  # noqa: E402
+    ENGINE_GRAPH_SIZES,
+    ENGINE_MAX_TOKENS,
+    assert_same_tokens,
+    close,
+    engine,
+    engine_workload,
+    error_chain,
+    generate,
+)
 
 pytestmark = pytest.mark.gpu
 
-SIZES = [1, 2, 4, 8]
-MAX_TOKENS = 24
-LONG = 3072
-
-
-# benchmarks/vllm_harness.py copies this workload and _engine's defaults for the
-# diagnostic (benchmarks/diagnose_vllm_rows.py): keep the two in step.
-def _workload() -> list[list[list[int]]]:
-    """Batches of prompts, each a list of token ids (the tiny model's vocabulary is 128;
-    7 is its EOS, which greedy sampling may pick: ignore_eos keeps lengths fixed)."""
-    g = torch.Generator().manual_seed(7)
-
-    def prompt(n: int) -> list[int]:
-        return [int(x) for x in torch.randint(8, 128, (n,), generator=g)]
-
-    shared = prompt(600)
-    return [
-        [prompt(5)],  # decode at size 1
-        [prompt(3), prompt(9), prompt(4)],  # 3 requests: padded up to the size-4 graph
-        [prompt(2 + i) for i in range(8)],  # size 8
-        # Long prompts in chunks while short ones decode; two share a prefix.
-        [prompt(LONG), prompt(1500), prompt(6), prompt(11), shared + prompt(40)],
-        [shared + prompt(30), prompt(2)],  # a prefix-cache hit
-    ]
-
-
-WORKLOAD = _workload()
+SIZES = ENGINE_GRAPH_SIZES
+MAX_TOKENS = ENGINE_MAX_TOKENS
+WORKLOAD = engine_workload()
 
 
 @pytest.fixture(scope="module")
@@ -108,44 +92,21 @@ def _engine(
     ckpt: Path,
     backend: str,
     *,
-    async_scheduling: bool = True,
     copy: str = "auto",
     lead: int | None = None,
     time_stalls: bool = False,
     **kw: Any,
 ) -> LLM:
-    extra: dict[str, Any] = {"gdn_prefill_backend": "triton"}  # FlashInfer is not bundled
-    backend_name = "mmap" if backend == "mmap" else "default"
-    extra["ple_memops"] = {"table_backend": backend_name, "copy": copy}
+    settings: dict[str, Any] = {"copy": copy}
     if lead is not None:
-        extra["ple_memops"]["first_layer_threads"] = lead
+        settings["first_layer_threads"] = lead
     if time_stalls:
-        extra["ple_memops"]["time_stalls"] = True
-    engram = {"cpu_offload": backend != "gpu"}
-    return LLM(
-        model=str(ckpt),
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=4096,
-        max_num_seqs=8,
-        max_num_batched_tokens=1024,  # long prompts prefill in chunks beside decodes
-        enable_prefix_caching=True,
-        gpu_memory_utilization=0.15,
-        async_scheduling=async_scheduling,
-        engram_config=engram,
-        additional_config=extra,
-        compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": SIZES},
-        **kw,
-    )
+        settings["time_stalls"] = True
+    return engine(ckpt, backend, settings=settings, **kw)
 
 
 def _generate(llm: LLM) -> list[list[list[int]]]:
-    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, detokenize=False, ignore_eos=True)
-    out = []
-    for batch in WORKLOAD:
-        done = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
-        out.append([list(o.outputs[0].token_ids) for o in done])
-    return out
+    return generate(llm, WORKLOAD)
 
 
 def _rows_stats(worker: Any) -> dict[str, Any]:
@@ -174,15 +135,6 @@ def _rows_stats(worker: Any) -> dict[str, Any]:
     }
 
 
-def _close(llm: LLM) -> None:
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
-
-
 @pytest.fixture(scope="module")
 def reference(checkpoints: dict[str, Path]) -> dict[str, list[list[list[int]]]]:
     """The stock engine's tokens (vLLM's default pinned/UVA tables), BF16 and FP8."""
@@ -191,7 +143,7 @@ def reference(checkpoints: dict[str, Path]) -> dict[str, list[list[list[int]]]]:
         llm = _engine(ckpt, "stock")
         assert llm.collective_rpc(_rows_stats) == [{"hooks": False}]
         refs[kind] = _generate(llm)
-        _close(llm)
+        close(llm)
     return refs
 
 
@@ -249,7 +201,7 @@ def stock_bf16(checkpoints: dict[str, Path]) -> list[list[list[int]]]:
     try:
         return _generate(llm)
     finally:
-        _close(llm)
+        close(llm)
 
 
 def _stalls(worker: Any) -> dict[str, Any]:
@@ -270,7 +222,7 @@ def test_stall_timing_keeps_the_stock_engines_tokens(
         (stats,) = llm.collective_rpc(_rows_stats)
         (stalls,) = llm.collective_rpc(_stalls)
     finally:
-        _close(llm)
+        close(llm)
     print(f"\nstall timing: {stats}\n{stalls}")
     assert_same_tokens(stock_bf16, got)
     assert stats["mode"] == "deferred" and stats["graphs"] == len(SIZES), stats
@@ -285,7 +237,7 @@ def _serve(llm: LLM) -> tuple[list[list[list[int]]], dict[str, Any]]:
         got = _generate(llm)
         (stats,) = llm.collective_rpc(_rows_stats)
     finally:
-        _close(llm)
+        close(llm)
     return got, stats
 
 
@@ -337,7 +289,7 @@ def test_preempted_requests_get_the_stock_engines_tokens(
             tokens = [list(o.outputs[0].token_ids) for o in done]
             (stats,) = llm.collective_rpc(_rows_stats)
         finally:
-            _close(llm)
+            close(llm)
         print(
             f"\n{backend}: {len(preempted)} preemptions, block size {cache.block_size} "
             f"(mamba {cache.mamba_block_size}), {PREEMPT_BLOCKS} blocks (override), "
@@ -404,7 +356,7 @@ def test_a_table_removed_then_truncated_under_the_engine(
         assert "ple-layer-2.safetensors" in text or "TableIoError" in text, text[:2000]
     finally:
         try:
-            _close(llm)
+            close(llm)
         except Exception as exc:  # a dead engine may refuse a clean shutdown
             print(f"shutdown after the fault: {exc!r}")
     # The GPU is usable after.
