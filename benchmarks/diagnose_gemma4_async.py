@@ -47,7 +47,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_harness as harness
 
 VARIANTS = ("stock", "mmap", "stock", "mmap-serial-eager", "mmap-eager-model", "stock-stall")
-MAX_TOKENS = 24
 STALL_CYCLES = 400_000  # about 200 us at the H200's clock
 
 _LIB = torch.library.Library("ple_memops_diag", "DEF")  # type: ignore[no-untyped-call]
@@ -159,18 +158,6 @@ def _stock_stall(on: bool) -> None:
     Gemma4SelfDecoderLayers.get_per_layer_inputs = stalled if on else original
 
 
-def _generate(llm: Any, workload: list[list[list[int]]]) -> list[list[list[int]]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, detokenize=False, ignore_eos=True)
-    out = []
-    for batch in workload:
-        done = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
-        out.append([list(o.outputs[0].token_ids) for o in done])
-    return out
-
-
 def _differs(ref: list[Any], got: list[Any]) -> list[str]:
     return [
         f"b{b}r{r}@{next(i for i, (x, y) in enumerate(zip(w, h, strict=True)) if x != y)}"
@@ -214,7 +201,7 @@ def main() -> int:
         start = time.monotonic()
         llm = harness.gemma4_engine(ckpt, backend, **kw)
         try:
-            got = _generate(llm, workload)
+            got = harness.generate(llm, workload)
             asynced = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
         finally:
             harness.close(llm)

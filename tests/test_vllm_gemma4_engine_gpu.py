@@ -46,18 +46,20 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 import vllm_checkpoints as ckpts  # noqa: E402
 from vllm_harness import (  # noqa: E402
+    ENGINE_MAX_TOKENS,
     GEMMA4_GRAPH_SIZES,
     assert_same_tokens,
     close,
     error_chain,
     gemma4_engine,
     gemma4_engine_workload,
+    generate,
 )
 
 pytestmark = pytest.mark.gpu
 
 SIZES = GEMMA4_GRAPH_SIZES
-MAX_TOKENS = 24
+MAX_TOKENS = ENGINE_MAX_TOKENS
 WORKLOAD = gemma4_engine_workload()
 
 
@@ -75,12 +77,7 @@ def _engine(ckpt: Path, backend: str, *, async_scheduling: bool = True, **kw: An
 
 
 def _generate(llm: LLM) -> list[list[list[int]]]:
-    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, detokenize=False, ignore_eos=True)
-    out = []
-    for batch in WORKLOAD:
-        done = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
-        out.append([list(o.outputs[0].token_ids) for o in done])
-    return out
+    return generate(llm, WORKLOAD)
 
 
 def _rows_stats(worker: Any) -> dict[str, Any]:

@@ -53,7 +53,11 @@ from vllm.model_executor.models.gemma4_mm import Gemma4ForConditionalGeneration
 from ..errors import UnsupportedError
 from . import ops
 from .layer import MmapTableLayer, TableExpectations, find_tables
-from .settings import BACKEND_ENV, CONFIG_KEY, engine_settings
+from .settings import (
+    engine_settings,
+    parallel_refusals,
+    raise_refusals,
+)
 from .tables import TABLE_DTYPES, LayerTable, find_per_layer_table, is_per_layer_table_weight
 
 __all__ = [
@@ -342,14 +346,7 @@ def verify_and_update_config(vllm_config: Any) -> None:
         return
     from vllm.config.compilation import CUDAGraphMode
 
-    refused = []
-    parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        refused.append(
-            f"pipeline parallelism (pipeline_parallel_size={parallel.pipeline_parallel_size})"
-        )
-    if getattr(parallel, "enable_dbo", False) or getattr(parallel, "ubatch_size", 1) > 1:
-        refused.append("microbatching / DBO (--enable-dbo)")
+    refused = parallel_refusals(vllm_config)
     if vllm_config.cache_config.kv_sharing_fast_prefill:
         refused.append(
             "kv_sharing_fast_prefill (its self-decoder is compiled and captured apart, PIECEWISE)"
@@ -361,12 +358,7 @@ def verify_and_update_config(vllm_config: Any) -> None:
             "cudagraph_mode=PIECEWISE (a PIECEWISE graph cannot wait for rows gathered "
             "after its launch; use FULL_DECODE_ONLY, FULL or NONE)"
         )
-    if refused:
-        raise UnsupportedError(
-            "ple-memops mmap PLE tables do not support " + "; ".join(refused) + f". Unset "
-            f"{BACKEND_ENV}=mmap (or set additional_config "
-            f'{{"{CONFIG_KEY}": {{"table_backend": "default"}}}}), or change the configuration'
-        )
+    raise_refusals(refused)
     scheduler = vllm_config.scheduler_config
     if scheduler.async_scheduling is not False:
         # Measured on the H200 (docs/vllm.md, "Gemma 4"): with two steps in flight, FULL

@@ -39,7 +39,13 @@ from vllm.models.qwen4_exp.nvidia.model import (
 from ..errors import StateError, UnsupportedError
 from . import ops
 from .layer import MmapTableLayer, TableExpectations, find_tables
-from .settings import BACKEND_ENV, CONFIG_KEY, engine_settings
+from .settings import (
+    BACKEND_ENV,
+    CONFIG_KEY,
+    engine_settings,
+    parallel_refusals,
+    raise_refusals,
+)
 from .tables import TABLE_DTYPES, LayerTable, find_layer_table, is_table_weight
 
 __all__ = [
@@ -308,14 +314,7 @@ def verify_and_update_config(vllm_config: Any) -> None:
     settings = engine_settings(vllm_config)
     if not settings.mmap:
         return
-    refused = []
-    parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        refused.append(
-            f"pipeline parallelism (pipeline_parallel_size={parallel.pipeline_parallel_size})"
-        )
-    if getattr(parallel, "enable_dbo", False) or getattr(parallel, "ubatch_size", 1) > 1:
-        refused.append("microbatching / DBO (--enable-dbo)")
+    refused = parallel_refusals(vllm_config)
     engram = vllm_config.engram_config
     if engram is not None and engram.embedding_across_dp:
         refused.append("embedding_across_dp=True (each rank reads full rows itself)")
@@ -342,12 +341,7 @@ def verify_and_update_config(vllm_config: Any) -> None:
             "PIECEWISE ones)",
             _BREAKABLE,
         )
-    if refused:
-        raise UnsupportedError(
-            "ple-memops mmap PLE tables do not support " + "; ".join(refused) + f". Unset "
-            f"{BACKEND_ENV}=mmap (or set additional_config "
-            f'{{"{CONFIG_KEY}": {{"table_backend": "default"}}}}), or change the configuration'
-        )
+    raise_refusals(refused)
     if engram is None:
         # vLLM makes a default one right after this hook; sharing a pinned table between
         # data-parallel replicas has nothing to share here.

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UnsupportedError
 from ..settings import COPIES, DEFAULT_TIMEOUT, DEPTH
 
 __all__ = [
@@ -44,6 +44,8 @@ __all__ = [
     "TIME_STALLS_ENV",
     "Settings",
     "engine_settings",
+    "parallel_refusals",
+    "raise_refusals",
 ]
 
 BACKEND_ENV = "PLE_MEMOPS_TABLE_BACKEND"
@@ -264,3 +266,29 @@ def installed_by_env(environ: Mapping[str, str] | None = None) -> bool:
 def engine_settings(vllm_config: object) -> Settings:
     """A vLLM engine's settings (the environment, then its ``additional_config``)."""
     return Settings.for_engine(getattr(vllm_config, "additional_config", None))
+
+
+def parallel_refusals(vllm_config: object) -> list[str]:
+    """What no model's mmap tables serve, in ``vllm_config``'s parallelism: pipeline
+    parallelism (a later stage has no ids to stage) and microbatching / DBO (two
+    microbatches in one graph)."""
+    parallel: Any = getattr(vllm_config, "parallel_config", None)
+    refused = []
+    if parallel is not None and parallel.pipeline_parallel_size > 1:
+        refused.append(
+            f"pipeline parallelism (pipeline_parallel_size={parallel.pipeline_parallel_size})"
+        )
+    if getattr(parallel, "enable_dbo", False) or getattr(parallel, "ubatch_size", 1) > 1:
+        refused.append("microbatching / DBO (--enable-dbo)")
+    return refused
+
+
+def raise_refusals(refused: list[str]) -> None:
+    """Refuse, when ``refused`` names anything, with one :class:`UnsupportedError` naming
+    each and how to serve the model anyway."""
+    if refused:
+        raise UnsupportedError(
+            "ple-memops mmap PLE tables do not support " + "; ".join(refused) + f". Unset "
+            f"{BACKEND_ENV}=mmap (or set additional_config "
+            f'{{"{CONFIG_KEY}": {{"table_backend": "default"}}}}), or change the configuration'
+        )
