@@ -459,7 +459,12 @@ impl DeferredRows {
     /// fails, nothing is published and the step stays pending. `stream` is required in the
     /// sync fallback (the consumer's stream); `busy_wait` bounds how long to wait for the
     /// GPU to release the slot before refusing with `SlotBusy`.
-    pub fn fill_with(
+    ///
+    /// # Safety
+    /// `stream`, when given, is a live stream of this object's device (e.g. torch's current
+    /// stream), or null for the legacy default stream: in the synchronous fallback the copy
+    /// to staging is enqueued on it. The deferred and host modes do not use it.
+    pub unsafe fn fill_with_stream(
         &self,
         k: usize,
         stream: Option<RawStream>,
@@ -470,8 +475,28 @@ impl DeferredRows {
             .fill_impl(Op::Fill, k, stream, busy_wait, Some(write))
     }
 
+    /// [`Self::fill_with_stream`] without a stream: sound in every mode (the synchronous
+    /// fallback refuses it with a typed error; deferred and host modes need none).
+    pub fn fill_with(
+        &self,
+        k: usize,
+        busy_wait: Duration,
+        write: impl FnOnce(&mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        self.shared
+            .fill_impl(Op::Fill, k, None, busy_wait, Some(write))
+    }
+
     /// Fill from contiguous rows (`rows.len()` a multiple of `row_bytes`).
-    pub fn fill(&self, rows: &[u8], stream: Option<RawStream>, busy_wait: Duration) -> Result<()> {
+    ///
+    /// # Safety
+    /// As for [`Self::fill_with_stream`].
+    pub unsafe fn fill(
+        &self,
+        rows: &[u8],
+        stream: Option<RawStream>,
+        busy_wait: Duration,
+    ) -> Result<()> {
         let rb = self.shared.cfg.row_bytes;
         if rows.len() % rb != 0 {
             return Err(Error::rows(format!(
@@ -479,15 +504,25 @@ impl DeferredRows {
                 rows.len()
             )));
         }
-        self.fill_with(rows.len() / rb, stream, busy_wait, |dst| {
-            dst.copy_from_slice(rows);
-            Ok(())
-        })
+        // SAFETY: the caller's contract, passed on.
+        unsafe {
+            self.fill_with_stream(rows.len() / rb, stream, busy_wait, |dst| {
+                dst.copy_from_slice(rows);
+                Ok(())
+            })
+        }
     }
 
     /// Publish the pending step without real data (warm-up, profiling, capture passes):
     /// the consumer sees whatever the slot held.
-    pub fn prepare_dummy(&self, stream: Option<RawStream>, busy_wait: Duration) -> Result<()> {
+    ///
+    /// # Safety
+    /// As for [`Self::fill_with_stream`].
+    pub unsafe fn prepare_dummy(
+        &self,
+        stream: Option<RawStream>,
+        busy_wait: Duration,
+    ) -> Result<()> {
         self.shared.fill_impl(
             Op::PrepareDummy,
             0,

@@ -28,13 +28,13 @@
 //!   (`cuda::pinned`), the stall clock's launches (`cuda::stall`).
 //! * The edges of the safe types, where the caller vouches for what Rust cannot check:
 //!   [`DeferredRows::new`] (a raw staging buffer), [`DeferredRows::enqueue`],
-//!   [`DeferredRows::enqueue_for`], [`DeferredRows::stamp_arrival`] and
-//!   [`GatherWorker::publish`] (a raw stream; device addresses of ids), and the driver
-//!   calls and staging writes behind them (`deferred`, which also declares its shared
-//!   state `Send`/`Sync`, and `worker`'s `mailbox.rs`); the probe's live run on its own
-//!   stream (`probe`). [`DeferredRows::fill`], [`DeferredRows::fill_with`] and
-//!   [`DeferredRows::prepare_dummy`] are safe functions, yet in the synchronous fallback
-//!   they enqueue the copy on the raw stream they are given, trusted as live.
+//!   [`DeferredRows::enqueue_for`], [`DeferredRows::stamp_arrival`],
+//!   [`DeferredRows::fill`], [`DeferredRows::fill_with_stream`],
+//!   [`DeferredRows::prepare_dummy`] and [`GatherWorker::publish`] (a raw stream; device
+//!   addresses of ids), and the driver calls and staging writes behind them (`deferred`,
+//!   which also declares its shared state `Send`/`Sync`, and `worker`'s `mailbox.rs`); the
+//!   probe's live run on its own stream (`probe`). [`DeferredRows::fill_with`] takes no
+//!   stream and is safe.
 //! * `table`: mapping the file (`discover`), page-cache system calls (`pagecache`), the
 //!   SIGBUS handler (`sigbus`), io_uring submissions (`coldread`; `floor`'s benchmark
 //!   instruments, with `posix_fadvise`), cache prefetch hints (`gather`).

@@ -243,7 +243,9 @@ impl PyDeferredRows {
             .as_slice()
             .map_err(|_| to_pyerr(py, Error::rows("rows must be C-contiguous")))?;
         let inner = &self.inner;
-        py.detach(|| inner.fill(data, stream_of(stream), wait))
+        // SAFETY: `stream` is a handle torch gave the caller for this object's device (the
+        // same contract as `enqueue`'s), or none.
+        py.detach(|| unsafe { inner.fill(data, stream_of(stream), wait) })
             .py(py)
     }
 
@@ -275,16 +277,18 @@ impl PyDeferredRows {
         match &ids {
             table::Ids::I64(a) => {
                 let v = table::slice_or_copy(a);
-                py.detach(|| {
-                    inner.fill_with(v.len(), stream_of(s), wait, |dst| {
+                // SAFETY: as in `fill`.
+                py.detach(|| unsafe {
+                    inner.fill_with_stream(v.len(), stream_of(s), wait, |dst| {
                         table.gather_into(crate::table::RowIds::I64(&v), dst)
                     })
                 })
             }
             table::Ids::I32(a) => {
                 let v = table::slice_or_copy(a);
-                py.detach(|| {
-                    inner.fill_with(v.len(), stream_of(s), wait, |dst| {
+                // SAFETY: as in `fill`.
+                py.detach(|| unsafe {
+                    inner.fill_with_stream(v.len(), stream_of(s), wait, |dst| {
                         table.gather_into(crate::table::RowIds::I32(&v), dst)
                     })
                 })
@@ -297,7 +301,8 @@ impl PyDeferredRows {
     fn prepare_dummy(&self, py: Python<'_>, stream: Option<u64>, busy_wait_s: f64) -> PyResult<()> {
         let wait = secs(busy_wait_s, "busy_wait").py(py)?;
         let inner = &self.inner;
-        py.detach(|| inner.prepare_dummy(stream_of(stream), wait))
+        // SAFETY: as in `fill`.
+        py.detach(|| unsafe { inner.prepare_dummy(stream_of(stream), wait) })
             .py(py)
     }
 

@@ -103,7 +103,7 @@ impl Shared {
         let src = &self.source;
         let skip = self.opts.skip_gather;
         self.rows
-            .fill_with(rows.len(), None, Duration::from_secs(1), |dst| {
+            .fill_with(rows.len(), Duration::from_secs(1), |dst| {
                 if skip {
                     return Ok(());
                 }
