@@ -12,6 +12,7 @@ A leaf module: no torch, no vLLM.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -31,8 +32,9 @@ class TableExpectations:
     scale: float | None = None
 
 
-class MmapTableLayer:
-    """The runner's view of one mmap PLE table module (a mixin of the model's table class).
+class MmapTableLayer(ABC):
+    """The runner's view of one mmap PLE table module (a mixin of the model's table class;
+    a class that leaves an abstract method out cannot be built).
 
     Attributes:
         ple_memops_name: the module's name in the model (the ops' layer name).
@@ -48,18 +50,18 @@ class MmapTableLayer:
     ple_memops_hooks: Any = None
     ple_memops_ids_source: ClassVar[bool] = False
 
+    @abstractmethod
     def ple_memops_layer_index(self) -> int:
         """The first decoder layer whose consumer waits for this table's rows (the
         earliest gets ``first_layer_threads``)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def ple_memops_table(self, names: Iterable[str]) -> LayerTable:
         """Where this table is among the checkpoint's tensor ``names``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def ple_memops_expect(self) -> TableExpectations:
         """What the table must be (rows, bytes a row, dtype, scale) for this model."""
-        raise NotImplementedError
 
     def ple_memops_bind(self, hooks: Any, max_tokens: int) -> None:
         """Bind the runner hooks (``None`` unbinds) for steps of up to ``max_tokens``."""
