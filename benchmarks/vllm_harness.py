@@ -189,7 +189,16 @@ def engine(ckpt: Path, backend: str, *, settings: dict[str, Any] | None = None, 
     extra: dict[str, Any] = {"gdn_prefill_backend": "triton"}  # FlashInfer is not bundled
     backend_name = "mmap" if backend == "mmap" else "default"
     extra["ple_memops"] = {"table_backend": backend_name, "copy": "auto"} | (settings or {})
-    args: dict[str, Any] = dict(
+    args = _tiny_engine_args(ckpt, ENGINE_GRAPH_SIZES, extra)
+    args["engram_config"] = {"cpu_offload": backend != "gpu"}
+    return LLM(**(args | kw))
+
+
+def _tiny_engine_args(ckpt: Path, sizes: list[int], extra: dict[str, Any]) -> dict[str, Any]:
+    """``vllm.LLM``'s arguments for a tiny checkpoint in the engine tests: greedy token ids
+    only, long prompts in chunks beside decodes, prefix caching, async scheduling, FULL
+    decode graphs of ``sizes``; ``extra`` is the additional config."""
+    return dict(
         model=str(ckpt),
         skip_tokenizer_init=True,
         dtype="bfloat16",
@@ -199,14 +208,9 @@ def engine(ckpt: Path, backend: str, *, settings: dict[str, Any] | None = None, 
         enable_prefix_caching=True,
         gpu_memory_utilization=0.15,
         async_scheduling=True,
-        engram_config={"cpu_offload": backend != "gpu"},
         additional_config=extra,
-        compilation_config={
-            "cudagraph_mode": "FULL_DECODE_ONLY",
-            "cudagraph_capture_sizes": ENGINE_GRAPH_SIZES,
-        },
+        compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": sizes},
     )
-    return LLM(**(args | kw))
 
 
 def generate(llm: Any, workload: list[list[list[int]]]) -> list[list[list[int]]]:
@@ -255,6 +259,41 @@ def error_chain(exc: BaseException | None) -> str:
         parts.append(f"{type(exc).__name__}: {exc}")
         exc = exc.__cause__ or exc.__context__
     return "\n".join(parts)
+
+
+def truncate_under_engine(llm: Any, table: Path, size: int, prompt: list[int]) -> tuple[float, str]:
+    """Truncate ``table``, a file ``llm`` serves, to ``size`` bytes (what an in-place copy
+    does to a file being served), drop its page cache, then generate until the engine
+    raises (at most four batches; an ``AssertionError`` if it never does). Returns the
+    seconds until it raised and what it raised (:func:`error_chain`)."""
+    import os
+    import time
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with open(table, "r+b") as f:
+        f.truncate(size)
+    fd = os.open(table, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    sp = SamplingParams(max_tokens=8, temperature=0, detokenize=False, ignore_eos=True)
+    start = time.monotonic()
+    try:
+        for _ in range(4):
+            llm.generate([TokensPrompt(prompt_token_ids=prompt)] * 4, sp, use_tqdm=False)
+    except Exception as exc:
+        return time.monotonic() - start, error_chain(exc)
+    raise AssertionError(f"the engine served 4 batches from {table} truncated to {size} bytes")
+
+
+def assert_gpu_usable() -> None:
+    """A matrix product on the GPU gives a finite result (after a fault)."""
+    import torch
+
+    x = torch.randn(256, 256, device="cuda")
+    assert torch.isfinite((x @ x).sum()).item()
+    torch.cuda.synchronize()
 
 
 # -- Gemma 4 ---------------------------------------------------------------------------------
@@ -371,22 +410,7 @@ def gemma4_engine(ckpt: Path, backend: str, **kw: Any) -> Any:
     (``backend``: ``default`` or ``mmap``; ``kw`` overrides ``vllm.LLM``'s arguments)."""
     from vllm import LLM
 
-    args: dict[str, Any] = dict(
-        model=str(ckpt),
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=4096,
-        max_num_seqs=8,
-        max_num_batched_tokens=1024,  # long prompts prefill in chunks beside decodes
-        enable_prefix_caching=True,
-        gpu_memory_utilization=0.15,
-        async_scheduling=True,
-        additional_config={"ple_memops": {"table_backend": backend}},
-        compilation_config={
-            "cudagraph_mode": "FULL_DECODE_ONLY",
-            "cudagraph_capture_sizes": GEMMA4_GRAPH_SIZES,
-        },
-    )
+    args = _tiny_engine_args(ckpt, GEMMA4_GRAPH_SIZES, {"ple_memops": {"table_backend": backend}})
     if "Gemma4ForConditionalGeneration" in (ckpt / "config.json").read_text():
         args["limit_mm_per_prompt"] = {"image": 0, "audio": 0, "video": 0}
     return LLM(**(args | kw))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -64,12 +63,14 @@ import vllm_checkpoints as ckpts  # noqa: E402
 from vllm_harness import (  # noqa: E402
     ENGINE_GRAPH_SIZES,
     ENGINE_MAX_TOKENS,
+    assert_gpu_usable,
     assert_same_tokens,
     close,
     engine,
     engine_workload,
     error_chain,
     generate,
+    truncate_under_engine,
 )
 
 pytestmark = pytest.mark.gpu
@@ -339,18 +340,7 @@ def test_a_table_removed_then_truncated_under_the_engine(
         os.close(fd)
         assert llm.reset_prefix_cache()  # the same prefills as the first time
         assert_same_tokens(reference["bf16"], _generate(llm))
-        with open(table, "r+b") as f:
-            f.truncate(16384)  # what an in-place copy does to a file being served
-        os.posix_fadvise(os.open(table, os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
-        sp = SamplingParams(max_tokens=8, temperature=0, detokenize=False, ignore_eos=True)
-        start = time.monotonic()
-        with pytest.raises(Exception) as info:
-            for _ in range(4):
-                llm.generate(
-                    [TokensPrompt(prompt_token_ids=list(range(8, 120)))] * 4, sp, use_tqdm=False
-                )
-        elapsed = time.monotonic() - start
-        text = error_chain(info.value)
+        elapsed, text = truncate_under_engine(llm, table, 16384, list(range(8, 120)))
         print(f"\nwhat the engine raised after {elapsed:.1f} s:\n{text[:2000]}")
         assert elapsed < 60, "the failure took as long as a hang"
         assert "ple-layer-2.safetensors" in text or "TableIoError" in text, text[:2000]
@@ -360,9 +350,7 @@ def test_a_table_removed_then_truncated_under_the_engine(
         except Exception as exc:  # a dead engine may refuse a clean shutdown
             print(f"shutdown after the fault: {exc!r}")
     # The GPU is usable after.
-    x = torch.randn(256, 256, device="cuda")
-    assert torch.isfinite((x @ x).sum()).item()
-    torch.cuda.synchronize()
+    assert_gpu_usable()
 
 
 def test_a_table_that_does_not_match_the_model_is_refused(
