@@ -269,9 +269,12 @@ impl GatherWorker {
     /// wait again.
     pub fn close(&self) {
         let sh = &self.shared;
-        sh.stop.store(true, Ordering::Release);
         {
+            // Decide under `ctl` before the worker can see `stop`: a worker that saw it
+            // first would mark its pending step handled (nothing to fill), and the step
+            // would then escape the abort below (a flaky test caught it, 1 run in 30).
             let ctl = sh.ctl();
+            sh.stop.store(true, Ordering::Release);
             if ctl.next_to_fill().is_some() {
                 sh.rows.abort("gather worker closed with a step pending");
             } else if ctl.published {
