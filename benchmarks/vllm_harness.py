@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +229,74 @@ def generate(llm: Any, workload: list[list[list[int]]]) -> list[list[list[int]]]
     return out
 
 
+# The top-2 logprob gap below which two correct engines may pick either token. Engines
+# compiled apart give logprobs that differ in the last bits: on the H200, two stock engines
+# of one configuration in two processes by up to 2e-3 on the tiny Gemma 4 at init, the
+# mmap engine and the stock engine by up to 2.4e-2 on the engine tests' checkpoint (its
+# logits are larger); a gap moves by at most twice that. Inductor's and the kernels'
+# choices are not reproducible bit for bit across compiles, so a closer greedy choice is a
+# coin toss, not an oracle.
+NEAR_TIE = 0.1
+
+
+@dataclass
+class Greedy:
+    """An engine's greedy output: each request's tokens, and at each token the gap between
+    the two most likely tokens' logprobs (how decisive the choice was)."""
+
+    tokens: list[list[list[int]]]
+    gaps: list[list[list[float]]]
+
+
+def generate_greedy(llm: Any, workload: list[list[list[int]]]) -> Greedy:
+    """:func:`generate`, with each choice's top-2 logprob gap (for :func:`assert_same_greedy`)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(
+        max_tokens=ENGINE_MAX_TOKENS,
+        temperature=0,
+        detokenize=False,
+        ignore_eos=True,
+        logprobs=2,
+    )
+    tokens, gaps = [], []
+    for batch in workload:
+        done = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
+        tokens.append([list(o.outputs[0].token_ids) for o in done])
+        gaps.append([[_top2_gap(lp) for lp in o.outputs[0].logprobs] for o in done])
+    return Greedy(tokens, gaps)
+
+
+def _top2_gap(logprobs: dict[int, Any]) -> float:
+    by_rank = {lp.rank: lp.logprob for lp in logprobs.values()}
+    return float(by_rank[1] - by_rank[2])
+
+
+def assert_same_greedy(reference: Greedy, got: list[Any], *, min_share: float = 0.5) -> None:
+    """Every request's tokens equal the reference's up to its first different token, which
+    must be a near tie of the reference's (a gap under :data:`NEAR_TIE`: after it the two
+    runs continue from different prefixes); and at least ``min_share`` of the reference's
+    tokens were compared, so the check cannot pass for a model whose choices are all near
+    ties. Else one line a request, from its first different token."""
+    wrong, compared, total = [], 0, 0
+    for b, (want, gaps, have) in enumerate(zip(reference.tokens, reference.gaps, got, strict=True)):
+        for r, (w, g, h) in enumerate(zip(want, gaps, have, strict=True)):
+            total += len(w)
+            first = next((i for i, (x, y) in enumerate(zip(w, h, strict=True)) if x != y), None)
+            compared += len(w) if first is None else first
+            if first is not None and g[first] >= NEAR_TIE:
+                wrong.append(
+                    f"batch {b} request {r}: from token {first} (the reference's top-2 gap "
+                    f"there: {g[first]:.3f}): {h[first:]} != {w[first:]}"
+                )
+    assert not wrong, "differs from the stock engine:\n" + "\n".join(wrong)
+    assert compared >= min_share * total, (
+        f"only {compared} of {total} tokens compared before near ties: the reference's greedy "
+        "choices are too close to tell two engines apart"
+    )
+
+
 def close(llm: Any) -> None:
     """Shut the engine down and free what it holds (another can be built after)."""
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
@@ -320,6 +389,13 @@ GEMMA4_CONFIG: dict[str, Any] = dict(
     bos_token_id=2,
 )
 GEMMA4_TABLE = "embed_tokens_per_layer.weight"
+# The token embedding scaled up from transformers' random init: at init the tiny model's
+# greedy choices are near ties (9 of the engine workload's 456 tokens come before a
+# request's first top-2 logprob gap under 0.05), so engines that differ by rounding alone
+# pick other tokens; scaled by 6, 189 come before a gap under NEAR_TIE, each request still
+# picks ~5 different tokens, and a table whose rows are shifted by one changes every
+# request (tests/test_vllm_gemma4_real.py checks these with transformers' own model).
+GEMMA4_EMBED_SCALE = 6.0
 
 
 def write_gemma4_checkpoint(
@@ -356,10 +432,12 @@ def write_gemma4_checkpoint(
 
         model = Gemma4ForCausalLM(text)
     model = model.to(torch.bfloat16)
-    with torch.no_grad():  # rows far from zero and distinct, so a wrong row shows
+    with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(GEMMA4_TABLE):
+            if name.endswith(GEMMA4_TABLE):  # rows far from zero and distinct: a wrong one shows
                 p.copy_(torch.randn_like(p, dtype=torch.float32).to(p.dtype))
+            elif name.endswith("embed_tokens.weight"):
+                p.mul_(GEMMA4_EMBED_SCALE)
     hf = root / ("hf-mm" if multimodal else "hf")
     model.save_pretrained(hf)
     if not separate_table:
@@ -380,7 +458,7 @@ def write_gemma4_checkpoint(
 
 
 # The Gemma 4 engine workload of tests/test_vllm_gemma4_engine_gpu.py and
-# benchmarks/diagnose_gemma4_async.py: the same engine settings, prompts and sampling.
+# benchmarks/compare_gemma4_engines.py: the same engine settings, prompts and sampling.
 GEMMA4_GRAPH_SIZES = [1, 2, 4, 8]
 
 

@@ -10,8 +10,9 @@ other weights); the per-layer inputs of the stock model and ours bit for bit, ea
 compiled by Inductor (the stock graph and ours compiled alike), ids outside the table
 reading row 0, image positions reading row 0 through the multimodal class's own
 ``embed_input_ids``; the config hook's graph mode, async scheduling and refusals; a
-checkpoint whose table is missing or does not match. The engine on the GPU:
-``test_vllm_gemma4_engine_gpu.py``.
+checkpoint whose table is missing or does not match; and that the GPU engine tests'
+checkpoint can tell engines apart (decisive greedy choices, sensitive to its rows). The
+engine on the GPU: ``test_vllm_gemma4_engine_gpu.py``.
 """
 
 from __future__ import annotations
@@ -273,3 +274,49 @@ def test_graph_mode_and_refusals(installed: Any) -> None:
     vc.parallel_config = ParallelConfig(pipeline_parallel_size=2)
     with pytest.raises(pm.UnsupportedError, match=r"pipeline parallelism.*kv_sharing_fast_prefill"):
         gemma4.verify_and_update_config(vc)
+
+
+def test_the_engine_tests_checkpoint_tells_engines_apart(tmp_path: Path) -> None:
+    """The GPU engine tests compare an engine's greedy tokens with the stock engine's up to
+    the stock engine's first near tie (``vllm_harness.assert_same_greedy``): engines compiled
+    apart differ in rounding, so a near tie may go either way. On their checkpoint, run by
+    transformers' own model, most tokens must come before a request's first near tie, and a
+    table whose rows are shifted by one must change the tokens, or the comparison could
+    not fail."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = ckpts.write_gemma4_checkpoint(tmp_path, separate_table=False)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    table = model.model.embed_tokens_per_layer
+    lookup = table.forward
+    # vLLM's masking (ids outside the table read row 0); transformers' model has none.
+    table.forward = lambda ids: lookup(torch.where(ids < TABLE_ROWS, ids, torch.zeros_like(ids)))
+
+    def greedy() -> tuple[list[list[int]], int]:
+        tokens, decisive = [], 0
+        for batch in ckpts.gemma4_engine_workload():
+            for prompt in batch:
+                out = model.generate(
+                    torch.tensor([prompt]),
+                    max_new_tokens=ckpts.ENGINE_MAX_TOKENS,
+                    do_sample=False,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                    pad_token_id=0,
+                    eos_token_id=None,
+                )
+                tokens.append(out.sequences[0, len(prompt) :].tolist())
+                top2 = [torch.log_softmax(lg[0], -1).topk(2).values for lg in out.logits]
+                gaps = [float(t[0] - t[1]) for t in top2]
+                decisive += next((i for i, g in enumerate(gaps) if g < ckpts.NEAR_TIE), len(gaps))
+        return tokens, decisive
+
+    with torch.no_grad():
+        tokens, decisive = greedy()
+        total = sum(len(t) for t in tokens)
+        assert decisive >= 0.35 * total, f"{decisive} of {total} tokens before a near tie"
+        assert sum(len(set(t)) for t in tokens) >= 3 * len(tokens), tokens  # not one token
+        table.weight.copy_(torch.roll(table.weight, 1, 0))
+        shifted, _ = greedy()
+    changed = sum(a != b for a, b in zip(tokens, shifted, strict=True))
+    assert changed >= 0.8 * len(tokens), f"shifted rows changed {changed} of {len(tokens)}"

@@ -1,4 +1,5 @@
-"""The tiny Qwen4Exp and Gemma 4 checkpoints of the vLLM tests. They live in
+"""The tiny Qwen4Exp and Gemma 4 checkpoints of the vLLM tests (and the Gemma 4 engine
+tests' workload). They live in
 ``benchmarks/vllm_harness.py`` (the benchmarks' diagnostic writes them too); the tests
 import them from here."""
 
@@ -11,20 +12,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from vllm_harness import (
     CONFIG,
+    ENGINE_MAX_TOKENS,
     GEMMA4_CONFIG,
+    GEMMA4_TABLE,
     HEAD_DIM,
     HEADS,
+    NEAR_TIE,
     PLE_LAYERS,
+    gemma4_engine_workload,
     write_checkpoint,
     write_gemma4_checkpoint,
 )
 
 __all__ = [
     "CONFIG",
+    "ENGINE_MAX_TOKENS",
     "GEMMA4_CONFIG",
+    "GEMMA4_TABLE",
     "HEADS",
     "HEAD_DIM",
+    "NEAR_TIE",
     "PLE_LAYERS",
+    "gemma4_engine_workload",
     "write_checkpoint",
     "write_gemma4_checkpoint",
 ]

@@ -5,8 +5,8 @@
 # repository root after .vllm-bundle/c/setup.sh (vLLM in /tmp/vllm-site) with our wheel in
 # /tmp/site; logs go to $OUT. Wall time: about 5 minutes on a fresh host (the first
 # engines compile vLLM's Triton kernels and the model's Inductor graphs). DIAG=1 runs
-# benchmarks/diagnose_gemma4_async.py after the tests (about 5 minutes more: run it in a
-# call of its own with ENGINE_LIMIT=1 SERVE=0, or alone).
+# benchmarks/compare_gemma4_engines.py after the tests (stock, mmap and mmap without async
+# scheduling against each other, rows checked on the device; about 3 minutes more).
 set -uo pipefail
 OUT=${OUT:-/tmp/ple-out}
 mkdir -p "$OUT"
@@ -19,18 +19,18 @@ start=$(date +%s)
     -W ignore::UserWarning 2>&1) >"$OUT/gemma4_pytest.log"
 rc=$?
 echo "== gemma4 engine: pytest exit $rc in $(( $(date +%s) - start )) s (124 = hit the time limit)"
-grep -E "PASSED|FAILED|ERROR|SKIPPED|async asked:|scheduling:|plan:|what the engine raised" \
+grep -E "PASSED|FAILED|ERROR|SKIPPED|scheduling:|plan:|what the engine raised" \
     "$OUT/gemma4_pytest.log" | sed 's/^.*tests\//  /' | head -40
 if [ $rc -ne 0 ]; then
     sed -n '/= FAILURES =/,$p' "$OUT/gemma4_pytest.log" | grep -E "^(E |FAILED|___)" | head -40
 fi
 tail -1 "$OUT/gemma4_pytest.log"
 if [ "${DIAG:-0}" = 1 ]; then
-    echo "== diagnostic: Gemma 4 under async scheduling (benchmarks/diagnose_gemma4_async.py)"
-    timeout "${DIAG_LIMIT:-420}" python3 "$R/benchmarks/diagnose_gemma4_async.py" \
-        >"$OUT/gemma4_diag.log" 2>&1
-    echo "== diagnostic: exit $?"
-    grep -E "^\|" "$OUT/gemma4_diag.log" | tail -9
+    echo "== Gemma 4 engines against each other (benchmarks/compare_gemma4_engines.py)"
+    timeout "${DIAG_LIMIT:-420}" python3 "$R/benchmarks/compare_gemma4_engines.py" \
+        >"$OUT/gemma4_compare.log" 2>&1
+    echo "== compare: exit $?"
+    grep -E "^\|" "$OUT/gemma4_compare.log" | tail -6
 fi
 [ "${SERVE:-1}" = 1 ] || exit $rc
 echo "== vllm serve (Gemma 4) with PLE_MEMOPS_TABLE_BACKEND=mmap"
