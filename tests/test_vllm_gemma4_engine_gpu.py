@@ -12,8 +12,8 @@ chunks beside decodes, prefix-cache hits, ids outside the table (row 0). The mma
 must really have deferred (armed replays of every captured size, eager steps deferred
 too):
 
-* ``Gemma4ForCausalLM``, asked for async scheduling (the plugin turns it off for Gemma 4)
-  and not; then its table file truncated under the engine: a typed error naming the file, no hang, the GPU
+* ``Gemma4ForCausalLM`` with async scheduling (two steps in flight) and without; then its
+  table file truncated under the engine: a typed error naming the file, no hang, the GPU
   usable after;
 * ``Gemma4ForConditionalGeneration`` (what the released checkpoints are), text prompts;
 * a plan forced synchronous (as a failed probe would): the tokens stay the stock
@@ -136,10 +136,10 @@ def test_text_model_then_its_table_truncated_under_the_engine(
     try:
         got = _generate(llm)
         (stats,) = llm.collective_rpc(_rows_stats)
-        print(f"\ntext mmap, async asked: {stats}")
+        print(f"\ntext mmap, async scheduling: {stats}")
         assert_same_greedy(reference["text"], got.tokens)
         _assert_deferred(stats)
-        assert stats["async_scheduling"] is False, stats  # turned off by the plugin
+        assert stats["async_scheduling"] is True, stats
         assert stats["cudagraph_mode"].endswith("FULL_DECODE_ONLY"), stats
         table = ckpt / "model-ple.safetensors"
         elapsed, text = truncate_under_engine(llm, table, 4096, list(range(3, 111)))
@@ -166,7 +166,7 @@ def test_text_model_without_async_scheduling(
 
 def test_multimodal_class(checkpoints: dict[str, Path], reference: dict[str, Any]) -> None:
     got, stats = _serve(_engine(checkpoints["mm"], "mmap"))
-    print(f"\nmultimodal mmap, async asked: {stats}")
+    print(f"\nmultimodal mmap, async scheduling: {stats}")
     assert_same_greedy(reference["mm"], got.tokens)
     _assert_deferred(stats)
     assert stats["layers"] == ["language_model.model.embed_tokens_per_layer"], stats

@@ -32,9 +32,8 @@ checkpoint's files:
 * :func:`verify_and_update_config`, the config-time refusals and the graph mode: the
   custom ops cannot sit inside a PIECEWISE graph, so ``FULL_AND_PIECEWISE`` becomes
   ``FULL_DECODE_ONLY`` (decodes replay FULL graphs that defer their rows; prefills and
-  mixed batches run compiled, without graphs, and defer theirs too); and async
-  scheduling is turned off (an intermittent token mismatch with two steps in flight,
-  not yet found: see the README's known issues).
+  mixed batches run compiled, without graphs, and defer theirs too). Async scheduling
+  stays as the engine asked.
 """
 
 from __future__ import annotations
@@ -359,18 +358,6 @@ def verify_and_update_config(vllm_config: Any) -> None:
             "after its launch; use FULL_DECODE_ONLY, FULL or NONE)"
         )
     raise_refusals(refused)
-    scheduler = vllm_config.scheduler_config
-    if scheduler.async_scheduling is not False:
-        # Measured on the H200 (docs/vllm.md, "Gemma 4"): with two steps in flight, FULL
-        # decode graphs of the compiled model gave the stock engine's tokens in some runs
-        # and not in others (a prefill's rows racing a decode's, not yet found); one step
-        # at a time gave them in every run. Never silently wrong tokens: one at a time.
-        scheduler.async_scheduling = False
-        logger.warning(
-            "ple-memops: async scheduling is turned off for Gemma 4 with mmap PLE tables "
-            "(with two steps in flight its tokens differed from the stock engine's in some "
-            "runs on the H200; see the README's known issues)"
-        )
     if mode is None or mode == CUDAGraphMode.FULL_AND_PIECEWISE:
         compilation.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
         logger.info(
