@@ -14,9 +14,9 @@ then each decoder layer reads its ``[T, d]`` slice at its end. vLLM keeps the ta
 the GPU (a ``VocabParallelEmbedding``); with ``mmap`` settings it stays in the
 checkpoint's files:
 
-* :class:`Gemma4PLEMmapTable` replaces the table module while the model is built: a
-  0-row placeholder (never allocated, the loader's rows dropped), registered under its
-  name for the custom ops of :mod:`.ops`;
+* :class:`~.token_table.PerLayerTokenTable` (shared with Gemma 3n) replaces the table
+  module while the model is built: a 0-row placeholder (never allocated, the loader's
+  rows dropped), registered under its name for the custom ops of :mod:`.ops`;
 * the model's ``get_per_layer_inputs`` stages the rows of the (masked) ids with
   ``stage_ids`` instead of looking them up, and ``project_per_layer_inputs`` computes
   the projection first, then ``read_rows``, then the stock arithmetic on the rows, the
@@ -29,7 +29,7 @@ checkpoint's files:
   class computes the rows in ``embed_input_ids``, eagerly, outside the CUDA graph;
   here it only records the step's ids there (image and audio tokens read row 0, as
   vLLM's) and the rows are staged in the forward, inside the graph;
-* :func:`verify_and_update_config`, the config-time refusals and the graph mode: the
+* :func:`~.token_table.verify_and_update_config`, the config-time refusals and the graph mode: the
   custom ops cannot sit inside a PIECEWISE graph, so ``FULL_AND_PIECEWISE`` becomes
   ``FULL_DECODE_ONLY`` (decodes replay FULL graphs that defer their rows; prefills and
   mixed batches run compiled, without graphs, and defer theirs too). Async scheduling
@@ -39,127 +39,32 @@ checkpoint's files:
 from __future__ import annotations
 
 import contextlib
-import logging
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch import nn
 from vllm.model_executor.models import gemma4 as vllm_gemma4
 from vllm.model_executor.models.gemma4 import Gemma4ForCausalLM, Gemma4SelfDecoderLayers
 from vllm.model_executor.models.gemma4_mm import Gemma4ForConditionalGeneration
 
 from ..errors import UnsupportedError
-from . import ops
-from .layer import MmapTableLayer, TableExpectations, find_tables
-from .settings import (
-    engine_settings,
-    parallel_refusals,
-    raise_refusals,
+from .settings import engine_settings
+from .tables import is_per_layer_table_weight
+from .token_table import (
+    PerLayerTokenTable,
+    find_mmap_tables,
+    table_class,
+    verify_and_update_config,
 )
-from .tables import TABLE_DTYPES, LayerTable, find_per_layer_table, is_per_layer_table_weight
 
 __all__ = [
     "ARCHITECTURES",
     "Gemma4MmapForCausalLM",
     "Gemma4MmapForConditionalGeneration",
-    "Gemma4PLEMmapTable",
+    "find_mmap_tables",
     "verify_and_update_config",
 ]
 
-logger = logging.getLogger("ple_memops")
-
 _TABLE_SUFFIX = "embed_tokens_per_layer"
-
-
-class Gemma4PLEMmapTable(nn.Module, MmapTableLayer):
-    """Gemma 4's per-layer embedding table served from the checkpoint's memory map (see
-    the module). Built with ``VocabParallelEmbedding``'s arguments."""
-
-    ple_memops_heads = 1
-
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        params_dtype: torch.dtype | None = None,
-        org_num_embeddings: int | None = None,
-        padding_size: int = 64,
-        quant_config: Any = None,
-        prefix: str = "",
-    ) -> None:
-        super().__init__()
-        del padding_size, quant_config  # full rows on every rank; the dtype is checked
-        dtype = params_dtype or torch.get_default_dtype()
-        self.dtype = dtype
-        self.org_vocab_size = int(org_num_embeddings or num_embeddings)
-        self.embedding_dim = int(embedding_dim)
-        # The table's shape and dtype, nothing allocated (a buffer, not a parameter: the
-        # loader expects no rows for it, and load_weights drops any that come).
-        self.register_buffer("weight", torch.empty(0, embedding_dim, dtype=dtype), persistent=False)
-        self.ple_memops_name = prefix
-        self.ple_memops_hooks = None
-        from vllm.config import get_current_vllm_config
-
-        layers = get_current_vllm_config().compilation_config.static_forward_context
-        if prefix in layers:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        layers[prefix] = self
-
-    @property
-    def row_bytes(self) -> int:
-        return self.embedding_dim * self.dtype.itemsize
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """vLLM's loader hands the table here when its file also holds other weights
-        (``AutoWeightsLoader`` defers to a module's own ``load_weights``): checked and
-        dropped. A table in a file of its own is never read."""
-        loaded = set()
-        for name, tensor in weights:
-            if name != "weight" or tensor.dim() != 2 or tensor.shape[1] != self.embedding_dim:
-                raise ValueError(
-                    f"{self.ple_memops_name}: checkpoint tensor {name!r} of shape "
-                    f"{tuple(tensor.shape)}; a table with rows of {self.embedding_dim} expected"
-                )
-            loaded.add(name)
-        return loaded
-
-    # -- the runner's view (MmapTableLayer) ------------------------------------------------
-
-    def ple_memops_layer_index(self) -> int:
-        return 0  # every decoder layer reads its slice of one table: layer 0 waits first
-
-    def ple_memops_table(self, names: Iterable[str]) -> LayerTable:
-        return find_per_layer_table(names)
-
-    def ple_memops_expect(self) -> TableExpectations:
-        return TableExpectations(
-            rows=self.org_vocab_size,
-            row_bytes=self.row_bytes,
-            dtype=TABLE_DTYPES[str(self.dtype)],
-        )
-
-    def ple_memops_bind(self, hooks: Any, max_tokens: int) -> None:
-        self.ple_memops_hooks = hooks
-        if hooks is not None:
-            hooks.ids_buffer(self.ple_memops_name)  # now, outside any capture
-
-    # -- the model's two calls ----------------------------------------------------------
-
-    def stage(self, ids: torch.Tensor) -> torch.Tensor:
-        """Stage the rows of ``ids`` (``[T]``, already masked into the table) with the
-        functional ops of a compiled model; returns the token :meth:`join` takes."""
-        return ops.stage_ids(ids, self.ple_memops_name)
-
-    def join(self, staged: torch.Tensor) -> torch.Tensor:
-        """The rows :meth:`stage` staged, ready: ``[T, embedding_dim]`` in the table's
-        dtype."""
-        return ops.read_rows(staged, self.row_bytes, self.ple_memops_name).view(self.dtype)
-
-    def forward(self, input_: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError(
-            "mmap per-layer embedding: rows are staged by stage() and read after join()"
-        )
 
 
 class _MmapSelfDecoderLayers(Gemma4SelfDecoderLayers):
@@ -193,32 +98,10 @@ class _MmapSelfDecoderLayers(Gemma4SelfDecoderLayers):
         return combined
 
 
-def _table_factory(num_embeddings: int, embedding_dim: int, *args: Any, **kwargs: Any) -> Any:
-    prefix = str(kwargs.get("prefix", ""))
-    if prefix == _TABLE_SUFFIX or prefix.endswith("." + _TABLE_SUFFIX):
-        return Gemma4PLEMmapTable(num_embeddings, embedding_dim, *args, **kwargs)
-    return _VOCAB_EMBEDDING(num_embeddings, embedding_dim, *args, **kwargs)
-
-
-_VOCAB_EMBEDDING = vllm_gemma4.VocabParallelEmbedding
-
-
-@contextlib.contextmanager
-def _mmap_table_class() -> Iterator[None]:
-    """While the model is built, its per-layer table is ours (``gemma4.py`` builds both of
-    its embeddings with the module-level ``VocabParallelEmbedding``; the token table
-    stays vLLM's)."""
-    vllm_gemma4.VocabParallelEmbedding = _table_factory
-    try:
-        yield
-    finally:
-        vllm_gemma4.VocabParallelEmbedding = _VOCAB_EMBEDDING
-
-
 def _finish_mmap_model(model: Any) -> bool:
     """Switch the built ``Gemma4Model``'s self-decoder to the staging one; whether the
     model has an mmap table (a Gemma 4 without per-layer inputs has none)."""
-    if not isinstance(getattr(model, "embed_tokens_per_layer", None), Gemma4PLEMmapTable):
+    if not isinstance(getattr(model, "embed_tokens_per_layer", None), PerLayerTokenTable):
         return False
     decoder = model.self_decoder
     if type(decoder) is not Gemma4SelfDecoderLayers:
@@ -236,7 +119,7 @@ class Gemma4MmapForCausalLM(Gemma4ForCausalLM):
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         mmap = engine_settings(vllm_config).mmap
-        with _mmap_table_class() if mmap else contextlib.nullcontext():
+        with table_class(vllm_gemma4, _TABLE_SUFFIX) if mmap else contextlib.nullcontext():
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         if mmap and _finish_mmap_model(self.model):
             self.is_unused_checkpoint_weight = is_per_layer_table_weight
@@ -254,7 +137,7 @@ class Gemma4MmapForConditionalGeneration(Gemma4ForConditionalGeneration):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.ple_memops_ids = None
         language = self.language_model.model
-        if not isinstance(getattr(language, "embed_tokens_per_layer", None), Gemma4PLEMmapTable):
+        if not isinstance(getattr(language, "embed_tokens_per_layer", None), PerLayerTokenTable):
             return
         if not isinstance(language.self_decoder, _MmapSelfDecoderLayers):
             raise UnsupportedError(
@@ -336,37 +219,3 @@ ARCHITECTURES = {
     "Gemma4ForCausalLM": Gemma4MmapForCausalLM,
     "Gemma4ForConditionalGeneration": Gemma4MmapForConditionalGeneration,
 }
-
-
-def verify_and_update_config(vllm_config: Any) -> None:
-    """The config-time refusals of an engine whose settings say ``mmap`` (called after
-    vLLM's own Gemma 4 hook) and its graph mode: a clear error before any weight is read."""
-    if not engine_settings(vllm_config).mmap:
-        return
-    from vllm.config.compilation import CUDAGraphMode
-
-    refused = parallel_refusals(vllm_config)
-    if vllm_config.cache_config.kv_sharing_fast_prefill:
-        refused.append(
-            "kv_sharing_fast_prefill (its self-decoder is compiled and captured apart, PIECEWISE)"
-        )
-    compilation = vllm_config.compilation_config
-    mode = compilation.cudagraph_mode
-    if mode == CUDAGraphMode.PIECEWISE:
-        refused.append(
-            "cudagraph_mode=PIECEWISE (a PIECEWISE graph cannot wait for rows gathered "
-            "after its launch; use FULL_DECODE_ONLY, FULL or NONE)"
-        )
-    raise_refusals(refused)
-    if mode is None or mode == CUDAGraphMode.FULL_AND_PIECEWISE:
-        compilation.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
-        logger.info(
-            "ple-memops: cudagraph_mode %s -> FULL_DECODE_ONLY (a PIECEWISE graph cannot "
-            "wait for rows gathered after its launch; decodes replay FULL graphs)",
-            "(default)" if mode is None else mode.name,
-        )
-
-
-def find_mmap_tables(model: nn.Module) -> list[Gemma4PLEMmapTable]:
-    """The model's mmap Gemma 4 tables."""
-    return [m for m in find_tables(model) if isinstance(m, Gemma4PLEMmapTable)]

@@ -1,0 +1,188 @@
+"""The Gemma per-layer embedding table served from the checkpoint, shared by the Gemma 4
+and Gemma 3n models of :mod:`.gemma4` and :mod:`.gemma3n`.
+
+Both families keep one table for all decoder layers, ``embed_tokens_per_layer``
+(``[vocab_size_per_layer_input, num_hidden_layers * hidden_size_per_layer_input]``),
+looked up by token id (ids outside the table read row 0) and scaled by
+``sqrt(hidden_size_per_layer_input)``. vLLM builds it as a ``VocabParallelEmbedding``
+through a module-level name; while an mmap model is built, :func:`table_class` puts
+:func:`table_factory`'s in its place, so the table becomes a :class:`PerLayerTokenTable`:
+a 0-row placeholder (never allocated, the loader's rows dropped) registered under its name
+for the custom ops of :mod:`.ops`, whose :meth:`~PerLayerTokenTable.stage` and
+:meth:`~PerLayerTokenTable.join` a model calls where vLLM looked rows up.
+:func:`verify_and_update_config` is both families' config hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import ops
+from .layer import MmapTableLayer, TableExpectations, find_tables
+from .settings import engine_settings, parallel_refusals, raise_refusals
+from .tables import TABLE_DTYPES, LayerTable, find_per_layer_table
+
+__all__ = [
+    "PerLayerTokenTable",
+    "find_mmap_tables",
+    "table_class",
+    "verify_and_update_config",
+]
+
+logger = logging.getLogger("ple_memops")
+
+
+class PerLayerTokenTable(nn.Module, MmapTableLayer):
+    """A Gemma per-layer embedding table served from the checkpoint's memory map (see the
+    module). Built with ``VocabParallelEmbedding``'s arguments."""
+
+    ple_memops_heads = 1
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        params_dtype: torch.dtype | None = None,
+        org_num_embeddings: int | None = None,
+        padding_size: int = 64,
+        quant_config: Any = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        del padding_size, quant_config  # full rows on every rank; the dtype is checked
+        dtype = params_dtype or torch.get_default_dtype()
+        self.dtype = dtype
+        self.org_vocab_size = int(org_num_embeddings or num_embeddings)
+        self.embedding_dim = int(embedding_dim)
+        # The table's shape and dtype, nothing allocated (a buffer, not a parameter: the
+        # loader expects no rows for it, and load_weights drops any that come).
+        self.register_buffer("weight", torch.empty(0, embedding_dim, dtype=dtype), persistent=False)
+        self.ple_memops_name = prefix
+        self.ple_memops_hooks = None
+        from vllm.config import get_current_vllm_config
+
+        layers = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in layers:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        layers[prefix] = self
+
+    @property
+    def row_bytes(self) -> int:
+        return self.embedding_dim * self.dtype.itemsize
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """vLLM's loader hands the table here when its file also holds other weights
+        (``AutoWeightsLoader`` defers to a module's own ``load_weights``): checked and
+        dropped. A table in a file of its own is never read."""
+        loaded = set()
+        for name, tensor in weights:
+            if name != "weight" or tensor.dim() != 2 or tensor.shape[1] != self.embedding_dim:
+                raise ValueError(
+                    f"{self.ple_memops_name}: checkpoint tensor {name!r} of shape "
+                    f"{tuple(tensor.shape)}; a table with rows of {self.embedding_dim} expected"
+                )
+            loaded.add(name)
+        return loaded
+
+    # -- the runner's view (MmapTableLayer) ------------------------------------------------
+
+    def ple_memops_layer_index(self) -> int:
+        return 0  # every decoder layer reads its slice of one table: layer 0 waits first
+
+    def ple_memops_table(self, names: Iterable[str]) -> LayerTable:
+        return find_per_layer_table(names)
+
+    def ple_memops_expect(self) -> TableExpectations:
+        return TableExpectations(
+            rows=self.org_vocab_size,
+            row_bytes=self.row_bytes,
+            dtype=TABLE_DTYPES[str(self.dtype)],
+        )
+
+    def ple_memops_bind(self, hooks: Any, max_tokens: int) -> None:
+        self.ple_memops_hooks = hooks
+        if hooks is not None:
+            hooks.ids_buffer(self.ple_memops_name)  # now, outside any capture
+
+    # -- the model's two calls ----------------------------------------------------------
+
+    def stage(self, ids: torch.Tensor) -> torch.Tensor:
+        """Stage the rows of ``ids`` (``[T]``, already masked into the table) with the
+        functional ops of a compiled model; returns the token :meth:`join` takes."""
+        return ops.stage_ids(ids, self.ple_memops_name)
+
+    def join(self, staged: torch.Tensor) -> torch.Tensor:
+        """The rows :meth:`stage` staged, ready: ``[T, embedding_dim]`` in the table's
+        dtype."""
+        return ops.read_rows(staged, self.row_bytes, self.ple_memops_name).view(self.dtype)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(
+            "mmap per-layer embedding: rows are staged by stage() and read after join()"
+        )
+
+
+@contextlib.contextmanager
+def table_class(module: Any, suffix: str) -> Iterator[None]:
+    """While the block runs, ``module``'s ``VocabParallelEmbedding`` builds a
+    :class:`PerLayerTokenTable` for a prefix ending in ``suffix`` (vLLM's prefix of the
+    per-layer table) and vLLM's class for every other embedding."""
+    stock = module.VocabParallelEmbedding
+    module.VocabParallelEmbedding = table_factory(stock, suffix)
+    try:
+        yield
+    finally:
+        module.VocabParallelEmbedding = stock
+
+
+def table_factory(stock: type, suffix: str) -> Callable[..., Any]:
+    """``VocabParallelEmbedding``'s stand-in (see :func:`table_class`)."""
+
+    def build(num_embeddings: int, embedding_dim: int, *args: Any, **kwargs: Any) -> Any:
+        prefix = str(kwargs.get("prefix", ""))
+        if prefix == suffix or prefix.endswith("." + suffix):
+            return PerLayerTokenTable(num_embeddings, embedding_dim, *args, **kwargs)
+        return stock(num_embeddings, embedding_dim, *args, **kwargs)
+
+    return build
+
+
+def find_mmap_tables(model: nn.Module) -> list[PerLayerTokenTable]:
+    """The model's mmap per-layer tables."""
+    return [m for m in find_tables(model) if isinstance(m, PerLayerTokenTable)]
+
+
+def verify_and_update_config(vllm_config: Any) -> None:
+    """The config-time refusals of a Gemma engine whose settings say ``mmap`` (called
+    after vLLM's own hook for the architecture, where it has one) and its graph mode: a
+    clear error before any weight is read."""
+    if not engine_settings(vllm_config).mmap:
+        return
+    from vllm.config.compilation import CUDAGraphMode
+
+    refused = parallel_refusals(vllm_config)
+    if vllm_config.cache_config.kv_sharing_fast_prefill:
+        refused.append(
+            "kv_sharing_fast_prefill (its self-decoder is compiled and captured apart, PIECEWISE)"
+        )
+    compilation = vllm_config.compilation_config
+    mode = compilation.cudagraph_mode
+    if mode == CUDAGraphMode.PIECEWISE:
+        refused.append(
+            "cudagraph_mode=PIECEWISE (a PIECEWISE graph cannot wait for rows gathered "
+            "after its launch; use FULL_DECODE_ONLY, FULL or NONE)"
+        )
+    raise_refusals(refused)
+    if mode is None or mode == CUDAGraphMode.FULL_AND_PIECEWISE:
+        compilation.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+        logger.info(
+            "ple-memops: cudagraph_mode %s -> FULL_DECODE_ONLY (a PIECEWISE graph cannot "
+            "wait for rows gathered after its launch; decodes replay FULL graphs)",
+            "(default)" if mode is None else mode.name,
+        )
