@@ -389,13 +389,14 @@ GEMMA4_CONFIG: dict[str, Any] = dict(
     bos_token_id=2,
 )
 GEMMA4_TABLE = "embed_tokens_per_layer.weight"
-# The token embedding scaled up from transformers' random init: at init the tiny model's
-# greedy choices are near ties (9 of the engine workload's 456 tokens come before a
-# request's first top-2 logprob gap under 0.05), so engines that differ by rounding alone
-# pick other tokens; scaled by 6, 189 come before a gap under NEAR_TIE, each request still
-# picks ~5 different tokens, and a table whose rows are shifted by one changes every
-# request (tests/test_vllm_gemma4_real.py checks these with transformers' own model).
-GEMMA4_EMBED_SCALE = 6.0
+# The Gemma checkpoints' token embedding scaled up from transformers' random init: at init
+# the tiny models' greedy choices are near ties (Gemma 4: 9 of the engine workload's 456
+# tokens come before a request's first top-2 logprob gap under 0.05), so engines that
+# differ by rounding alone pick other tokens; scaled by 6, Gemma 4 has 189 and Gemma 3n
+# 192 before a gap under NEAR_TIE, a request picks 4-5 different tokens, and a table whose
+# rows are shifted by one changes 19 (Gemma 4) and 17 (Gemma 3n) of the 19 requests
+# (check_greedy_oracle, run by the CPU tests with transformers' own models).
+GEMMA_EMBED_SCALE = 6.0
 
 
 def write_gemma4_checkpoint(
@@ -431,18 +432,28 @@ def write_gemma4_checkpoint(
         from transformers import Gemma4ForCausalLM
 
         model = Gemma4ForCausalLM(text)
+    return _save_gemma(model, root, "mm" if multimodal else "text", separate_table)
+
+
+def _save_gemma(model: Any, root: Path, name: str, separate_table: bool) -> Path:
+    """``model`` in BF16, its table's rows random normal and its token embedding scaled by
+    :data:`GEMMA_EMBED_SCALE`, saved by its ``save_pretrained`` into ``root/hf-<name>``;
+    with ``separate_table``, rewritten into ``root/<name>`` with the per-layer table in a
+    file of its own (what the loader can skip)."""
+    import torch
+
     model = model.to(torch.bfloat16)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(GEMMA4_TABLE):  # rows far from zero and distinct: a wrong one shows
                 p.copy_(torch.randn_like(p, dtype=torch.float32).to(p.dtype))
             elif name.endswith("embed_tokens.weight"):
-                p.mul_(GEMMA4_EMBED_SCALE)
-    hf = root / ("hf-mm" if multimodal else "hf")
+                p.mul_(GEMMA_EMBED_SCALE)
+    hf = root / f"hf-{name}"
     model.save_pretrained(hf)
     if not separate_table:
         return hf
-    out = root / ("mm" if multimodal else "text")
+    out = root / name
     out.mkdir()
     tensors = _read_tensors(hf)
     files: dict[str, dict[str, Any]] = {"model-rest.safetensors": {}, "model-ple.safetensors": {}}
@@ -455,6 +466,116 @@ def write_gemma4_checkpoint(
         if extra.name != "model.safetensors.index.json":
             shutil.copy(extra, out / extra.name)
     return out
+
+
+# A tiny Gemma 3n with every feature of the real one (AltUp, LAuReL, KV-shared layers,
+# activation sparsity, sliding and full attention, ids outside the per-layer table).
+GEMMA3N_CONFIG: dict[str, Any] = dict(
+    vocab_size=128,
+    vocab_size_per_layer_input=112,  # ids 112..127 read row 0, as in vLLM
+    hidden_size=64,
+    hidden_size_per_layer_input=16,
+    num_hidden_layers=4,
+    num_kv_shared_layers=2,
+    laurel_rank=8,
+    intermediate_size=96,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    sliding_window=64,
+    max_position_embeddings=8192,
+    eos_token_id=1,
+    pad_token_id=0,
+    bos_token_id=2,
+)
+
+
+def write_gemma3n_checkpoint(root: Path, *, separate_table: bool = True) -> Path:
+    """A tiny Gemma 3n written by transformers' own
+    ``Gemma3nForConditionalGeneration.save_pretrained`` (the class the released checkpoints
+    are) under ``root`` (see :func:`_save_gemma`). Its vision tower is timm's ``test_vit``
+    instead of the 300M-parameter MobileNet v5 and its audio tower one tiny conformer
+    layer: the tests serve text, where vLLM does not build the towers (no image or audio
+    per prompt)."""
+    import torch
+    from transformers import (
+        Gemma3nAudioConfig,
+        Gemma3nConfig,
+        Gemma3nForConditionalGeneration,
+        Gemma3nTextConfig,
+        Gemma3nVisionConfig,
+    )
+
+    config = Gemma3nConfig(
+        text_config=Gemma3nTextConfig(**GEMMA3N_CONFIG).to_dict(),
+        vision_config=Gemma3nVisionConfig(
+            architecture="test_vit", hidden_size=64, do_pooling=False
+        ).to_dict(),
+        audio_config=Gemma3nAudioConfig(
+            hidden_size=32,
+            conf_num_hidden_layers=1,
+            conf_num_attention_heads=2,
+            sscp_conv_channel_size=[8, 8],
+        ).to_dict(),
+    )
+    torch.manual_seed(0)
+    model = Gemma3nForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # transformers initialises AltUp's output scale to zero, which zeroes what
+            # each layer feeds its per-layer gate: the rows would change nothing.
+            if name.endswith("altup.correct_output_scale"):
+                p.fill_(1.0)
+    return _save_gemma(model, root, "gemma3n", separate_table)
+
+
+def check_greedy_oracle(model: Any, table: Any, rows: int) -> None:
+    """That a tiny Gemma checkpoint can tell engines apart through
+    :func:`assert_same_greedy`, run by transformers' ``model`` on the CPU over the Gemma
+    engine workload: at least 35% of the tokens come before a request's first near tie,
+    the requests are not one repeated token, and shifting the per-layer ``table`` module's
+    rows by one (``rows``: ids from there read row 0, vLLM's masking, which transformers'
+    models lack) changes at least 80% of the requests. ``AssertionError`` otherwise."""
+    import torch
+
+    lookup = table.forward
+    table.forward = lambda ids: lookup(torch.where(ids < rows, ids, torch.zeros_like(ids)))
+
+    def greedy() -> tuple[list[list[int]], int]:
+        tokens, decisive = [], 0
+        for batch in gemma4_engine_workload():
+            for prompt in batch:
+                out = model.generate(
+                    torch.tensor([prompt]),
+                    max_new_tokens=ENGINE_MAX_TOKENS,
+                    do_sample=False,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                    pad_token_id=0,
+                    eos_token_id=None,
+                )
+                tokens.append(out.sequences[0, len(prompt) :].tolist())
+                top2 = [torch.log_softmax(lg[0].float(), -1).topk(2).values for lg in out.logits]
+                gaps = [float(t[0] - t[1]) for t in top2]
+                decisive += next((i for i, g in enumerate(gaps) if g < NEAR_TIE), len(gaps))
+        return tokens, decisive
+
+    try:
+        with torch.no_grad():
+            tokens, decisive = greedy()
+            total = sum(len(t) for t in tokens)
+            assert decisive >= 0.35 * total, f"{decisive} of {total} tokens before a near tie"
+            assert sum(len(set(t)) for t in tokens) >= 3 * len(tokens), tokens  # not one token
+            saved = table.weight.clone()
+            table.weight.copy_(torch.roll(saved, 1, 0))
+            shifted, _ = greedy()
+            table.weight.copy_(saved)
+    finally:
+        table.forward = lookup
+    changed = sum(a != b for a, b in zip(tokens, shifted, strict=True))
+    assert changed >= 0.8 * len(tokens), f"shifted rows changed {changed} of {len(tokens)}"
 
 
 # The Gemma 4 engine workload of tests/test_vllm_gemma4_engine_gpu.py and

@@ -54,11 +54,12 @@ if ! "$VENV/bin/python" -c 'import importlib.metadata as m; assert m.version("vl
 else
     echo "-- reusing the vLLM environment $VENV (vLLM 0.33.0 is there)"
 fi
-echo "-- installing pytest and the wheel into the vLLM environment"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check "pytest>=8"
+echo "-- installing pytest, timm (transformers' Gemma 3n vision tower) and the wheel into the vLLM environment"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check "pytest>=8" "timm>=1.0,<2"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps \
     dist/*.whl
 export VLLM_TARGET_DEVICE=cpu
 echo "-- the plugin's tests against the released vLLM, on the CPU"
 (cd /tmp && "$VENV/bin/python" -m pytest "$OLDPWD/tests/test_vllm_real.py" \
-    "$OLDPWD/tests/test_vllm_gemma4_real.py" -q -p no:cacheprovider)
+    "$OLDPWD/tests/test_vllm_gemma4_real.py" "$OLDPWD/tests/test_vllm_gemma3n_real.py" \
+    -q -p no:cacheprovider)

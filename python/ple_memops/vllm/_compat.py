@@ -120,6 +120,8 @@ _NM = "vllm.models.qwen4_exp.nvidia.model"
 _MC = "vllm.model_executor.models.config"
 _G4 = "vllm.model_executor.models.gemma4"
 _G4M = "vllm.model_executor.models.gemma4_mm"
+_G3N = "vllm.model_executor.models.gemma3n"
+_G3NM = "vllm.model_executor.models.gemma3n_mm"
 
 REQUIREMENTS: tuple[Requirement, ...] = (
     # The runner: subclassed, and rebound where the worker imports it when it builds one.
@@ -279,6 +281,67 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     ),
     _config_map_has("Gemma4ForCausalLM"),
     _config_map_has("Gemma4ForConditionalGeneration"),
+    # Gemma 3n: the multimodal class builds the table through its language model's
+    # self-decoder with a module-level name, looks the rows up eagerly into a buffer and
+    # hands the forward's slice to the self-decoder, which adds it to the projection.
+    _exists(f"{_G3N}:VocabParallelEmbedding", type),
+    _source_has(
+        f"{_G3N}:Gemma3nSelfDecoder",
+        "self.embed_tokens_per_layer = VocabParallelEmbedding(",
+        "builds the per-layer table with the module-level class",
+    ),
+    _source_has(
+        f"{_G3N}:Gemma3nSelfDecoder",
+        'prefix=f"{prefix}.per_layer_embed_tokens"',
+        "names the per-layer table's module per_layer_embed_tokens",
+    ),
+    _signature(f"{_G3N}:Gemma3nSelfDecoder.get_per_layer_input_embeddings", "(self, input_ids)"),
+    _source_has(
+        f"{_G3N}:Gemma3nSelfDecoder.get_per_layer_input_embeddings",
+        "* self.embed_scale_per_layer",
+        "scales the rows right after the lookup",
+    ),
+    _signature(
+        f"{_G3N}:Gemma3nSelfDecoder.get_per_layer_inputs",
+        "(self, hidden_states_0, per_layer_inputs)",
+    ),
+    _source_has(
+        f"{_G3N}:Gemma3nSelfDecoder.get_per_layer_inputs",
+        "per_layer_inputs = per_layer_projection + per_layer_inputs",
+        "adds the rows to the normalised projection",
+    ),
+    _source_has(
+        f"{_G3N}:Gemma3nSelfDecoder.get_per_layer_inputs",
+        "per_layer_inputs *= self.per_layer_input_scale",
+        "then scales the sum",
+    ),
+    _signature(
+        f"{_G3NM}:Gemma3nForConditionalGeneration.__init__", "(self, *, vllm_config, prefix='')"
+    ),
+    _source_has(
+        f"{_G3NM}:Gemma3nForConditionalGeneration.__init__",
+        'architectures=["Gemma3nForCausalLM"]',
+        "builds its language model as vLLM's Gemma3nForCausalLM",
+    ),
+    _source_has(
+        f"{_G3NM}:Gemma3nForConditionalGeneration.__init__",
+        "self.per_layer_embeddings = torch.zeros(",
+        "keeps the step's rows in a buffer",
+    ),
+    _signature(
+        f"{_G3NM}:Gemma3nForConditionalGeneration.embed_input_ids",
+        "(self, input_ids, multimodal_embeddings=None, *, is_multimodal=None)",
+    ),
+    _signature(
+        f"{_G3NM}:Gemma3nForConditionalGeneration.forward",
+        "(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs)",
+    ),
+    _source_has(
+        f"{_G3NM}:Gemma3nForConditionalGeneration.forward",
+        "per_layer_inputs = self.per_layer_embeddings[:num_tokens]",
+        "reads the step's rows from its buffer",
+    ),
+    _exists(f"{_MC}:VerifyAndUpdateConfig", type),
     # Load time: where the checkpoint is, and the per-file filter of unused weights.
     _signature(
         "vllm.model_executor.model_loader.default_loader:DefaultModelLoader._prepare_weights",

@@ -10,10 +10,12 @@ with nothing installed), then installs, all or nothing:
 
 * Model Runner V2's runner class (where the GPU worker imports it when it builds one):
   :class:`~ple_memops.vllm.runner.PleGPUModelRunner`;
-* the Qwen4Exp and Gemma 4 architectures (``ModelRegistry.register_model`` replaces
-  vLLM's entries): the subclasses of :mod:`~ple_memops.vllm.qwen4exp` and
-  :mod:`~ple_memops.vllm.gemma4`;
-* their config hooks, extended with the mmap backend's refusals.
+* the Qwen4Exp, Gemma 4 and Gemma 3n (multimodal) architectures
+  (``ModelRegistry.register_model`` replaces vLLM's entries): the subclasses of
+  :mod:`~ple_memops.vllm.qwen4exp`, :mod:`~ple_memops.vllm.gemma4` and
+  :mod:`~ple_memops.vllm.gemma3n`;
+* their config hooks, extended with the mmap backend's refusals (Gemma 3n, which has
+  none of vLLM's, gets one).
 
 Each engine then chooses with ``additional_config={"ple_memops": {...}}`` (see
 :mod:`.settings`); one that says ``"table_backend": "default"`` runs vLLM's code paths.
@@ -100,9 +102,9 @@ def install() -> Installed:
         from vllm.model_executor.models import config as model_configs
         from vllm.v1.worker.gpu import model_runner as vllm_model_runner
 
-        from . import gemma4, qwen4exp, runner
+        from . import gemma3n, gemma4, qwen4exp, runner
 
-        models = (qwen4exp, gemma4)
+        models = (qwen4exp, gemma4, gemma3n)
         record = Installed(version)
         try:
             _log_through_vllm(record)
@@ -126,8 +128,10 @@ def install() -> Installed:
                 ModelRegistry.register_model(arch, cls)
                 record._undo.append(restore)
                 record.changes.append(f"model {arch} -> {cls.__qualname__}")
+            # An architecture without a hook of vLLM's (Gemma 3n) gets one: the base's no-op.
+            base = model_configs.VerifyAndUpdateConfig
             hooks = {
-                arch: _extended_config_hook(model_configs.MODELS_CONFIG_MAP[arch], m)
+                arch: _extended_config_hook(model_configs.MODELS_CONFIG_MAP.get(arch, base), m)
                 for m in models
                 for arch in m.ARCHITECTURES
             }
