@@ -610,6 +610,47 @@ def gemma4_engine(ckpt: Path, backend: str, **kw: Any) -> Any:
     from vllm import LLM
 
     args = _tiny_engine_args(ckpt, GEMMA4_GRAPH_SIZES, {"ple_memops": {"table_backend": backend}})
-    if "Gemma4ForConditionalGeneration" in (ckpt / "config.json").read_text():
-        args["limit_mm_per_prompt"] = {"image": 0, "audio": 0, "video": 0}
+    if "ForConditionalGeneration" in (ckpt / "config.json").read_text():
+        args["limit_mm_per_prompt"] = {"image": 0, "audio": 0, "video": 0}  # text: no towers
     return LLM(**(args | kw))
+
+
+def gemma_rows_stats(worker: Any) -> dict[str, Any]:
+    """What a Gemma engine's rows hooks did (``llm.collective_rpc(gemma_rows_stats)``):
+    ``{"hooks": False}`` for an engine without them."""
+    hooks = worker.model_runner.ple_rows
+    if hooks is None:
+        return {"hooks": False}
+    stats = hooks.plan.stats()
+    return {
+        "hooks": True,
+        "mode": hooks.plan.mode,
+        "layers": hooks.layer_names,
+        "armed": hooks.armed_steps,
+        "eager": hooks.eager_steps,
+        "graphs": len(hooks.wait_descs),
+        "watchdog_releases": sum(int(r.watchdog_releases) for r, _ in stats.values()),
+        "cudagraph_mode": str(worker.vllm_config.compilation_config.cudagraph_mode),
+        "async_scheduling": worker.vllm_config.scheduler_config.async_scheduling,
+    }
+
+
+def serve_gemma(llm: Any) -> tuple[Greedy, dict[str, Any]]:
+    """The Gemma engine workload's greedy output and :func:`gemma_rows_stats`, then the
+    engine closed."""
+    try:
+        got = generate_greedy(llm, gemma4_engine_workload())
+        (stats,) = llm.collective_rpc(gemma_rows_stats)
+    finally:
+        close(llm)
+    return got, stats
+
+
+def assert_gemma_deferred(stats: dict[str, Any]) -> None:
+    """The engine's rows were deferred: replays armed at every captured size, eager steps
+    deferred too, no watchdog release."""
+    assert stats["hooks"] and stats["mode"] == "deferred", stats
+    assert stats["graphs"] == len(GEMMA4_GRAPH_SIZES), stats
+    assert stats["armed"] >= 4 * ENGINE_MAX_TOKENS, stats
+    assert stats["eager"] >= len(gemma4_engine_workload()), stats
+    assert stats["watchdog_releases"] == 0, stats

@@ -47,22 +47,21 @@ from vllm import LLM  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 import vllm_checkpoints as ckpts  # noqa: E402
 from vllm_harness import (  # noqa: E402
-    ENGINE_MAX_TOKENS,
-    GEMMA4_GRAPH_SIZES,
     Greedy,
+    assert_gemma_deferred,
     assert_gpu_usable,
     assert_same_greedy,
     close,
     gemma4_engine,
     gemma4_engine_workload,
+    gemma_rows_stats,
     generate_greedy,
+    serve_gemma,
     truncate_under_engine,
 )
 
 pytestmark = pytest.mark.gpu
 
-SIZES = GEMMA4_GRAPH_SIZES
-MAX_TOKENS = ENGINE_MAX_TOKENS
 WORKLOAD = gemma4_engine_workload()
 
 
@@ -83,45 +82,12 @@ def _generate(llm: LLM) -> Greedy:
     return generate_greedy(llm, WORKLOAD)
 
 
-def _rows_stats(worker: Any) -> dict[str, Any]:
-    hooks = worker.model_runner.ple_rows
-    if hooks is None:
-        return {"hooks": False}
-    stats = hooks.plan.stats()
-    return {
-        "hooks": True,
-        "mode": hooks.plan.mode,
-        "layers": hooks.layer_names,
-        "armed": hooks.armed_steps,
-        "eager": hooks.eager_steps,
-        "graphs": len(hooks.wait_descs),
-        "watchdog_releases": sum(int(r.watchdog_releases) for r, _ in stats.values()),
-        "cudagraph_mode": str(worker.vllm_config.compilation_config.cudagraph_mode),
-        "async_scheduling": worker.vllm_config.scheduler_config.async_scheduling,
-    }
-
-
-def _serve(llm: LLM) -> tuple[Greedy, dict[str, Any]]:
-    try:
-        got = _generate(llm)
-        (stats,) = llm.collective_rpc(_rows_stats)
-    finally:
-        close(llm)
-    return got, stats
-
-
-def _assert_deferred(stats: dict[str, Any]) -> None:
-    assert stats["hooks"] and stats["mode"] == "deferred", stats
-    assert stats["graphs"] == len(SIZES) and stats["armed"] >= 4 * MAX_TOKENS, stats
-    assert stats["eager"] >= len(WORKLOAD) and stats["watchdog_releases"] == 0, stats
-
-
 @pytest.fixture(scope="module")
 def reference(checkpoints: dict[str, Path]) -> dict[str, Greedy]:
     """The stock engine's tokens (vLLM's table in GPU memory), for both classes."""
     refs = {}
     for kind, ckpt in checkpoints.items():
-        tokens, stats = _serve(_engine(ckpt, "default"))
+        tokens, stats = serve_gemma(_engine(ckpt, "default"))
         assert stats == {"hooks": False}
         refs[kind] = tokens
     return refs
@@ -135,10 +101,10 @@ def test_text_model_then_its_table_truncated_under_the_engine(
     llm = _engine(ckpt, "mmap")
     try:
         got = _generate(llm)
-        (stats,) = llm.collective_rpc(_rows_stats)
+        (stats,) = llm.collective_rpc(gemma_rows_stats)
         print(f"\ntext mmap, async scheduling: {stats}")
         assert_same_greedy(reference["text"], got.tokens)
-        _assert_deferred(stats)
+        assert_gemma_deferred(stats)
         assert stats["async_scheduling"] is True, stats
         assert stats["cudagraph_mode"].endswith("FULL_DECODE_ONLY"), stats
         table = ckpt / "model-ple.safetensors"
@@ -157,18 +123,18 @@ def test_text_model_then_its_table_truncated_under_the_engine(
 def test_text_model_without_async_scheduling(
     checkpoints: dict[str, Path], reference: dict[str, Any]
 ) -> None:
-    got, stats = _serve(_engine(checkpoints["text"], "mmap", async_scheduling=False))
+    got, stats = serve_gemma(_engine(checkpoints["text"], "mmap", async_scheduling=False))
     print(f"\ntext mmap sync scheduling: {stats}")
     assert stats["async_scheduling"] is False, stats
     assert_same_greedy(reference["text"], got.tokens)
-    _assert_deferred(stats)
+    assert_gemma_deferred(stats)
 
 
 def test_multimodal_class(checkpoints: dict[str, Path], reference: dict[str, Any]) -> None:
-    got, stats = _serve(_engine(checkpoints["mm"], "mmap"))
+    got, stats = serve_gemma(_engine(checkpoints["mm"], "mmap"))
     print(f"\nmultimodal mmap, async scheduling: {stats}")
     assert_same_greedy(reference["mm"], got.tokens)
-    _assert_deferred(stats)
+    assert_gemma_deferred(stats)
     assert stats["layers"] == ["language_model.model.embed_tokens_per_layer"], stats
 
 
@@ -176,7 +142,7 @@ def test_a_sync_plan_serves_without_graphs(
     checkpoints: dict[str, Path], reference: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PLE_MEMOPS_FORCE_SYNC", "1")
-    got, stats = _serve(_engine(checkpoints["text"], "mmap"))
+    got, stats = serve_gemma(_engine(checkpoints["text"], "mmap"))
     print(f"\ntext mmap, synchronous plan: {stats}")
     assert_same_greedy(reference["text"], got.tokens)
     assert stats["mode"] == "sync" and stats["graphs"] == 0 and stats["armed"] == 0, stats

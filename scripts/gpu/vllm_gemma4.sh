@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Gemma 4 in the real vLLM 0.33.0 engine on an H200, ple-memops installed as its plugin:
-# the engine tests (tests/test_vllm_gemma4_engine_gpu.py), then `vllm serve` of the tiny
-# Gemma 4 with the environment switch and an HTTP client on localhost. Run from the
+# Gemma 4 and Gemma 3n in the real vLLM 0.33.0 engine on an H200, ple-memops installed as
+# its plugin: the engine tests (tests/test_vllm_gemma4_engine_gpu.py, then
+# tests/test_vllm_gemma3n_engine_gpu.py with the wheels of scripts/gpu/gemma3n_wheels.sh
+# when .gemma3n-wheels/ was carried, else it skips), then `vllm serve` of the tiny Gemma 4
+# with the environment switch and an HTTP client on localhost. Run from the
 # repository root after .vllm-bundle/c/setup.sh (vLLM in /tmp/vllm-site) with our wheel in
 # /tmp/site; logs go to $OUT. Wall time: about 5 minutes on a fresh host (the first
 # engines compile vLLM's Triton kernels and the model's Inductor graphs). DIAG=1 runs
@@ -25,6 +27,26 @@ if [ $rc -ne 0 ]; then
     sed -n '/= FAILURES =/,$p' "$OUT/gemma4_pytest.log" | grep -E "^(E |FAILED|___)" | head -40
 fi
 tail -1 "$OUT/gemma4_pytest.log"
+if [ "${GEMMA3N:-1}" = 1 ]; then
+    extra=""
+    if ls .gemma3n-wheels/*.whl >/dev/null 2>&1; then
+        rm -rf /tmp/site-gemma3n
+        python3 -m pip install -q --no-deps --target /tmp/site-gemma3n .gemma3n-wheels/*.whl
+        extra=/tmp/site-gemma3n
+    fi
+    start=$(date +%s)
+    (cd /tmp && PYTHONPATH=$PYTHONPATH${extra:+:$extra} timeout "${GEMMA3N_LIMIT:-300}" \
+        python3 -m pytest "$R/tests/test_vllm_gemma3n_engine_gpu.py" -v -s -rs -p no:cacheprovider \
+        -W ignore::DeprecationWarning -W ignore::FutureWarning -W ignore::UserWarning 2>&1) \
+        >"$OUT/gemma3n_pytest.log"
+    g3=$?
+    echo "== gemma3n engine: pytest exit $g3 in $(( $(date +%s) - start )) s"
+    grep -E "PASSED|FAILED|ERROR|SKIPPED|scheduling:" "$OUT/gemma3n_pytest.log" \
+        | sed 's/^.*tests\//  /' | head -10
+    [ $g3 -ne 0 ] && sed -n '/= FAILURES =/,$p' "$OUT/gemma3n_pytest.log" \
+        | grep -E "^(E |FAILED|___)" | head -20
+    [ $rc -eq 0 ] && rc=$g3
+fi
 if [ "${DIAG:-0}" = 1 ]; then
     echo "== Gemma 4 engines against each other (benchmarks/compare_gemma4_engines.py)"
     timeout "${DIAG_LIMIT:-420}" python3 "$R/benchmarks/compare_gemma4_engines.py" \

@@ -1,0 +1,53 @@
+"""Gemma 3n in the real vLLM 0.33.0 engine on a GPU, through ``vllm.LLM``, with ple-memops
+installed as a plugin and switched on by the environment, as a user would:
+``Gemma3nForConditionalGeneration`` (what the released checkpoints are) with
+``table_backend=mmap`` serves the Gemma engine workload (``vllm_harness``: every captured
+size, a padded batch, long prompts in chunks beside decodes, a prefix-cache hit, ids
+outside the table) with async scheduling, and its tokens equal the stock engine's (vLLM's
+table in GPU memory, the same graph mode) up to the stock engine's first near tie; its
+rows were deferred (armed replays of every captured size, eager steps deferred too).
+
+Run alone (``scripts/gpu/vllm_gemma4.sh`` runs it after the Gemma 4 module): the switch is
+process-wide. Skipped, with the reason, without vLLM, timm or a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not in the bundle
+os.environ["PLE_MEMOPS_TABLE_BACKEND"] = "mmap"  # the plugin installs; engines choose below
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("GPU test: no CUDA device", allow_module_level=True)
+pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/gpu/vllm_gemma4.sh)")
+pytest.importorskip("timm", reason="timm is not installed (transformers' Gemma 3n needs it)")
+
+sys.path.insert(0, str(Path(__file__).parent))
+import vllm_checkpoints as ckpts  # noqa: E402
+from vllm_harness import (  # noqa: E402
+    assert_gemma_deferred,
+    assert_same_greedy,
+    gemma4_engine,
+    serve_gemma,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+def test_gemma3n_multimodal_class(tmp_path: Path) -> None:
+    ckpt = ckpts.write_gemma3n_checkpoint(tmp_path)
+    reference, stats = serve_gemma(gemma4_engine(ckpt, "default"))
+    assert stats == {"hooks": False}
+    got, stats = serve_gemma(gemma4_engine(ckpt, "mmap"))
+    print(f"\ngemma3n mmap, async scheduling: {stats}")
+    assert_same_greedy(reference, got.tokens)
+    assert_gemma_deferred(stats)
+    assert stats["async_scheduling"] is True, stats
+    assert stats["layers"] == ["language_model.model.self_decoder.per_layer_embed_tokens"], stats
