@@ -109,17 +109,7 @@ def _ids(n: int, seed: int) -> torch.Tensor:
 def test_the_model_loads_without_its_table_and_its_inputs_are_the_stock_models(
     checkpoint: Path, dist: Any, installed: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vllm.model_executor.model_loader import default_loader
-
-    kept: list[list[str]] = []
-    real_filter = default_loader.filter_safetensors_files_by_weight_name
-
-    def spy(files: list[str], is_unused: Any) -> list[str]:
-        result = real_filter(files, is_unused)
-        kept.append([Path(f).name for f in result])
-        return result
-
-    monkeypatch.setattr(default_loader, "filter_safetensors_files_by_weight_name", spy)
+    kept = vllm_cpu.spy_loaded_files(monkeypatch)
     mmap_cfg = _config(checkpoint, mmap=True)
     model, _ = vllm_cpu.load_model(mmap_cfg)
     assert type(model) in (gemma4.Gemma4MmapForCausalLM, gemma4.Gemma4MmapForConditionalGeneration)

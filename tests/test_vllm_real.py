@@ -387,19 +387,10 @@ def test_model_loads_without_its_tables_and_rows_match_the_device_table(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     from vllm.config.compilation import CUDAGraphMode
-    from vllm.model_executor.model_loader import default_loader
 
     from ple_memops.vllm.qwen4exp import Qwen4ExpPLEMmapEmbedding
 
-    kept: list[list[str]] = []
-    real_filter = default_loader.filter_safetensors_files_by_weight_name
-
-    def spy(files: list[str], is_unused: Any) -> list[str]:
-        result = real_filter(files, is_unused)
-        kept.append([Path(f).name for f in result])
-        return result
-
-    monkeypatch.setattr(default_loader, "filter_safetensors_files_by_weight_name", spy)
+    kept = vllm_cpu.spy_loaded_files(monkeypatch)
     mmap_cfg = _config(checkpoint, mmap=True)
     mmap_cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
     model, _ = _load(mmap_cfg)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 
-__all__ = ["dist", "free_port", "load_model"]
+__all__ = ["dist", "free_port", "load_model", "spy_loaded_files"]
 
 
 def free_port() -> int:
@@ -62,3 +62,23 @@ def load_model(vc: VllmConfig) -> tuple[torch.nn.Module, Any]:
         if hasattr(module, "quant_method") and not hasattr(module, "cpu_linear"):
             module.cpu_linear = torch.nn.functional.linear
     return model, loader
+
+
+def spy_loaded_files(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The names of the safetensors files vLLM's default loader keeps to read, one list a
+    load (after it asked the model which checkpoint weights it does not use), until
+    ``monkeypatch`` is undone."""
+    from pathlib import Path
+
+    from vllm.model_executor.model_loader import default_loader
+
+    kept: list[list[str]] = []
+    real_filter = default_loader.filter_safetensors_files_by_weight_name
+
+    def spy(files: list[str], is_unused: Any) -> list[str]:
+        result = real_filter(files, is_unused)
+        kept.append([Path(f).name for f in result])
+        return result
+
+    monkeypatch.setattr(default_loader, "filter_safetensors_files_by_weight_name", spy)
+    return kept

@@ -41,10 +41,11 @@ from vllm.model_executor.models.gemma3n_mm import Gemma3nForConditionalGeneratio
 
 from ..errors import UnsupportedError
 from .settings import engine_settings
-from .tables import is_per_layer_table_weight
 from .token_table import (
     PerLayerTokenTable,
+    embed_without_rows,
     find_mmap_tables,
+    replace_rows_buffer,
     table_class,
     verify_and_update_config,
 )
@@ -119,12 +120,7 @@ class Gemma3nMmapForConditionalGeneration(Gemma3nForConditionalGeneration):
                 f"vLLM's {Gemma3nSelfDecoder.__qualname__}"
             )
         decoder.__class__ = _MmapSelfDecoder
-        buffer: torch.Tensor | None = self.per_layer_embeddings  # type: ignore[has-type]
-        assert buffer is not None
-        # The step's ids (graph-static, like vLLM's rows buffer, which is not needed).
-        self.ple_memops_ids = torch.zeros(buffer.shape[0], dtype=torch.int64, device=buffer.device)
-        self.per_layer_embeddings = None
-        self.is_unused_checkpoint_weight = is_per_layer_table_weight
+        self.ple_memops_ids = replace_rows_buffer(self)
 
     def embed_input_ids(
         self,
@@ -142,16 +138,8 @@ class Gemma3nMmapForConditionalGeneration(Gemma3nForConditionalGeneration):
         if input_ids is not None:
             # vLLM looks these ids up (masked) here, image and audio tokens too.
             ids[: input_ids.shape[0]].copy_(input_ids)
-        # vLLM's, minus its rows (SupportsMultiModal's default after Gemma 3n's class).
-        base: Any = super(Gemma3nForConditionalGeneration, self)
-        embeds: torch.Tensor
-        if multimodal_embeddings is None or is_multimodal is None:
-            embeds = base.embed_input_ids(input_ids)
-            return embeds
-        embeds = base.embed_input_ids(
-            input_ids, multimodal_embeddings=multimodal_embeddings, is_multimodal=is_multimodal
-        )
-        return embeds
+        base = super(Gemma3nForConditionalGeneration, self)  # vLLM's, minus its rows
+        return embed_without_rows(base, input_ids, multimodal_embeddings, is_multimodal)
 
     def forward(
         self,

@@ -51,7 +51,9 @@ from .settings import engine_settings
 from .tables import is_per_layer_table_weight
 from .token_table import (
     PerLayerTokenTable,
+    embed_without_rows,
     find_mmap_tables,
+    replace_rows_buffer,
     table_class,
     verify_and_update_config,
 )
@@ -144,12 +146,7 @@ class Gemma4MmapForConditionalGeneration(Gemma4ForConditionalGeneration):
                 "ple-memops: Gemma 4's language model was not built by the plugin's "
                 "Gemma4ForCausalLM (is another plugin registering it?)"
             )
-        buffer: torch.Tensor | None = self.per_layer_embeddings  # type: ignore[has-type]
-        assert buffer is not None
-        # The step's ids (graph-static, like vLLM's rows buffer, which is not needed).
-        self.ple_memops_ids = torch.zeros(buffer.shape[0], dtype=torch.int64, device=buffer.device)
-        self.per_layer_embeddings = None
-        self.is_unused_checkpoint_weight = is_per_layer_table_weight
+        self.ple_memops_ids = replace_rows_buffer(self)
 
     def embed_input_ids(
         self,
@@ -174,16 +171,8 @@ class Gemma4MmapForConditionalGeneration(Gemma4ForConditionalGeneration):
         else:
             ple_ids = input_ids
         ids[: ple_ids.shape[0]].copy_(ple_ids)
-        # vLLM's, minus its rows (SupportsMultiModal's default after Gemma 4's class).
-        base: Any = super(Gemma4ForConditionalGeneration, self)
-        embeds: torch.Tensor
-        if multimodal_embeddings is None or is_multimodal is None:
-            embeds = base.embed_input_ids(input_ids)
-            return embeds
-        embeds = base.embed_input_ids(
-            input_ids, multimodal_embeddings=multimodal_embeddings, is_multimodal=is_multimodal
-        )
-        return embeds
+        base = super(Gemma4ForConditionalGeneration, self)  # vLLM's, minus its rows
+        return embed_without_rows(base, input_ids, multimodal_embeddings, is_multimodal)
 
     def forward(
         self,

@@ -30,7 +30,9 @@ from .tables import TABLE_DTYPES, LayerTable, find_per_layer_table
 
 __all__ = [
     "PerLayerTokenTable",
+    "embed_without_rows",
     "find_mmap_tables",
+    "replace_rows_buffer",
     "table_class",
     "verify_and_update_config",
 ]
@@ -151,6 +153,40 @@ def table_factory(stock: type, suffix: str) -> Callable[..., Any]:
         return stock(num_embeddings, embedding_dim, *args, **kwargs)
 
     return build
+
+
+def replace_rows_buffer(model: Any) -> torch.Tensor:
+    """A multimodal Gemma's ``per_layer_embeddings`` (the ``[max_num_batched_tokens, L, d]``
+    buffer vLLM looks each step's rows up into, eagerly) replaced by the step's ids
+    (``int64 [max_num_batched_tokens]``, graph-static like the buffer), which the model's
+    forward stages inside the graph; the table's checkpoint weight marked unused."""
+    from .tables import is_per_layer_table_weight
+
+    buffer: torch.Tensor | None = model.per_layer_embeddings
+    assert buffer is not None
+    ids = torch.zeros(buffer.shape[0], dtype=torch.int64, device=buffer.device)
+    model.per_layer_embeddings = None
+    model.is_unused_checkpoint_weight = is_per_layer_table_weight
+    return ids
+
+
+def embed_without_rows(
+    base: Any,
+    input_ids: torch.Tensor,
+    multimodal_embeddings: Any,
+    is_multimodal: torch.Tensor | None,
+) -> torch.Tensor:
+    """A multimodal Gemma's ``embed_input_ids`` minus its rows: ``base`` is
+    ``super(<vLLM's class>, model)``, whose ``SupportsMultiModal`` default vLLM's class
+    calls after looking the rows up."""
+    embeds: torch.Tensor
+    if multimodal_embeddings is None or is_multimodal is None:
+        embeds = base.embed_input_ids(input_ids)
+        return embeds
+    embeds = base.embed_input_ids(
+        input_ids, multimodal_embeddings=multimodal_embeddings, is_multimodal=is_multimodal
+    )
+    return embeds
 
 
 def find_mmap_tables(model: nn.Module) -> list[PerLayerTokenTable]:
