@@ -468,6 +468,21 @@ def _save_gemma(model: Any, root: Path, name: str, separate_table: bool) -> Path
     return out
 
 
+def copy_without_table(ckpt: Path, dest: Path) -> Path:
+    """A copy of a Gemma checkpoint written with ``separate_table`` (its table alone in
+    ``model-ple.safetensors``) at ``dest``, without that file: a checkpoint whose table
+    is missing."""
+    shutil.copytree(ckpt, dest)
+    (dest / "model-ple.safetensors").unlink()
+    index_path = dest / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"] = {
+        k: v for k, v in index["weight_map"].items() if v != "model-ple.safetensors"
+    }
+    index_path.write_text(json.dumps(index))
+    return dest
+
+
 # A tiny Gemma 3n with every feature of the real one (AltUp, LAuReL, KV-shared layers,
 # activation sparsity, sliding and full attention, ids outside the per-layer table).
 GEMMA3N_CONFIG: dict[str, Any] = dict(

@@ -17,7 +17,6 @@ engine on the GPU: ``test_vllm_gemma4_engine_gpu.py``.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -208,14 +207,7 @@ def test_a_missing_or_mismatched_table_is_refused_naming_it(
 
     cfg = _config(checkpoint, mmap=True)
     model, _ = vllm_cpu.load_model(cfg)
-    missing = tmp_path / "missing"
-    shutil.copytree(checkpoint, missing)
-    (missing / "model-ple.safetensors").unlink()
-    index = json.loads((missing / "model.safetensors.index.json").read_text())
-    index["weight_map"] = {
-        k: v for k, v in index["weight_map"].items() if v != "model-ple.safetensors"
-    }
-    (missing / "model.safetensors.index.json").write_text(json.dumps(index))
+    missing = ckpts.copy_without_table(checkpoint, tmp_path / "missing")
     cfg.model_config.model = str(missing)
     with pytest.raises(pm.TableError, match="no per-layer embedding table"):
         _attach(model, cfg)
