@@ -23,6 +23,7 @@ at a near tie of the first run's, logprobs where the tokens agree, bad rows by s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -115,34 +116,11 @@ def _against(ref: dict[str, Any], got: dict[str, Any]) -> tuple[str, str]:
 
 
 def _run(variant: str, ckpt: Path, workload: list[Any], shadow: Shadow) -> dict[str, Any]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     backend = "default" if variant.startswith("stock") else "mmap"
     shadow.reset()
     llm = harness.gemma4_engine(ckpt, backend, async_scheduling=not variant.endswith("-sync"))
-    sp = SamplingParams(
-        max_tokens=harness.ENGINE_MAX_TOKENS,
-        temperature=0,
-        detokenize=False,
-        ignore_eos=True,
-        logprobs=2,
-    )
-    run: dict[str, Any] = {"tokens": [], "logprobs": [], "gaps": []}
     try:
-        for batch in workload:
-            done = llm.generate(
-                [TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False
-            )
-            outs = [o.outputs[0] for o in done]
-            run["tokens"].append([list(o.token_ids) for o in outs])
-            run["logprobs"].append(
-                [
-                    [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True)]
-                    for o in outs
-                ]
-            )
-            run["gaps"].append([[harness._top2_gap(lp) for lp in o.logprobs] for o in outs])
+        run: dict[str, Any] = dataclasses.asdict(harness.generate_greedy(llm, workload))
         run["async"] = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
     finally:
         harness.close(llm)

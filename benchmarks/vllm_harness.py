@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -241,11 +241,13 @@ NEAR_TIE = 0.1
 
 @dataclass
 class Greedy:
-    """An engine's greedy output: each request's tokens, and at each token the gap between
-    the two most likely tokens' logprobs (how decisive the choice was)."""
+    """An engine's greedy output: each request's tokens, at each token the gap between the
+    two most likely tokens' logprobs (how decisive the choice was) and the chosen token's
+    logprob (empty where not recorded)."""
 
     tokens: list[list[list[int]]]
     gaps: list[list[list[float]]]
+    logprobs: list[list[list[float]]] = field(default_factory=list)
 
 
 def generate_greedy(llm: Any, workload: list[list[list[int]]]) -> Greedy:
@@ -260,12 +262,16 @@ def generate_greedy(llm: Any, workload: list[list[list[int]]]) -> Greedy:
         ignore_eos=True,
         logprobs=2,
     )
-    tokens, gaps = [], []
+    out = Greedy([], [], [])
     for batch in workload:
         done = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
-        tokens.append([list(o.outputs[0].token_ids) for o in done])
-        gaps.append([[_top2_gap(lp) for lp in o.outputs[0].logprobs] for o in done])
-    return Greedy(tokens, gaps)
+        outs = [o.outputs[0] for o in done]
+        out.tokens.append([list(o.token_ids) for o in outs])
+        out.gaps.append([[_top2_gap(lp) for lp in o.logprobs] for o in outs])
+        out.logprobs.append(
+            [[lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True)] for o in outs]
+        )
+    return out
 
 
 def _top2_gap(logprobs: dict[int, Any]) -> float:
