@@ -113,6 +113,27 @@ STOCK_VARIANTS: dict[str, dict[str, Any]] = {
     "gpu-b": {"offload": False},
     "uva": {"offload": True},
     "gpu-plugin": {"offload": False, "plugin": True},
+    # Gemma: vLLM's generic answer to a model that does not fit, --cpu-offload-gb, given
+    # the table's bytes (it offloads decoder layers' weights, read over UVA every step;
+    # vLLM offloads no embedding table).
+    "offload": {"offload": False, "offload_gb": True},
+}
+# What each model family serves: Qwen4Exp's table paths are vLLM's engram_config; a Gemma's
+# table is on the GPU in vLLM, and --cpu-offload-gb frees as much GPU memory elsewhere.
+FAMILY_STOCK = {
+    "qwen4exp": ("gpu", "gpu-b", "uva", "gpu-plugin"),
+    "gemma4": ("gpu", "gpu-b", "offload", "gpu-plugin"),
+}
+# Gemma 4 at E2B's shapes as transformers' own Gemma4TextConfig defaults describe them
+# (its docstring: "similar to google/gemma-4-e2b-it"): 30 layers of hidden 2304 (every
+# sixth full attention), a [262144, 30 x 256] BF16 per-layer table of 3.75 GiB. EOS is the
+# bench tokenizer's (id 2; the requests ignore it).
+GEMMA4_MODELS: dict[str, dict[str, Any]] = {
+    "gemma4-e2b": {"base": {}, "overrides": {"eos_token_id": vbm.EOS_ID}},
+    "gemma4-tiny": {
+        "base": None,
+        "overrides": {"vocab_size": 512, "vocab_size_per_layer_input": 512, "eos_token_id": 2},
+    },
 }
 # More mmap servers on request (--backends): the device side of a deferred step forced to
 # the polling kernel or to stream memory operations, and the synchronous fallback (the
@@ -137,7 +158,7 @@ MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     # What the synchronous fallback did before it kept FULL graphs: graphs off.
     "mmap-sync-eager": {"env": {"PLE_MEMOPS_FORCE_SYNC": "1"}, "cudagraph_mode": "NONE"},
 }
-SERVED = "qwen4exp-bench"
+SERVED = "ple-bench"
 T0 = time.monotonic()
 
 
@@ -575,7 +596,9 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
     }
     if args.compile == "none":
         graphs["mode"] = "NONE"
-    extra: dict[str, Any] = {"gdn_prefill_backend": "triton"}  # FlashInfer is not bundled
+    gemma = family(args) == "gemma4"
+    # FlashInfer is not bundled (Qwen4Exp's GatedDeltaNet prefill then takes Triton).
+    extra: dict[str, Any] = {} if gemma else {"gdn_prefill_backend": "triton"}
     if backend in MMAP_VARIANTS:
         ours = {"table_backend": "mmap", "copy": variant.get("copy", args.copy)}
         for key in ("spin", "first_layer_threads", "diag_skip_gather"):
@@ -588,6 +611,12 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
         extra["ple_memops"] = ours
     elif STOCK_VARIANTS.get(backend, {}).get("plugin"):
         extra["ple_memops"] = {"table_backend": "default"}
+    if gemma:
+        tables: list[str] = []
+        if STOCK_VARIANTS.get(backend, {}).get("offload_gb"):
+            tables = ["--cpu-offload-gb", f"{args.offload_gib:.6g}"]
+    else:
+        tables = ["--engram-config", json.dumps({"cpu_offload": _offload(backend)})]
     return [
         "--dtype", "bfloat16", "--tensor-parallel-size", str(args.tensor_parallel_size),
         "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
@@ -595,10 +624,14 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
         "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30)),
         "--no-enable-prefix-caching", "--async-scheduling",
-        "--compilation-config", json.dumps(graphs),
-        "--engram-config", json.dumps({"cpu_offload": _offload(backend)}),
+        "--compilation-config", json.dumps(graphs), *tables,
         "--additional-config", json.dumps(extra),
     ]  # fmt: skip
+
+
+def family(args: argparse.Namespace) -> str:
+    """``gemma4`` or ``qwen4exp``: the model family ``--model`` names."""
+    return "gemma4" if args.model in GEMMA4_MODELS else "qwen4exp"
 
 
 def _offload(backend: str) -> bool:
@@ -607,8 +640,11 @@ def _offload(backend: str) -> bool:
     return bool(STOCK_VARIANTS.get(backend, {}).get("offload", True))
 
 
-def known_backends() -> list[str]:
-    return list(dict.fromkeys([*BACKENDS, *STOCK_VARIANTS, *MMAP_VARIANTS]))
+def known_backends(fam: str | None = None) -> list[str]:
+    """The backends of model family ``fam`` (every family's when None)."""
+    stock = FAMILY_STOCK[fam] if fam else list(STOCK_VARIANTS)
+    return list(dict.fromkeys([*(b for b in BACKENDS if b in stock or b == "mmap"),
+                               *stock, *MMAP_VARIANTS]))  # fmt: skip
 
 
 @dataclass
@@ -1107,7 +1143,10 @@ def _f(x: float | None, nd: int = 1) -> str:
     return "-" if x is None else f"{x:,.{nd}f}"
 
 
-def verdict(summary: dict[tuple[str, str], dict[str, Any]]) -> str:
+def verdict(summary: dict[tuple[str, str], dict[str, Any]], slow: str = "uva") -> str:
+    """The targets against the GPU table and against ``slow``, vLLM's own way to keep the
+    table's bytes off the GPU (``uva``: Qwen4Exp's pinned tables; ``offload``:
+    ``--cpu-offload-gb``)."""
     notes, misses = [], []
 
     def get(load: str, b: str, k: str) -> float | None:
@@ -1116,8 +1155,8 @@ def verdict(summary: dict[tuple[str, str], dict[str, Any]]) -> str:
 
     loads = list(dict.fromkeys(load for load, _ in summary))
     for load in loads:
-        m, g, u = (get(load, b, "tok_s") for b in ("mmap", "gpu", "uva"))
-        for b, x in (("mmap", m), ("gpu", g), ("uva", u)):
+        m, g, u = (get(load, b, "tok_s") for b in ("mmap", "gpu", slow))
+        for b, x in (("mmap", m), ("gpu", g), (slow, u)):
             if x is None:
                 misses.append(f"{load}: no {b} result")
         if m is None:
@@ -1134,12 +1173,12 @@ def verdict(summary: dict[tuple[str, str], dict[str, Any]]) -> str:
                 if di > 1:
                     misses.append(f"{load}: ITL p50 {di:+.2f}% vs gpu (target <= +1%)")
         if u and m < u:
-            misses.append(f"{load}: throughput below uva ({(m / u - 1) * 100:+.2f}%)")
-    mt, ut = get("mixed", "mmap", "ttft_p50_ms"), get("mixed", "uva", "ttft_p50_ms")
+            misses.append(f"{load}: throughput below {slow} ({(m / u - 1) * 100:+.2f}%)")
+    mt, ut = get("mixed", "mmap", "ttft_p50_ms"), get("mixed", slow, "ttft_p50_ms")
     if mt is not None and ut is not None:
-        notes.append(f"mixed TTFT p50 {mt:.0f} vs uva {ut:.0f} ms")
+        notes.append(f"mixed TTFT p50 {mt:.0f} vs {slow} {ut:.0f} ms")
         if mt > ut:
-            misses.append(f"mixed: TTFT p50 {mt:.0f} ms > uva {ut:.0f} ms")
+            misses.append(f"mixed: TTFT p50 {mt:.0f} ms > {slow} {ut:.0f} ms")
     if not summary:
         return "VERDICT (reported, not asserted): nothing was measured."
     head = "all targets met" if not misses else "targets missed: " + "; ".join(misses)
@@ -1152,7 +1191,7 @@ def markdown(
     meta: dict[str, Any],
 ) -> str:
     lines = [
-        f"Qwen4Exp random weights, {meta.get('model', '')}; {meta.get('setup', '')}",
+        f"Random weights, {meta.get('model', '')}; {meta.get('setup', '')}",
         "",
         "| load | backend | runs | output tok/s (range) | TPOT p50 / p99 ms | ITL p50 / p99 ms "
         "| TTFT p50 / p99 ms | GPU busy |",
@@ -1232,7 +1271,14 @@ def markdown(
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    p.add_argument("--model", choices=["bench", "tiny"], default="bench")
+    p.add_argument(
+        "--model",
+        choices=["bench", "tiny", *GEMMA4_MODELS],
+        default="bench",
+        help="bench: the Qwen4Exp benchmark model (--layers, --table-gib, ...); tiny: its "
+        "tiny size; gemma4-e2b: Gemma 4 at E2B's shapes (transformers' Gemma4TextConfig "
+        "defaults); gemma4-tiny: the Gemma tests' tiny one",
+    )
     p.add_argument("--checkpoint", type=Path, help="serve this checkpoint instead of building one")
     p.add_argument("--ckpt-root", type=Path, default=Path("/tmp/ple-bench-ckpt"))
     p.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16")
@@ -1251,8 +1297,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--backends",
         type=lambda s: s.split(","),
-        default=list(BACKENDS),
-        help=f"of {', '.join(known_backends())}",
+        default=None,
+        help=f"of {', '.join(known_backends())} (default: gpu,uva,mmap; a Gemma: gpu,offload,mmap)",
     )
     p.add_argument(
         "--ref",
@@ -1333,6 +1379,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_config(args: argparse.Namespace) -> dict[str, Any]:
+    if family(args) == "gemma4":
+        return gemma_config(args.model)
     if args.model == "tiny":
         return vbm.bench_config(
             layers=8, experts=4, topk=2, ple_layers=2, table_gib=0.002, dtype=args.dtype,
@@ -1346,7 +1394,70 @@ def model_config(args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
 
 
+def gemma_config(model: str) -> dict[str, Any]:
+    """The Gemma 4 text model ``model`` names (:data:`GEMMA4_MODELS`), as the keys its
+    checkpoint is written from and named by."""
+    from transformers import Gemma4TextConfig
+    from vllm_harness import GEMMA4_CONFIG
+
+    spec = GEMMA4_MODELS[model]
+    keys = (GEMMA4_CONFIG if spec["base"] is None else spec["base"]) | spec["overrides"]
+    text = Gemma4TextConfig(**keys)
+    return {
+        "family": "gemma4", "model": model, "keys": keys, "writer": 1,
+        "vocab_size": text.vocab_size, "num_hidden_layers": text.num_hidden_layers,
+        "hidden_size": text.hidden_size,
+        "table": [text.vocab_size_per_layer_input,
+                  text.num_hidden_layers * text.hidden_size_per_layer_input],
+        "full_layers": sum(t == "full_attention" for t in text.layer_types),
+        "max_position_embeddings": text.max_position_embeddings,
+    }  # fmt: skip
+
+
+def gemma_table_files(ckpt: Path) -> list[Path]:
+    return [ckpt / "model-ple.safetensors"]
+
+
+def ensure_gemma_checkpoint(root: Path, cfg: dict[str, Any], log: Any = print) -> tuple[Path, bool]:
+    """The Gemma 4 checkpoint of ``cfg`` under ``root`` (written by transformers' own
+    ``save_pretrained`` from random weights initialised on the GPU when there is one, the
+    per-layer table moved into a file of its own), with a word-level tokenizer;
+    ``(path, written now)``."""
+    import torch
+    from vllm_harness import write_gemma4_checkpoint
+
+    out = root / f"gemma4-{vbm.config_hash(cfg)}"
+    if (out / "tokenizer.json").exists():
+        return out, False
+    work = root / f".writing-{out.name}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    log(f"writing {cfg['model']} ({device} init) under {work}")
+    ckpt = write_gemma4_checkpoint(work, base=cfg["keys"], device=device)
+    shutil.rmtree(work / "hf-text")  # save_pretrained's own copy, before the table moved
+    vbm.write_tokenizer(ckpt, int(cfg["vocab_size"]), int(cfg["max_position_embeddings"]))
+    shutil.rmtree(out, ignore_errors=True)
+    ckpt.rename(out)
+    shutil.rmtree(work)
+    return out, True
+
+
+def table_files(args: argparse.Namespace, ckpt: Path) -> list[Path]:
+    return gemma_table_files(ckpt) if family(args) == "gemma4" else vbm.table_files(ckpt)
+
+
 def describe(cfg: dict[str, Any], ckpt: Path) -> str:
+    if cfg.get("family") == "gemma4":
+        tgib = sum(p.stat().st_size for p in gemma_table_files(ckpt)) / 2**30
+        allgib = sum(p.stat().st_size for p in ckpt.glob("*.safetensors")) / 2**30
+        rows, width = cfg["table"]
+        return (
+            f"Gemma 4 ({cfg['model']}): {cfg['num_hidden_layers']} layers "
+            f"({cfg['full_layers']} full attention), hidden {cfg['hidden_size']}, vocabulary "
+            f"{cfg['vocab_size']}; per-layer table [{rows}, {width}] BF16, {tgib:.2f} GiB "
+            f"(checkpoint {allgib:.2f} GiB)"
+        )
     tables = vbm.table_files(ckpt)
     tgib = sum(p.stat().st_size for p in tables) / 2**30
     allgib = sum(p.stat().st_size for p in ckpt.glob("*.safetensors")) / 2**30
@@ -1387,7 +1498,7 @@ def report(
         }  # fmt: skip
     md = markdown(summary, per_server, meta)
     md += "\n\n" + breakdown_markdown(rows, summary, args.ref)
-    v = verdict(summary)
+    v = verdict(summary, "offload" if family(args) == "gemma4" else "uva")
     print("\n" + md + "\n\n" + v + "\n", flush=True)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
@@ -1515,9 +1626,12 @@ def _interrupt(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     global DEADLINE
     args = parse_args(argv)
-    unknown = [b for b in args.backends if b not in known_backends()]
+    fam = family(args)
+    if args.backends is None:
+        args.backends = ["gpu", "offload" if fam == "gemma4" else "uva", "mmap"]
+    unknown = [b for b in args.backends if b not in known_backends(fam)]
     if unknown:
-        raise SystemExit(f"unknown backends {unknown}; known: {known_backends()}")
+        raise SystemExit(f"unknown backends {unknown} for {fam}; known: {known_backends(fam)}")
     if args.ref is None:
         args.ref = "gpu" if "gpu" in args.backends else args.backends[0]
     elif args.ref not in args.backends:
@@ -1534,12 +1648,15 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = args.checkpoint
     elif args.build_only:
         log(f"checkpoint: {vbm.config_hash(cfg)} under {args.ckpt_root}")
-        ckpt, built = vbm.ensure_checkpoint(args.ckpt_root, cfg, log=log)
+        if family(args) == "gemma4":
+            ckpt, built = ensure_gemma_checkpoint(args.ckpt_root, cfg, log=log)
+        else:
+            ckpt, built = vbm.ensure_checkpoint(args.ckpt_root, cfg, log=log)
         log(f"checkpoint {'written' if built else 'cached'}: {ckpt}")
         print(describe(cfg, ckpt))
         return 0
     else:
-        ckpt = args.ckpt_root / f"qwen4exp-{vbm.config_hash(cfg)}"
+        ckpt = args.ckpt_root / f"{family(args)}-{vbm.config_hash(cfg)}"
         if not (ckpt / "tokenizer.json").exists():
             # In a process of its own: the writer's CUDA context and cached blocks must not
             # stay on the GPU the servers share.
@@ -1551,7 +1668,8 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"the checkpoint could not be built: {exc}")
                 return 1
         log(f"checkpoint: {ckpt}")
-    tables = vbm.table_files(ckpt)
+    tables = table_files(args, ckpt)
+    args.offload_gib = sum(t.stat().st_size for t in tables) / 2**30
     meta: dict[str, Any] = {
         "model": describe(cfg, ckpt),
         "setup": (
@@ -1707,6 +1825,7 @@ def dry_run(args: argparse.Namespace) -> int:
                 traceback.print_exc()
         ok &= check_serve_args(args, ckpt)
         ok &= check_delivery_stats(ckpt)
+    ok &= check_gemma(args, work)
     ok &= check_stuck_server(work)
     # The loop and the report against fake servers (one failing), a short deadline.
     fakes = {
@@ -1758,6 +1877,34 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 _STUCK = "import time\ndef waiting_forever():\n    time.sleep(3600)\nwaiting_forever()\n"
 
 
+def check_gemma(args: argparse.Namespace, work: Path) -> bool:
+    """The Gemma family at a tiny size: the checkpoint (transformers' save_pretrained, the
+    table in its own file), its tokenizer, and every Gemma backend's serve arguments
+    through vLLM's parser (``offload``: --cpu-offload-gb of the table file's size)."""
+    g = argparse.Namespace(**vars(args))
+    g.model = "gemma4-tiny"
+    cfg = model_config(g)
+    ckpt, built = ensure_gemma_checkpoint(work / "ckpt", cfg, log=lambda _: None)
+    again, rebuilt = ensure_gemma_checkpoint(work / "ckpt", cfg, log=lambda _: None)
+    tables = table_files(g, ckpt)
+    g.offload_gib = sum(t.stat().st_size for t in tables) / 2**30
+    from safetensors import safe_open
+
+    with safe_open(str(tables[0]), "pt") as st:
+        names = list(st.keys())
+        shape = list(st.get_slice(names[0]).get_shape())
+    good = built and not rebuilt and again == ckpt and shape == cfg["table"] and len(names) == 1
+    log(f"tiny Gemma 4 checkpoint: {describe(cfg, ckpt)}; table {names} {shape}; "
+        f"{'written once, then reused' if good else 'NOT as expected'}")  # fmt: skip
+    log(f"Gemma tokenizer: {vbm.check_tokenizer(ckpt)}")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        log("vLLM is not importable here: the Gemma serve-argument checks are skipped")
+        return good
+    return check_serve_args(g, ckpt) and good
+
+
 def check_stuck_server(work: Path) -> bool:
     """wait_healthy on real processes: one healthy after 1 s, one stuck for ever; the stuck
     one must be given up ``grace`` s after the first was healthy, its Python stack must be
@@ -1804,7 +1951,8 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
     from ple_memops.vllm.settings import Settings
 
     ok = True
-    for b in known_backends():
+    fam = family(args)
+    for b in known_backends(fam):
         parser = FlexibleArgumentParser()
         sub = parser.add_subparsers(dest="cmd")
         ServeSubcommand().subparser_init(sub)
@@ -1825,11 +1973,16 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
                 if isinstance(engram, dict)
                 else getattr(engram, "cpu_offload", None)
             )
-            if offload != _offload(b):
-                raise AssertionError(f"{b}: engram {engram}")
+            if fam == "gemma4":
+                want_gb = float(f"{args.offload_gib:.6g}") if b == "offload" else 0
+                if engram or abs(ea.cpu_offload_gb - want_gb) > 1e-9:
+                    raise AssertionError(f"{b}: engram {engram}, offload {ea.cpu_offload_gb} GB")
+            elif offload != _offload(b) or ea.cpu_offload_gb:
+                raise AssertionError(f"{b}: engram {engram}, offload {ea.cpu_offload_gb} GB")
             if ea.tensor_parallel_size != args.tensor_parallel_size:
                 raise AssertionError(f"{b}: tensor parallel size {ea.tensor_parallel_size}")
-            log(f"serve args ({b}): parsed; engram {ea.engram_config}, ple-memops {ours}, "
+            log(f"serve args ({fam} {b}): parsed; engram {ea.engram_config}, offload "
+                f"{ea.cpu_offload_gb} GiB, ple-memops {ours}, "
                 f"cudagraph_mode {ea.compilation_config.cudagraph_mode}, kv "
                 f"{ea.kv_cache_memory_bytes}, prefix caching {ea.enable_prefix_caching}, "
                 f"async {ea.async_scheduling}")  # fmt: skip

@@ -406,17 +406,24 @@ GEMMA_EMBED_SCALE = 6.0
 
 
 def write_gemma4_checkpoint(
-    root: Path, *, multimodal: bool = False, separate_table: bool = True, **overrides: Any
+    root: Path,
+    *,
+    multimodal: bool = False,
+    separate_table: bool = True,
+    base: dict[str, Any] | None = None,
+    device: str = "cpu",
+    **overrides: Any,
 ) -> Path:
     """A tiny Gemma 4 written by transformers' own ``Gemma4ForCausalLM.save_pretrained``
     (``multimodal``: ``Gemma4ForConditionalGeneration``'s, with a tiny vision tower), under
     ``root``; ``separate_table`` moves the per-layer table into a file of its own (what the
-    loader can skip). ``overrides``: text-config keys that differ from
-    :data:`GEMMA4_CONFIG` (e.g. the real E2B widths for the benchmark)."""
+    loader can skip). ``base``: the text config's keys (default :data:`GEMMA4_CONFIG`; ``{}``
+    is transformers' own defaults), ``overrides`` replace some of them; ``device``: where
+    the random weights are initialised (``"cuda"`` for the benchmark's real widths)."""
     import torch
     from transformers import Gemma4TextConfig
 
-    text = Gemma4TextConfig(**(GEMMA4_CONFIG | overrides))
+    text = Gemma4TextConfig(**((GEMMA4_CONFIG if base is None else base) | overrides))
     torch.manual_seed(0)
     if multimodal:
         from transformers import Gemma4Config, Gemma4ForConditionalGeneration
@@ -433,11 +440,13 @@ def write_gemma4_checkpoint(
             ),
             audio_config=None,
         )
-        model: Any = Gemma4ForConditionalGeneration(config)
+        with torch.device(device):
+            model: Any = Gemma4ForConditionalGeneration(config)
     else:
         from transformers import Gemma4ForCausalLM
 
-        model = Gemma4ForCausalLM(text)
+        with torch.device(device):
+            model = Gemma4ForCausalLM(text)
     return _save_gemma(model, root, "mm" if multimodal else "text", separate_table)
 
 
@@ -450,10 +459,10 @@ def _save_gemma(model: Any, root: Path, name: str, separate_table: bool) -> Path
 
     model = model.to(torch.bfloat16)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(GEMMA4_TABLE):  # rows far from zero and distinct: a wrong one shows
+        for pname, p in model.named_parameters():
+            if pname.endswith(GEMMA4_TABLE):  # rows far from zero and distinct: a wrong one shows
                 p.copy_(torch.randn_like(p, dtype=torch.float32).to(p.dtype))
-            elif name.endswith("embed_tokens.weight"):
+            elif pname.endswith("embed_tokens.weight"):
                 p.mul_(GEMMA_EMBED_SCALE)
     hf = root / f"hf-{name}"
     model.save_pretrained(hf)
@@ -463,10 +472,9 @@ def _save_gemma(model: Any, root: Path, name: str, separate_table: bool) -> Path
     out.mkdir()
     tensors = _read_tensors(hf)
     files: dict[str, dict[str, Any]] = {"model-rest.safetensors": {}, "model-ple.safetensors": {}}
-    for name, t in tensors.items():
-        files["model-ple.safetensors" if name.endswith(GEMMA4_TABLE) else "model-rest.safetensors"][
-            name
-        ] = t
+    for tname, t in tensors.items():
+        ple = tname.endswith(GEMMA4_TABLE)
+        files["model-ple.safetensors" if ple else "model-rest.safetensors"][tname] = t
     _write_files(out, files)
     for extra in hf.glob("*.json"):
         if extra.name != "model.safetensors.index.json":

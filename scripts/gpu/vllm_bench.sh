@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # benchmarks/bench_vllm.py on an H200: three `vllm serve` servers of a random-weight
-# Qwen4Exp (PLE tables on the GPU, pinned + UVA, and ple-memops' mmap), interleaved loads,
-# the table in BENCHMARKS.md form. Run from the repository root after
+# Qwen4Exp (PLE tables on the GPU, pinned + UVA, and ple-memops' mmap), or with
+# BENCH_ARGS="--model gemma4-e2b" of a Gemma 4 at E2B's shapes (its table on the GPU, vLLM's
+# --cpu-offload-gb of the table's bytes, and mmap), interleaved loads, the table in
+# BENCHMARKS.md form. Run from the repository root after
 # scripts/vllm-h200/setup.sh (vLLM in /tmp/vllm-site, our wheel in /tmp/site), as
 # scripts/gpu/vllm_engine.sh is. Writes under $OUT: bench_vllm_<tag>.{log,md,json},
 # bench_env.txt and bench_logs_<tag>.tgz (the servers' logs, server-<backend>.log, and
@@ -59,7 +61,7 @@ timeout -k 20 $((DEADLINE + 70)) python3 benchmarks/bench_vllm.py \
 rc=$?
 echo "== bench_vllm: exit $rc in $(( $(date +%s) - start )) s (124 = hit the time limit)"
 # The progress lines, the table and the verdict (the full log is in $OUT).
-grep -E "^\[ *[0-9.]+ s\]|^\||^VERDICT|^Qwen4Exp|Traceback|Error" "$OUT/bench_vllm_$TAG.log" \
+grep -E "^\[ *[0-9.]+ s\]|^\||^VERDICT|^Random weights|Traceback|Error" "$OUT/bench_vllm_$TAG.log" \
     | grep -vE "Warning|warn" | tail -90
 for f in "$OUT"/server-*.log "$OUT"/cli-*.log; do
     [ -f "$f" ] || continue
