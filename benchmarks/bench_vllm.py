@@ -612,9 +612,12 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
     elif STOCK_VARIANTS.get(backend, {}).get("plugin"):
         extra["ple_memops"] = {"table_backend": "default"}
     if gemma:
-        tables: list[str] = []
+        # Gemma 4's full-attention layers have heads of 512: vLLM picks FlashAttention 4
+        # (CuTe DSL, not in the offline bundle) for such models when it can; its Triton
+        # backend is the one it validates for mixed head sizes.
+        tables: list[str] = ["--attention-config", json.dumps({"backend": "TRITON_ATTN"})]
         if STOCK_VARIANTS.get(backend, {}).get("offload_gb"):
-            tables = ["--cpu-offload-gb", f"{args.offload_gib:.6g}"]
+            tables += ["--cpu-offload-gb", f"{args.offload_gib:.6g}"]
     else:
         tables = ["--engram-config", json.dumps({"cpu_offload": _offload(backend)})]
     return [

@@ -639,8 +639,12 @@ def gemma4_engine(ckpt: Path, backend: str, **kw: Any) -> Any:
     from vllm import LLM
 
     args = _tiny_engine_args(ckpt, GEMMA4_GRAPH_SIZES, {"ple_memops": {"table_backend": backend}})
-    if "ForConditionalGeneration" in (ckpt / "config.json").read_text():
+    (arch,) = json.loads((ckpt / "config.json").read_text())["architectures"]
+    if arch == "Gemma4ForConditionalGeneration":
         args["limit_mm_per_prompt"] = {"image": 0, "audio": 0, "video": 0}  # text: no towers
+    # Gemma 3n keeps its towers: in vLLM 0.33.0's text-only mode its forward gets no
+    # embeddings from the GPU model runner and raises ("inputs_embeds is required on the
+    # first PP rank"), the stock class as much as ours.
     return LLM(**(args | kw))
 
 
