@@ -640,11 +640,14 @@ def gemma4_engine(ckpt: Path, backend: str, **kw: Any) -> Any:
 
     args = _tiny_engine_args(ckpt, GEMMA4_GRAPH_SIZES, {"ple_memops": {"table_backend": backend}})
     (arch,) = json.loads((ckpt / "config.json").read_text())["architectures"]
-    if arch == "Gemma4ForConditionalGeneration":
+    if "ForConditionalGeneration" in arch:
         args["limit_mm_per_prompt"] = {"image": 0, "audio": 0, "video": 0}  # text: no towers
-    # Gemma 3n keeps its towers: in vLLM 0.33.0's text-only mode its forward gets no
-    # embeddings from the GPU model runner and raises ("inputs_embeds is required on the
-    # first PP rank"), the stock class as much as ours.
+    if arch == "Gemma3nForConditionalGeneration":
+        # In vLLM 0.33.0's text-only mode the GPU model runner hands Gemma 3n's forward
+        # token ids without embeddings, and it raises ("inputs_embeds is required on the
+        # first PP rank"), the stock class as much as ours; with prompt embeddings enabled
+        # the runner embeds the ids first (embed_input_ids), as in multimodal mode.
+        args["enable_prompt_embeds"] = True
     return LLM(**(args | kw))
 
 
