@@ -1370,9 +1370,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--stats-every",
         type=float,
-        default=2.0,
-        help="mmap servers log ple-memops stats every N s (0: off); each load "
-        "reports its mean READY -> FILLED time per layer from them",
+        default=0.5,
+        help="mmap servers log ple-memops stats every N s (0: off); each load reports "
+        "its fills, GPU stall and host time from the lines logged while it ran (the "
+        "first dropped: it covers time before the load), so a load needs at least two "
+        "(one of 2 s had none at 2 s)",
     )
     p.add_argument("--log-dir", type=Path, default=Path(os.environ.get("OUT", "/tmp/ple-out")))
     p.add_argument("--markdown", type=Path)
