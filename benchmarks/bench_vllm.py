@@ -918,12 +918,12 @@ _STATS = re.compile(
     r"ple-memops stats, last ([\d.]+) s: (\d+) deferred steps \((\d+) replays, (\d+) eager\), "
     r"(\d+) synchronous replays; per layer, fills, mean READY -> FILLED[^:]*: (.*)$"
 )
-# "layers.0 120 fills, 160.7 us (110 replays 35.2 us, 10 eager 1375.0 us), 0.0% rows cold";
-# lines of older wheels lack the parenthesis.
+# "layers.0 120 fills, 160.7 us (110 replays 35.2 us, 10 eager 1375.0 us), 0.0% rows cold,
+# 3 completes waited 41.0 us"; lines of older wheels lack the parenthesis and the completes.
 _LAYER_STATS = re.compile(
     r"(\S+) (\d+) fills(?:, ([\d.]+) us)?"
     r"(?: \((\d+) replays(?: ([\d.]+) us)?, (\d+) eager(?: ([\d.]+) us)?\))?"
-    r"(?:, ([\d.]+)% rows cold)?"
+    r"(?:, ([\d.]+)% rows cold)?(?:, (\d+) completes waited ([\d.]+) us)?"
 )
 
 
@@ -997,8 +997,11 @@ def delivery_stats(text: str) -> dict[str, Any]:
     replay: dict[str, list[tuple[int, float]]] = {}
     eager: dict[str, list[tuple[int, float]]] = {}
     cold: dict[str, list[tuple[int, float]]] = {}
+    late: dict[str, list[tuple[int, float]]] = {}
     for m in lines:
-        for name, n, us, nr, rus, ne, eus, pct in _LAYER_STATS.findall(m.group(6)):
+        for name, n, us, nr, rus, ne, eus, pct, nl, lus in _LAYER_STATS.findall(m.group(6)):
+            if nl:
+                late.setdefault(name, []).append((int(nl), float(lus)))
             for d, count, x in (
                 (fills, n, us),
                 (replay, nr, rus),
@@ -1012,6 +1015,9 @@ def delivery_stats(text: str) -> dict[str, Any]:
         return {k: sum(n * x for n, x in v) / max(1, sum(n for n, _ in v)) for k, v in d.items()}
 
     out["fill_us"], out["cold_pct"] = weighted(fills), weighted(cold)
+    # Host completions that found their step unfilled: how many, and their mean wait.
+    out["late_completes"] = {k: sum(n for n, _ in v) for k, v in late.items()}
+    out["late_complete_us"] = weighted(late)
     if replay or eager:
         out["replay_fill_us"], out["eager_fill_us"] = weighted(replay), weighted(eager)
     return out | cost_stats(raw)
@@ -2030,9 +2036,9 @@ def check_delivery_stats(ckpt: Path) -> bool:
     gpu_like = (
         "ple-memops stats, last 2.0 s: 400 deferred steps (390 replays, 10 eager), 0 "
         "synchronous replays; per layer, fills, mean READY -> FILLED (of replays', of eager "
-        "steps') and rows read cold: layers.0 400 fills, 30.0 us (390 replays 10.0 us, 10 "
-        "eager 810.0 us), 10.0% rows cold; layers.6 400 fills, 20.0 us (400 replays 20.0 us, "
-        "0 eager), 0.0% rows cold"
+        "steps'), rows read cold and completes that waited: layers.0 400 fills, 30.0 us (390 "
+        "replays 10.0 us, 10 eager 810.0 us), 10.0% rows cold; layers.6 400 fills, 20.0 us "
+        "(400 replays 20.0 us, 0 eager), 0.0% rows cold, 4 completes waited 40.0 us"
     )
     got = delivery_stats("\n".join(["INFO x " + str(x) for x in real]))
     # The first line is dropped: 60, 30, 60 us over 400 fills each.
@@ -2043,7 +2049,8 @@ def check_delivery_stats(ckpt: Path) -> bool:
                     "ple_sync_replays": 0, "fill_us": {"layers.0": 50.0, "layers.6": 20.0},
                     "cold_pct": {"layers.0": 10.0, "layers.6": 0.0},
                     "replay_fill_us": {"layers.0": 10.0, "layers.6": 20.0},
-                    "eager_fill_us": {"layers.0": 810.0}}
+                    "eager_fill_us": {"layers.0": 810.0},
+                    "late_completes": {"layers.6": 12}, "late_complete_us": {"layers.6": 40.0}}
     )  # fmt: skip
     costs = (
         "; host us per engine step over 400: total p50 41.2 p99 95.0, step p50 6.1 p99 9.0, "

@@ -4,6 +4,7 @@ transformers runner."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -68,6 +69,31 @@ def test_depth_limits_the_steps_armed_and_settle_completes_the_oldest(table: Any
     assert driver.closed and p.closed
     with pytest.raises(pm.ClosedError):
         driver.arm(1)
+
+
+def test_completions_that_wait_for_a_fill_are_counted_and_timed(table: Any) -> None:
+    p = _worker_plan(table)
+    driver = StepDriver(p)
+    base = driver.counters("t")
+    driver.arm(2)
+    driver.publish_host("t", [1, 2])
+    deadline = time.monotonic() + 5
+    while driver.counters("t").since(base).fills < 1:
+        assert time.monotonic() < deadline, "the worker never filled"
+        time.sleep(0.001)
+    driver.settle(0)  # filled already: no wait
+    assert driver.counters("t").since(base).completes_waited == 0
+    driver.arm(2)
+    later = threading.Timer(0.05, lambda: driver.publish_host("t", [3, 4]))
+    later.start()
+    driver.settle(0)  # before the ids: waits for the worker (GIL released)
+    later.join()
+    got = driver.counters("t").since(base)
+    assert got.completes_waited == 1, got
+    assert got.mean_complete_wait_us is not None and got.mean_complete_wait_us >= 20_000, got
+    np.testing.assert_array_equal(p.staging("t", 2), table.gather([3, 4]))
+    assert StepCounters().mean_complete_wait_us is None
+    driver.shutdown()
 
 
 def test_publish_host_later_publishes_from_the_publisher_thread(table: Any) -> None:
@@ -227,3 +253,28 @@ def test_host_ids_policy_is_explicit() -> None:
     assert _common.plan_device(torch.device("cpu")) == "cpu"
     assert _common.plan_device(torch.device("cuda")) == 0
     assert not _common.capturing(torch.zeros(1))
+
+
+def test_the_stats_line_says_which_completions_waited(table: Any) -> None:
+    from ple_memops.vllm.hooks import PleRunnerHooks
+
+    hk = PleRunnerHooks(_worker_plan(table), rows_per_token=1)
+    try:
+        driver = hk.driver
+        hk.log_stats(force=True)
+        driver.arm(2)
+        driver.publish_host("t", [1, 2])
+        driver.settle(0)  # may or may not wait for the fill
+        first = hk.log_stats(force=True)
+        driver.arm(2)
+        later = threading.Timer(0.05, lambda: driver.publish_host("t", [3, 4]))
+        later.start()
+        driver.settle(0)  # waits for the worker
+        later.join()
+        line = hk.log_stats(force=True)
+        assert line is not None and first is not None
+        assert "rows read cold and completes that waited: t 1 fills" in line, line
+        waited = re.search(r", 1 completes waited ([\d.]+) us", line)
+        assert waited and float(waited.group(1)) >= 20_000, line
+    finally:
+        hk.shutdown()

@@ -58,6 +58,11 @@ class WorkerStats:
     warmed_steps: int
     """Steps whose wait for READY kept the table's own gather threads awake (a table
     opened with ``gather_threads=``, when the previous fill ran on them)."""
+    completes_waited: int = 0
+    """Calls of :meth:`GatherWorker.complete` that found the step not yet filled and
+    waited for the worker (with the GIL released); a serving loop's should be none."""
+    complete_wait_ns_total: int = 0
+    """How long those calls waited in all."""
 
 
 class GatherWorker:

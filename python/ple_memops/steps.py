@@ -95,6 +95,10 @@ class StepCounters:
     """Of ``fill_ns_total``, the eager forwards' fills."""
     gpu_waited: int = 0
     """Fills that found the GPU already waiting (plans built with ``track_arrival``)."""
+    completes_waited: int = 0
+    """Completions that found a worker's step not yet filled and waited for it."""
+    complete_wait_ns_total: int = 0
+    """How long those completions waited, summed."""
 
     def since(self, base: StepCounters) -> StepCounters:
         """What was counted after ``base`` (an earlier :meth:`StepDriver.counters`)."""
@@ -116,6 +120,11 @@ class StepCounters:
     def mean_replay_fill_us(self) -> float | None:
         """Mean fill time of replayed steps in microseconds (``None`` without any)."""
         return _mean_us(self.fill_ns_total - self.eager_fill_ns_total, self.replay_fills)
+
+    @property
+    def mean_complete_wait_us(self) -> float | None:
+        """Mean wait of the completions that waited, in microseconds (``None``: none did)."""
+        return _mean_us(self.complete_wait_ns_total, self.completes_waited)
 
     @property
     def mean_eager_fill_us(self) -> float | None:
@@ -311,14 +320,16 @@ class StepDriver:
         raise PoisonedError(cause)
 
     @contextlib.contextmanager
-    def guard(self, what: str) -> Iterator[None]:
+    def guard(self, what: str | Callable[[], str]) -> Iterator[None]:
         """Any exception inside (``KeyboardInterrupt`` included) aborts the plan, so no
-        GPU wait outlives a failed step, and is re-raised."""
+        GPU wait outlives a failed step, and is re-raised. ``what`` names the work in the
+        abort's reason; a callable is called only then (a serving loop's guards cost no
+        formatting)."""
         try:
             yield
         except BaseException as exc:
             if not self._closed:
-                self.abort(f"exception in {what}: {exc!r}")
+                self.abort(f"exception in {what() if callable(what) else what}: {exc!r}")
             raise
 
     def abort(self, reason: str) -> None:
@@ -366,7 +377,7 @@ class StepDriver:
     def counters(self, name: str | None = None) -> StepCounters:
         """The driver's step counts and the fill counters of table ``name`` (default:
         every table summed). Subtract an earlier value with :meth:`StepCounters.since`."""
-        fills = fill_ns = waited = eager = eager_ns = 0
+        fills = fill_ns = waited = eager = eager_ns = late = late_ns = 0
         for table, (rows, worker) in self.plan.stats().items():
             if name is not None and table != name:
                 continue
@@ -376,6 +387,8 @@ class StepDriver:
                 fill_ns += worker.ready_to_filled_ns_total
                 eager += worker.eager_fills
                 eager_ns += worker.eager_fill_ns_total
+                late += worker.completes_waited
+                late_ns += worker.complete_wait_ns_total
         return StepCounters(
             armed=self.armed_steps,
             completed=self.completed_steps,
@@ -384,6 +397,8 @@ class StepDriver:
             gpu_waited=waited,
             eager_fills=eager,
             eager_fill_ns_total=eager_ns,
+            completes_waited=late,
+            complete_wait_ns_total=late_ns,
         )
 
     # -- helpers ----------------------------------------------------------------------------

@@ -363,14 +363,14 @@ class PleRunnerHooks:
         # driver.launch(), in its three parts so each is timed on its own: completing the
         # oldest step when `depth` are armed (a wait for its fill), arming, the launch.
         t0 = time.perf_counter_ns()
-        with self.driver.guard(f"completing a step before the replay of {desc}"):
+        with self.driver.guard(lambda: f"completing a step before the replay of {desc}"):
             self.driver.settle(self.driver.depth - 1)
         t1 = time.perf_counter_ns()
         self.driver.arm(rows)
         t2 = time.perf_counter_ns()
         self.host.add("wait", t1 - t0)
         self.host.add("arm", t2 - t1)
-        with self.driver.guard(f"the replay of {desc}"):
+        with self.driver.guard(lambda: f"the replay of {desc}"):
             out = launch()
         if self.stats_every is not None and not isinstance(self._scope, _Step):
             self.log_stats()  # a replay outside step(): step() checks its own at its end
@@ -408,13 +408,17 @@ class PleRunnerHooks:
                     )
                 )
                 us += f" ({', '.join(split)})"
+            late = got.mean_complete_wait_us
+            if late is not None:
+                # The host's completion of an armed step found it unfilled and waited.
+                cold += f", {got.completes_waited} completes waited {late:.1f} us"
             layers.append(f"{_short(name)} {got.fills} fills{us}{cold}")
         stalls = self._stall_text()
         line = (
             f"ple-memops stats, last {now - self._stats_at:.1f} s: {armed} deferred steps "
             f"({armed - eager} replays, {eager} eager), {sync} synchronous replays; "
-            "per layer, fills, mean READY -> FILLED (of replays', of eager steps') and rows "
-            f"read cold: {'; '.join(layers)}; {self.host.summary()}"
+            "per layer, fills, mean READY -> FILLED (of replays', of eager steps'), rows "
+            f"read cold and completes that waited: {'; '.join(layers)}; {self.host.summary()}"
             + (f"; GPU stall per step: {stalls}" if stalls else "")
         )
         self._stats_at, self._stats_base = now, current
@@ -488,7 +492,7 @@ class PleRunnerHooks:
         """A synchronous plan's FULL replay: the ids graph, one wait for its copy of the
         ids to the host, every layer's gather in parallel (their copies to staging on the
         current stream), then the graph."""
-        with self.driver.guard(f"the synchronous replay of {desc}"):
+        with self.driver.guard(lambda: f"the synchronous replay of {desc}"):
             if entry.graph is None:
                 _capture_ids_graph(entry)
             entry.graph.replay()

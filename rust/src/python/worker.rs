@@ -111,7 +111,7 @@ impl PyGatherWorker {
         if let Some(done) = inner.try_complete() {
             return done.py(py);
         }
-        py.detach(|| inner.complete(t)).py(py)
+        py.detach(|| inner.wait_and_complete(t)).py(py)
     }
 
     /// Enqueue the publish on `stream` (a raw handle).
@@ -179,6 +179,8 @@ impl PyGatherWorker {
                 ("publishes_host", s.publishes_host),
                 ("unarmed_replays", s.unarmed_replays),
                 ("warmed_steps", s.warmed_steps),
+                ("completes_waited", s.completes_waited),
+                ("complete_wait_ns_total", s.complete_wait_ns_total),
             ],
         )
     }

@@ -196,8 +196,21 @@ impl GatherWorker {
     pub fn complete(&self, timeout: Duration) -> Result<()> {
         match self.try_complete() {
             Some(done) => done,
-            None => self.complete_waiting(timeout),
+            None => self.wait_and_complete(timeout),
         }
+    }
+
+    /// [`Self::complete`] for a step [`Self::try_complete`] found unfilled: wait for the
+    /// worker (at most `timeout`), counted in the stats (`completes_waited`,
+    /// `complete_wait_ns_total`).
+    pub fn wait_and_complete(&self, timeout: Duration) -> Result<()> {
+        let t0 = Instant::now();
+        let done = self.complete_waiting(timeout);
+        let waited = t0.elapsed().as_nanos() as u64;
+        let mut ctl = self.shared.ctl();
+        ctl.stats.completes_waited += 1;
+        ctl.stats.complete_wait_ns_total += waited;
+        done
     }
 
     /// [`Self::complete`] if it need not wait: the oldest armed step is filled (or failed),

@@ -42,6 +42,12 @@ pub struct WorkerStats {
     /// Steps whose wait for READY kept the source's own gather threads awake
     /// ([`WarmThreads`](super::WarmThreads)).
     pub warmed_steps: u64,
+    /// Completions that found their step not yet filled and waited for the worker
+    /// ([`GatherWorker::wait_and_complete`](super::GatherWorker::wait_and_complete)), and
+    /// how long they waited in all, nanoseconds: a serving loop's completion should find
+    /// the fill done.
+    pub completes_waited: u64,
+    pub complete_wait_ns_total: u64,
 }
 
 /// How a worker is set up (beyond its rows, table and row map).

@@ -151,6 +151,47 @@ fn the_watchdog_counts_from_the_ids_not_from_begin() {
 }
 
 #[test]
+fn completions_that_wait_for_the_worker_are_counted_and_timed() {
+    let mut staging = vec![0u8; 4 * 4];
+    let rows = host_rows(4, 4, &mut staging);
+    let src = Arc::new(Slow {
+        inner: Counting { rows: 10, width: 4 },
+        delay: Duration::from_millis(20),
+    });
+    let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8)).unwrap();
+    // Filled before its completion: no wait counted.
+    w.begin(4).unwrap();
+    w.publish_from_host(&[1], T).unwrap();
+    let t0 = Instant::now();
+    while w.stats().fills < 1 {
+        assert!(t0.elapsed() < T, "the worker never filled");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    w.complete(T).unwrap();
+    let s = w.stats();
+    assert_eq!((s.completes_waited, s.complete_wait_ns_total), (0, 0));
+    // Completed while the (20 ms) gather runs: one wait, about as long as the gather.
+    w.begin(4).unwrap();
+    w.publish_from_host(&[2], T).unwrap();
+    w.complete(T).unwrap();
+    let s = w.stats();
+    assert_eq!(s.completes_waited, 1);
+    assert!(
+        (5_000_000..5_000_000_000).contains(&s.complete_wait_ns_total),
+        "{s:?}"
+    );
+    assert_eq!(staging[0], 3);
+    // A wait that ends in a timeout is counted too.
+    w.begin(4).unwrap();
+    assert_eq!(
+        w.complete(Duration::from_millis(10)).unwrap_err().kind(),
+        ErrorKind::State
+    );
+    assert_eq!(w.stats().completes_waited, 2);
+    w.close();
+}
+
+#[test]
 fn complete_times_out_when_nothing_is_published_and_close_releases() {
     let mut staging = vec![0u8; 4 * 4];
     let rows = host_rows(4, 4, &mut staging);
