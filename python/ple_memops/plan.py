@@ -112,6 +112,8 @@ class RowsPlan:
         timeout: float,
     ) -> None:
         self._layers = {layer.name: layer for layer in layers}
+        # Fixed for the plan's life; read on every step (arming, completing, counting).
+        self._worker_list = tuple(layer.worker for layer in layers if layer.worker is not None)
         self._mode = mode
         self._reason = reason
         self._device = device
@@ -254,7 +256,12 @@ class RowsPlan:
     @property
     def in_flight(self) -> int:
         """Steps armed and not yet completed (the same for every worker)."""
-        return max((w.in_flight for w in self._workers()), default=0)
+        most = 0
+        for w in self._worker_list:
+            n = w.in_flight
+            if n > most:
+                most = n
+        return most
 
     def staging(self, name: str, n: int | None = None) -> Any:
         """The stable ``uint8 [n, row_bytes]`` view that consumers of ``name`` read."""
@@ -547,8 +554,8 @@ class RowsPlan:
                 f"no table {name!r} in this plan (tables: {list(self._layers)})"
             ) from None
 
-    def _workers(self) -> list[GatherWorker]:
-        return [layer.worker for layer in self._layers.values() if layer.worker is not None]
+    def _workers(self) -> tuple[GatherWorker, ...]:
+        return self._worker_list
 
     def _check_open(self) -> None:
         if self._closed:

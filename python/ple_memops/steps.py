@@ -58,9 +58,8 @@ log=logger)`` logs aborts as the hooks do); ``armed_steps`` is the driver's.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -130,6 +129,26 @@ class StepCounters:
     def mean_eager_fill_us(self) -> float | None:
         """Mean fill time of eager forwards' steps in microseconds (``None`` without any)."""
         return _mean_us(self.eager_fill_ns_total, self.eager_fills)
+
+
+class _Guard:
+    """:meth:`StepDriver.guard`'s context (a class: entered on every step, it must cost
+    less than a generator-based context manager)."""
+
+    __slots__ = ("_driver", "_what")
+
+    def __init__(self, driver: StepDriver, what: str | Callable[[], str]) -> None:
+        self._driver, self._what = driver, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        driver = self._driver
+        if exc is not None and not driver._closed:
+            what = self._what() if callable(self._what) else self._what
+            driver.abort(f"exception in {what}: {exc!r}")
+        # None: the exception, if any, propagates.
 
 
 class StepDriver:
@@ -226,9 +245,11 @@ class StepDriver:
         a fill only when it is ``depth`` steps ahead). ``eager``: the step of an eager
         forward, not a replay (its fills are counted apart). A failure aborts the plan."""
         self._check_open()
-        with self.guard(f"arming a step of {rows} rows"):
-            while self.in_flight >= self.depth:
-                self._complete_one()
+        with self.guard(lambda: f"arming a step of {rows} rows"):
+            armed = self.in_flight
+            while armed >= self.depth:
+                self._complete_one(armed)
+                armed -= 1
             self.plan.begin(int(rows), eager=eager)
             self.armed_steps += 1
 
@@ -269,8 +290,12 @@ class StepDriver:
         """Complete the oldest steps until at most ``limit`` are armed (after a launch:
         ``0`` under synchronous scheduling, ``depth - 1`` under asynchronous)."""
         self._check_open()
-        while self.in_flight > limit:
-            self._complete_one()
+        # One count, then one completion a step: each completes the oldest step of every
+        # table or raises (asking the plan again each time costs a serving loop's step).
+        armed = self.in_flight
+        while armed > limit:
+            self._complete_one(armed)
+            armed -= 1
 
     def drain(self) -> None:
         """Complete every armed step (before eager work, captures, dropping graphs); a
@@ -319,18 +344,12 @@ class StepDriver:
 
         raise PoisonedError(cause)
 
-    @contextlib.contextmanager
-    def guard(self, what: str | Callable[[], str]) -> Iterator[None]:
-        """Any exception inside (``KeyboardInterrupt`` included) aborts the plan, so no
-        GPU wait outlives a failed step, and is re-raised. ``what`` names the work in the
-        abort's reason; a callable is called only then (a serving loop's guards cost no
-        formatting)."""
-        try:
-            yield
-        except BaseException as exc:
-            if not self._closed:
-                self.abort(f"exception in {what() if callable(what) else what}: {exc!r}")
-            raise
+    def guard(self, what: str | Callable[[], str]) -> _Guard:
+        """A context in which any exception (``KeyboardInterrupt`` included) aborts the
+        plan, so no GPU wait outlives a failed step, and is re-raised. ``what`` names the
+        work in the abort's reason; a callable is called only then (a serving loop's
+        guards cost no formatting)."""
+        return _Guard(self, what)
 
     def abort(self, reason: str) -> None:
         """Release every GPU wait for good (idempotent); later calls raise
@@ -403,9 +422,11 @@ class StepDriver:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _complete_one(self) -> None:
-        oldest = self.armed_steps - self.in_flight
-        self._published(oldest)
+    def _complete_one(self, armed: int | None = None) -> None:
+        """Complete the oldest armed step (``armed``: the steps armed now, if known)."""
+        oldest = self.armed_steps - (self.in_flight if armed is None else armed)
+        if self._publishes:
+            self._published(oldest)
         self.plan.complete(timeout=self.timeout)  # aborts the plan itself on a failure
         self.completed_steps += 1
 

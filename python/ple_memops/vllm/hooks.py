@@ -776,15 +776,26 @@ class PleRunnerHooks:
         if self.driver.closed:
             raise ClosedError("ple-memops runner hooks are shut down")
 
-    @contextlib.contextmanager
-    def _scoped(self, scope: _Capture | _SyncCapture | _NoDefer | _Step) -> Iterator[None]:
+    def _scoped(self, scope: _Capture | _SyncCapture | _NoDefer | _Step) -> _Scoped:
+        """A context in which ``scope`` is the open one (one at a time)."""
         if self._scope is not None:
             raise StateError(f"ple-memops: a {type(self._scope).__name__} scope is already open")
-        self._scope = scope
-        try:
-            yield
-        finally:
-            self._scope = None
+        return _Scoped(self, scope)
+
+
+class _Scoped:
+    """:meth:`PleRunnerHooks._scoped`'s context (a class: entered on every engine step)."""
+
+    __slots__ = ("_hooks", "_scope")
+
+    def __init__(self, hooks: PleRunnerHooks, scope: Any) -> None:
+        self._hooks, self._scope = hooks, scope
+
+    def __enter__(self) -> None:
+        self._hooks._scope = self._scope
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks._scope = None
 
 
 _LAYER_NAME = re.compile(r"layers\.\d+")

@@ -1,0 +1,118 @@
+"""Our own host time per engine step in the vLLM integration, without a GPU.
+
+Drives ``PleRunnerHooks`` (what vLLM's model runner calls) the way a serving loop at a
+steady decode load does, on a plan of gather workers that fill host rows: each step opens
+the step's scope, replays a FULL graph (``replay``: completing the oldest armed step,
+arming every table, the "launch", which here publishes the step's ids from the host as
+the GPU would), checks for failures before the output is handed out, then the host does
+``--gap-us`` of other work (the engine's own: it evicts our code from the caches, which a
+tight loop would hide). The table is the stats line's own host time by hook, p50 and p99
+over ``--steps`` steps, for 1 and 4 tables, repeated ``--repeats`` times in turn.
+
+The cost this measures is Python's (call layers, context managers, locks) and the native
+calls', on this CPU; on the H200 host the same code measured 77-135 us a step at p50 in the
+real engine (BENCHMARKS.md). It prints the table; it asserts nothing.
+
+    python3 benchmarks/bench_hooks.py [--steps 3000] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import save_file
+
+import ple_memops as pm
+from ple_memops.plan import PlanLayer, RowsPlan
+from ple_memops.step_costs import HOST_KINDS
+from ple_memops.vllm.hooks import PleRunnerHooks
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """Shaped like vLLM 0.33.0's ``BatchExecutionDescriptor`` (hashable, a long repr)."""
+
+    cg_mode: str
+    num_tokens: int
+    num_reqs: int | None
+    uniform_token_count: int | None = None
+    max_query_len: int | None = None
+    num_active_loras: int = 0
+    num_ubatches: int = 1
+
+
+def build(root: Path, tables: int, tokens: int) -> tuple[PleRunnerHooks, list[Any]]:
+    opened = []
+    layers = []
+    for i in range(tables):
+        data = np.random.default_rng(i).integers(0, 256, (4096, 512), dtype=np.uint8)
+        path = root / f"t{i}.safetensors"
+        save_file({f"layers.{i}.table": data.view(np.float16)}, str(path))
+        table = pm.MmapTable.open(path, f"layers.{i}.table")
+        rows = pm.DeferredRows(tokens, table.row_bytes, device="cpu", watchdog=None)
+        layers.append(PlanLayer(f"layers.{i}", table, rows, pm.GatherWorker(rows, table, depth=2)))
+        opened.append(table)
+    plan = RowsPlan(layers, "deferred", None, None, 5.0)
+    return PleRunnerHooks(plan, rows_per_token=1), opened
+
+
+def run(tables: int, steps: int, gap_us: float, tokens: int = 8) -> dict[str, tuple[float, float]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        hooks, opened = build(Path(tmp), tables, tokens)
+        desc = Descriptor("FULL", tokens, tokens, 1)
+        hooks._wait_descs.add(desc)  # as a capture of this size would have
+        names = list(hooks.plan.layers)
+        ids = np.arange(tokens, dtype=np.int64)
+
+        def launch() -> None:  # the GPU's publish of the step's ids
+            for name in names:
+                hooks.driver.publish_host(name, ids)
+
+        try:
+            hooks.host.take()
+            for _ in range(steps):
+                with hooks.step(dummy=False):
+                    hooks.replay(desc, launch)
+                hooks.raise_if_failed()
+                time.sleep(gap_us / 1e6)
+            samples = hooks.host.take()
+        finally:
+            hooks.shutdown()
+            for t in opened:
+                t.close()
+    out = {}
+    for kind in ("total", *HOST_KINDS):
+        us = [(sum(s.values()) if kind == "total" else s[kind]) / 1e3 for s in samples]
+        us.sort()
+        out[kind] = (statistics.median(us), us[min(len(us) - 1, int(0.99 * len(us)))])
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--gap-us", type=float, default=500.0, help="other host work between steps")
+    p.add_argument("--tables", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    args = p.parse_args()
+    kinds = ("total", "step", "arm", "wait", "check")
+    print(f"host us per engine step, p50 / p99 over {args.steps} steps ({args.gap_us:.0f} us "
+          "of other host work between steps)\n")  # fmt: skip
+    print("| tables | repeat | " + " | ".join(kinds) + " |")
+    print("|---|---|" + "---|" * len(kinds))
+    for r in range(args.repeats):
+        for n in args.tables:
+            got = run(n, args.steps, args.gap_us)
+            cells = " | ".join(f"{got[k][0]:.1f} / {got[k][1]:.1f}" for k in kinds)
+            print(f"| {n} | {r + 1} | {cells} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
