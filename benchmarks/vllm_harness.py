@@ -398,11 +398,15 @@ GEMMA4_TABLE = "embed_tokens_per_layer.weight"
 # The Gemma checkpoints' token embedding scaled up from transformers' random init: at init
 # the tiny models' greedy choices are near ties (Gemma 4: 9 of the engine workload's 456
 # tokens come before a request's first top-2 logprob gap under 0.05), so engines that
-# differ by rounding alone pick other tokens; scaled by 6, Gemma 4 has 189 and Gemma 3n
-# 192 before a gap under NEAR_TIE, a request picks 4-5 different tokens, and a table whose
-# rows are shifted by one changes 19 (Gemma 4) and 17 (Gemma 3n) of the 19 requests
-# (check_greedy_oracle, run by the CPU tests with transformers' own models).
+# differ by rounding alone pick other tokens; scaled by 6, Gemma 4 has 189 before a gap
+# under NEAR_TIE, a request picks 4-5 different tokens, and a table whose rows are shifted
+# by one changes 19 of the 19 requests (check_greedy_oracle, run by the CPU tests with
+# transformers' own models).
 GEMMA_EMBED_SCALE = 6.0
+# Gemma 3n's vocabulary is 9x larger (see GEMMA3N_CONFIG), so more tokens compete: scaled by
+# 6 only 95 of 456 tokens came before a near tie; by 10, 209, and shifted rows change 19 of
+# 19 requests (by 8: 149; by 12: 272 and 18 of 19).
+GEMMA3N_EMBED_SCALE = 10.0
 
 
 def write_gemma4_checkpoint(
@@ -450,9 +454,11 @@ def write_gemma4_checkpoint(
     return _save_gemma(model, root, "mm" if multimodal else "text", separate_table)
 
 
-def _save_gemma(model: Any, root: Path, name: str, separate_table: bool) -> Path:
+def _save_gemma(
+    model: Any, root: Path, name: str, separate_table: bool, embed_scale: float = GEMMA_EMBED_SCALE
+) -> Path:
     """``model`` in BF16, its table's rows random normal and its token embedding scaled by
-    :data:`GEMMA_EMBED_SCALE`, saved by its ``save_pretrained`` into ``root/hf-<name>``;
+    ``embed_scale``, saved by its ``save_pretrained`` into ``root/hf-<name>``;
     with ``separate_table``, rewritten into ``root/<name>`` with the per-layer table in a
     file of its own (what the loader can skip)."""
     import torch
@@ -463,7 +469,7 @@ def _save_gemma(model: Any, root: Path, name: str, separate_table: bool) -> Path
             if pname.endswith(GEMMA4_TABLE):  # rows far from zero and distinct: a wrong one shows
                 p.copy_(torch.randn_like(p, dtype=torch.float32).to(p.dtype))
             elif pname.endswith("embed_tokens.weight"):
-                p.mul_(GEMMA_EMBED_SCALE)
+                p.mul_(embed_scale)
     hf = root / f"hf-{name}"
     model.save_pretrained(hf)
     if not separate_table:
@@ -498,9 +504,12 @@ def copy_without_table(ckpt: Path, dest: Path) -> Path:
 
 
 # A tiny Gemma 3n with every feature of the real one (AltUp, LAuReL, KV-shared layers,
-# activation sparsity, sliding and full attention, ids outside the per-layer table).
+# activation sparsity, sliding and full attention, ids outside the per-layer table). Its
+# vocabulary covers the token ids vLLM's kernel warm-up feeds an engine (0 up to
+# max_num_batched_tokens - 1, 1,024 in the engine tests): the runner embeds them eagerly
+# for this model, where an id outside the embedding is a device-side assertion.
 GEMMA3N_CONFIG: dict[str, Any] = dict(
-    vocab_size=128,
+    vocab_size=1152,
     vocab_size_per_layer_input=112,  # ids 112..127 read row 0, as in vLLM
     hidden_size=64,
     hidden_size_per_layer_input=16,
@@ -557,16 +566,17 @@ def write_gemma3n_checkpoint(root: Path, *, separate_table: bool = True) -> Path
             # each layer feeds its per-layer gate: the rows would change nothing.
             if name.endswith("altup.correct_output_scale"):
                 p.fill_(1.0)
-    return _save_gemma(model, root, "gemma3n", separate_table)
+    return _save_gemma(model, root, "gemma3n", separate_table, GEMMA3N_EMBED_SCALE)
 
 
-def check_greedy_oracle(model: Any, table: Any, rows: int) -> None:
+def check_greedy_oracle(model: Any, table: Any, rows: int) -> dict[str, int]:
     """That a tiny Gemma checkpoint can tell engines apart through
     :func:`assert_same_greedy`, run by transformers' ``model`` on the CPU over the Gemma
     engine workload: at least 35% of the tokens come before a request's first near tie,
     the requests are not one repeated token, and shifting the per-layer ``table`` module's
     rows by one (``rows``: ids from there read row 0, vLLM's masking, which transformers'
-    models lack) changes at least 80% of the requests. ``AssertionError`` otherwise."""
+    models lack) changes at least 80% of the requests. ``AssertionError`` otherwise; else
+    what it counted (tokens before a near tie, tokens, requests changed, requests)."""
     import torch
 
     lookup = table.forward
@@ -605,6 +615,7 @@ def check_greedy_oracle(model: Any, table: Any, rows: int) -> None:
         table.forward = lookup
     changed = sum(a != b for a, b in zip(tokens, shifted, strict=True))
     assert changed >= 0.8 * len(tokens), f"shifted rows changed {changed} of {len(tokens)}"
+    return {"decisive": decisive, "tokens": total, "changed": changed, "requests": len(tokens)}
 
 
 # The Gemma 4 engine workload of tests/test_vllm_gemma4_engine_gpu.py and
