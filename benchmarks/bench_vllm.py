@@ -123,17 +123,38 @@ STOCK_VARIANTS: dict[str, dict[str, Any]] = {
 FAMILY_STOCK = {
     "qwen4exp": ("gpu", "gpu-b", "uva", "gpu-plugin"),
     "gemma4": ("gpu", "gpu-b", "offload", "gpu-plugin"),
+    "gemma3n": ("gpu", "gpu-b", "offload", "gpu-plugin"),
 }
-# Gemma 4 at E2B's shapes as transformers' own Gemma4TextConfig defaults describe them
-# (its docstring: "similar to google/gemma-4-e2b-it"): 30 layers of hidden 2304 (every
-# sixth full attention), a [262144, 30 x 256] BF16 per-layer table of 3.75 GiB. EOS is the
-# bench tokenizer's (id 2; the requests ignore it).
-GEMMA4_MODELS: dict[str, dict[str, Any]] = {
-    "gemma4-e2b": {"base": {}, "overrides": {"eos_token_id": vbm.EOS_ID}},
+# The Gemma models, each a text config's keys (``base``: None for the tests' tiny one, {}
+# for transformers' own defaults; ``overrides`` on top). EOS is the bench tokenizer's (id
+# 2; the requests ignore it).
+# - gemma4-e2b: Gemma 4 at E2B's shapes as transformers' Gemma4TextConfig defaults describe
+#   them (its docstring: "similar to google/gemma-4-e2b-it"): 30 layers of hidden 2304
+#   (every sixth full attention), a [262144, 30 x 256] BF16 per-layer table of 3.75 GiB.
+# - gemma3n-e4b: Gemma3nTextConfig's defaults ("gemma3n_text-E4B style"): 35 layers of
+#   hidden 2048, 15 KV-shared, a [262144, 35 x 256] table of 4.38 GiB; gemma3n-e2b:
+#   E2B's (transformers' converter: 30 layers, intermediate 8192, 10 KV-shared), 3.75 GiB.
+#   Gemma3nForConditionalGeneration, served text only (its towers are the tests' tiny ones
+#   and vLLM does not build them).
+GEMMA_MODELS: dict[str, dict[str, Any]] = {
+    "gemma4-e2b": {"family": "gemma4", "base": {}, "overrides": {"eos_token_id": vbm.EOS_ID}},
     "gemma4-tiny": {
+        "family": "gemma4",
         "base": None,
         "overrides": {"vocab_size": 512, "vocab_size_per_layer_input": 512, "eos_token_id": 2},
     },
+    "gemma3n-e2b": {
+        "family": "gemma3n",
+        "base": {},
+        "overrides": {
+            "num_hidden_layers": 30,
+            "intermediate_size": 8192,
+            "num_kv_shared_layers": 10,
+            "eos_token_id": vbm.EOS_ID,
+        },
+    },
+    "gemma3n-e4b": {"family": "gemma3n", "base": {}, "overrides": {"eos_token_id": vbm.EOS_ID}},
+    "gemma3n-tiny": {"family": "gemma3n", "base": None, "overrides": {"eos_token_id": 2}},
 }
 # More mmap servers on request (--backends): the device side of a deferred step forced to
 # the polling kernel or to stream memory operations, and the synchronous fallback (the
@@ -596,7 +617,8 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
     }
     if args.compile == "none":
         graphs["mode"] = "NONE"
-    gemma = family(args) == "gemma4"
+    fam = family(args)
+    gemma = fam != "qwen4exp"
     # FlashInfer is not bundled (Qwen4Exp's GatedDeltaNet prefill then takes Triton).
     extra: dict[str, Any] = {} if gemma else {"gdn_prefill_backend": "triton"}
     if backend in MMAP_VARIANTS:
@@ -611,11 +633,19 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
         extra["ple_memops"] = ours
     elif STOCK_VARIANTS.get(backend, {}).get("plugin"):
         extra["ple_memops"] = {"table_backend": "default"}
-    if gemma:
+    tables: list[str] = []
+    if fam == "gemma4":
         # Gemma 4's full-attention layers have heads of 512: vLLM picks FlashAttention 4
         # (CuTe DSL, not in the offline bundle) for such models when it can; its Triton
         # backend is the one it validates for mixed head sizes.
-        tables: list[str] = ["--attention-config", json.dumps({"backend": "TRITON_ATTN"})]
+        tables += ["--attention-config", json.dumps({"backend": "TRITON_ATTN"})]
+    if fam == "gemma3n":
+        # Text only: no tower is built. vLLM 0.33.0's GPU runner gives this class no
+        # embeddings in text-only mode unless prompt embeddings are on (it then embeds
+        # the ids first, as in multimodal mode); the same for every server.
+        tables += ["--limit-mm-per-prompt", json.dumps({"image": 0, "audio": 0}),
+                   "--enable-prompt-embeds"]  # fmt: skip
+    if gemma:
         if STOCK_VARIANTS.get(backend, {}).get("offload_gb"):
             tables += ["--cpu-offload-gb", f"{args.offload_gib:.6g}"]
     else:
@@ -633,8 +663,9 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
 
 
 def family(args: argparse.Namespace) -> str:
-    """``gemma4`` or ``qwen4exp``: the model family ``--model`` names."""
-    return "gemma4" if args.model in GEMMA4_MODELS else "qwen4exp"
+    """``gemma4``, ``gemma3n`` or ``qwen4exp``: the model family ``--model`` names."""
+    spec = GEMMA_MODELS.get(args.model)
+    return "qwen4exp" if spec is None else str(spec["family"])
 
 
 def _offload(backend: str) -> bool:
@@ -1282,11 +1313,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     p.add_argument(
         "--model",
-        choices=["bench", "tiny", *GEMMA4_MODELS],
+        choices=["bench", "tiny", *GEMMA_MODELS],
         default="bench",
         help="bench: the Qwen4Exp benchmark model (--layers, --table-gib, ...); tiny: its "
         "tiny size; gemma4-e2b: Gemma 4 at E2B's shapes (transformers' Gemma4TextConfig "
-        "defaults); gemma4-tiny: the Gemma tests' tiny one",
+        "defaults); gemma3n-e2b, gemma3n-e4b: Gemma 3n at E2B's and E4B's text shapes, "
+        "served text only; gemma4-tiny, gemma3n-tiny: the Gemma tests' tiny ones",
     )
     p.add_argument("--checkpoint", type=Path, help="serve this checkpoint instead of building one")
     p.add_argument("--ckpt-root", type=Path, default=Path("/tmp/ple-bench-ckpt"))
@@ -1390,7 +1422,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_config(args: argparse.Namespace) -> dict[str, Any]:
-    if family(args) == "gemma4":
+    if family(args) != "qwen4exp":
         return gemma_config(args.model)
     if args.model == "tiny":
         return vbm.bench_config(
@@ -1406,16 +1438,18 @@ def model_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def gemma_config(model: str) -> dict[str, Any]:
-    """The Gemma 4 text model ``model`` names (:data:`GEMMA4_MODELS`), as the keys its
+    """The Gemma text model ``model`` names (:data:`GEMMA_MODELS`), as the keys its
     checkpoint is written from and named by."""
-    from transformers import Gemma4TextConfig
-    from vllm_harness import GEMMA4_CONFIG
+    from transformers import Gemma3nTextConfig, Gemma4TextConfig
+    from vllm_harness import GEMMA3N_CONFIG, GEMMA4_CONFIG
 
-    spec = GEMMA4_MODELS[model]
-    keys = (GEMMA4_CONFIG if spec["base"] is None else spec["base"]) | spec["overrides"]
-    text = Gemma4TextConfig(**keys)
+    spec = GEMMA_MODELS[model]
+    fam = spec["family"]
+    tiny = GEMMA4_CONFIG if fam == "gemma4" else GEMMA3N_CONFIG
+    keys = (tiny if spec["base"] is None else spec["base"]) | spec["overrides"]
+    text = (Gemma4TextConfig if fam == "gemma4" else Gemma3nTextConfig)(**keys)
     return {
-        "family": "gemma4", "model": model, "keys": keys, "writer": 1,
+        "family": fam, "model": model, "keys": keys, "writer": 1,
         "vocab_size": text.vocab_size, "num_hidden_layers": text.num_hidden_layers,
         "hidden_size": text.hidden_size,
         "table": [text.vocab_size_per_layer_input,
@@ -1430,14 +1464,14 @@ def gemma_table_files(ckpt: Path) -> list[Path]:
 
 
 def ensure_gemma_checkpoint(root: Path, cfg: dict[str, Any], log: Any = print) -> tuple[Path, bool]:
-    """The Gemma 4 checkpoint of ``cfg`` under ``root`` (written by transformers' own
+    """The Gemma checkpoint of ``cfg`` under ``root`` (written by transformers' own
     ``save_pretrained`` from random weights initialised on the GPU when there is one, the
     per-layer table moved into a file of its own), with a word-level tokenizer;
     ``(path, written now)``."""
     import torch
-    from vllm_harness import write_gemma4_checkpoint
+    from vllm_harness import write_gemma3n_checkpoint, write_gemma4_checkpoint
 
-    out = root / f"gemma4-{vbm.config_hash(cfg)}"
+    out = root / f"{cfg['family']}-{vbm.config_hash(cfg)}"
     if (out / "tokenizer.json").exists():
         return out, False
     work = root / f".writing-{out.name}"
@@ -1445,8 +1479,11 @@ def ensure_gemma_checkpoint(root: Path, cfg: dict[str, Any], log: Any = print) -
     work.mkdir(parents=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     log(f"writing {cfg['model']} ({device} init) under {work}")
-    ckpt = write_gemma4_checkpoint(work, base=cfg["keys"], device=device)
-    shutil.rmtree(work / "hf-text")  # save_pretrained's own copy, before the table moved
+    if cfg["family"] == "gemma4":
+        ckpt = write_gemma4_checkpoint(work, base=cfg["keys"], device=device)
+    else:
+        ckpt = write_gemma3n_checkpoint(work, text=cfg["keys"], device=device)
+    shutil.rmtree(work / f"hf-{ckpt.name}")  # save_pretrained's own copy, before the split
     vbm.write_tokenizer(ckpt, int(cfg["vocab_size"]), int(cfg["max_position_embeddings"]))
     shutil.rmtree(out, ignore_errors=True)
     ckpt.rename(out)
@@ -1455,16 +1492,17 @@ def ensure_gemma_checkpoint(root: Path, cfg: dict[str, Any], log: Any = print) -
 
 
 def table_files(args: argparse.Namespace, ckpt: Path) -> list[Path]:
-    return gemma_table_files(ckpt) if family(args) == "gemma4" else vbm.table_files(ckpt)
+    return vbm.table_files(ckpt) if family(args) == "qwen4exp" else gemma_table_files(ckpt)
 
 
 def describe(cfg: dict[str, Any], ckpt: Path) -> str:
-    if cfg.get("family") == "gemma4":
+    if cfg.get("family") in ("gemma4", "gemma3n"):
         tgib = sum(p.stat().st_size for p in gemma_table_files(ckpt)) / 2**30
         allgib = sum(p.stat().st_size for p in ckpt.glob("*.safetensors")) / 2**30
         rows, width = cfg["table"]
+        name = "Gemma 4" if cfg["family"] == "gemma4" else "Gemma 3n"
         return (
-            f"Gemma 4 ({cfg['model']}): {cfg['num_hidden_layers']} layers "
+            f"{name} ({cfg['model']}): {cfg['num_hidden_layers']} layers "
             f"({cfg['full_layers']} full attention), hidden {cfg['hidden_size']}, vocabulary "
             f"{cfg['vocab_size']}; per-layer table [{rows}, {width}] BF16, {tgib:.2f} GiB "
             f"(checkpoint {allgib:.2f} GiB)"
@@ -1509,7 +1547,7 @@ def report(
         }  # fmt: skip
     md = markdown(summary, per_server, meta)
     md += "\n\n" + breakdown_markdown(rows, summary, args.ref)
-    v = verdict(summary, "offload" if family(args) == "gemma4" else "uva")
+    v = verdict(summary, "uva" if family(args) == "qwen4exp" else "offload")
     print("\n" + md + "\n\n" + v + "\n", flush=True)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
@@ -1639,7 +1677,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     fam = family(args)
     if args.backends is None:
-        args.backends = ["gpu", "offload" if fam == "gemma4" else "uva", "mmap"]
+        args.backends = ["gpu", "uva" if fam == "qwen4exp" else "offload", "mmap"]
     unknown = [b for b in args.backends if b not in known_backends(fam)]
     if unknown:
         raise SystemExit(f"unknown backends {unknown} for {fam}; known: {known_backends(fam)}")
@@ -1659,7 +1697,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = args.checkpoint
     elif args.build_only:
         log(f"checkpoint: {vbm.config_hash(cfg)} under {args.ckpt_root}")
-        if family(args) == "gemma4":
+        if family(args) != "qwen4exp":
             ckpt, built = ensure_gemma_checkpoint(args.ckpt_root, cfg, log=log)
         else:
             ckpt, built = vbm.ensure_checkpoint(args.ckpt_root, cfg, log=log)
@@ -1889,11 +1927,16 @@ _STUCK = "import time\ndef waiting_forever():\n    time.sleep(3600)\nwaiting_for
 
 
 def check_gemma(args: argparse.Namespace, work: Path) -> bool:
-    """The Gemma family at a tiny size: the checkpoint (transformers' save_pretrained, the
-    table in its own file), its tokenizer, and every Gemma backend's serve arguments
-    through vLLM's parser (``offload``: --cpu-offload-gb of the table file's size)."""
+    """Both Gemma families at a tiny size."""
+    return all([check_gemma_model(args, work, m) for m in ("gemma4-tiny", "gemma3n-tiny")])
+
+
+def check_gemma_model(args: argparse.Namespace, work: Path, model: str) -> bool:
+    """A tiny Gemma: the checkpoint (transformers' save_pretrained, the table in its own
+    file), its tokenizer, and every Gemma backend's serve arguments through vLLM's parser
+    (``offload``: --cpu-offload-gb of the table file's size)."""
     g = argparse.Namespace(**vars(args))
-    g.model = "gemma4-tiny"
+    g.model = model
     cfg = model_config(g)
     ckpt, built = ensure_gemma_checkpoint(work / "ckpt", cfg, log=lambda _: None)
     again, rebuilt = ensure_gemma_checkpoint(work / "ckpt", cfg, log=lambda _: None)
@@ -1905,7 +1948,7 @@ def check_gemma(args: argparse.Namespace, work: Path) -> bool:
         names = list(st.keys())
         shape = list(st.get_slice(names[0]).get_shape())
     good = built and not rebuilt and again == ckpt and shape == cfg["table"] and len(names) == 1
-    log(f"tiny Gemma 4 checkpoint: {describe(cfg, ckpt)}; table {names} {shape}; "
+    log(f"tiny Gemma checkpoint: {describe(cfg, ckpt)}; table {names} {shape}; "
         f"{'written once, then reused' if good else 'NOT as expected'}")  # fmt: skip
     log(f"Gemma tokenizer: {vbm.check_tokenizer(ckpt)}")
     try:
@@ -1984,10 +2027,15 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
                 if isinstance(engram, dict)
                 else getattr(engram, "cpu_offload", None)
             )
-            if fam == "gemma4":
+            if fam != "qwen4exp":
                 want_gb = float(f"{args.offload_gib:.6g}") if b == "offload" else 0
                 if engram or abs(ea.cpu_offload_gb - want_gb) > 1e-9:
                     raise AssertionError(f"{b}: engram {engram}, offload {ea.cpu_offload_gb} GB")
+                text_only = ea.enable_prompt_embeds and ea.limit_mm_per_prompt == {
+                    "image": 0, "audio": 0}  # fmt: skip
+                if text_only != (fam == "gemma3n"):
+                    raise AssertionError(f"{b}: prompt embeds {ea.enable_prompt_embeds}, "
+                                         f"limits {ea.limit_mm_per_prompt}")  # fmt: skip
             elif offload != _offload(b) or ea.cpu_offload_gb:
                 raise AssertionError(f"{b}: engram {engram}, offload {ea.cpu_offload_gb} GB")
             if ea.tensor_parallel_size != args.tensor_parallel_size:

@@ -562,6 +562,7 @@ def check_tokenizer(ckpt: Path) -> str:
 
     tok = AutoTokenizer.from_pretrained(str(ckpt))
     cfg = json.loads((ckpt / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg) if "vocab_size" not in cfg else cfg  # composite configs
     assert len(tok) == cfg["vocab_size"], (len(tok), cfg["vocab_size"])
     assert tok.eos_token_id == cfg["eos_token_id"], (tok.eos_token_id, cfg["eos_token_id"])
     rng = random.Random(0)

@@ -530,13 +530,21 @@ GEMMA3N_CONFIG: dict[str, Any] = dict(
 )
 
 
-def write_gemma3n_checkpoint(root: Path, *, separate_table: bool = True) -> Path:
+def write_gemma3n_checkpoint(
+    root: Path,
+    *,
+    separate_table: bool = True,
+    text: dict[str, Any] | None = None,
+    device: str = "cpu",
+) -> Path:
     """A tiny Gemma 3n written by transformers' own
     ``Gemma3nForConditionalGeneration.save_pretrained`` (the class the released checkpoints
     are) under ``root`` (see :func:`_save_gemma`). Its vision tower is timm's ``test_vit``
     instead of the 300M-parameter MobileNet v5 and its audio tower one tiny conformer
     layer: the tests serve text, where vLLM does not build the towers (no image or audio
-    per prompt)."""
+    per prompt). ``text``: the text config's keys (default :data:`GEMMA3N_CONFIG`; ``{}``
+    is transformers' own defaults, E4B's shapes); ``device``: where the random weights are
+    initialised (``"cuda"`` at the real widths)."""
     import torch
     from transformers import (
         Gemma3nAudioConfig,
@@ -547,7 +555,7 @@ def write_gemma3n_checkpoint(root: Path, *, separate_table: bool = True) -> Path
     )
 
     config = Gemma3nConfig(
-        text_config=Gemma3nTextConfig(**GEMMA3N_CONFIG).to_dict(),
+        text_config=Gemma3nTextConfig(**(GEMMA3N_CONFIG if text is None else text)).to_dict(),
         vision_config=Gemma3nVisionConfig(
             architecture="test_vit", hidden_size=64, do_pooling=False
         ).to_dict(),
@@ -559,7 +567,8 @@ def write_gemma3n_checkpoint(root: Path, *, separate_table: bool = True) -> Path
         ).to_dict(),
     )
     torch.manual_seed(0)
-    model = Gemma3nForConditionalGeneration(config)
+    with torch.device(device):
+        model = Gemma3nForConditionalGeneration(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             # transformers initialises AltUp's output scale to zero, which zeroes what
