@@ -270,3 +270,49 @@ def test_the_engine_tests_checkpoint_tells_engines_apart(tmp_path: Path) -> None
     ckpt = ckpts.write_gemma4_checkpoint(tmp_path, separate_table=False)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     ckpts.check_greedy_oracle(model, model.model.embed_tokens_per_layer, TABLE_ROWS)
+
+
+class _Int8Embedding:
+    """A quantization method that quantizes embeddings (as compressed-tensors' weight-only
+    INT scheme does), shaped as vLLM calls one."""
+
+    def create_weights(self, layer: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def embedding(self, layer: Any, ids: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("never looked up")
+
+    def apply(self, layer: Any, x: torch.Tensor, bias: Any = None) -> torch.Tensor:
+        raise AssertionError("never applied")
+
+
+class _QuantizesEmbeddings:
+    online_quantization_config = None
+
+    def get_name(self) -> str:
+        return "int8-embeddings"
+
+    def get_quant_method(self, layer: Any, prefix: str) -> Any:
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        return _Int8Embedding() if isinstance(layer, VocabParallelEmbedding) else None
+
+
+def test_a_quantized_table_is_refused_and_fp8_keeps_the_table(dist: Any, installed: Any) -> None:
+    """vLLM's FP8 method leaves embeddings unquantized: the table is served as it is. A
+    method that quantizes embeddings (compressed-tensors can) is refused, typed, naming
+    the table and the method."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    from ple_memops.vllm.token_table import PerLayerTokenTable
+
+    with set_current_vllm_config(VllmConfig()):
+        table = PerLayerTokenTable(
+            TABLE_ROWS, 64, torch.bfloat16, quant_config=Fp8Config(), prefix="fp8.per_layer"
+        )
+        assert table.weight.numel() == 0 and table.row_bytes == 128
+        with pytest.raises(pm.UnsupportedError, match=r"int8-embeddings.*q\.per_layer.*_Int8"):
+            PerLayerTokenTable(
+                TABLE_ROWS, 64, torch.bfloat16, quant_config=_QuantizesEmbeddings(),
+                prefix="q.per_layer",
+            )  # fmt: skip

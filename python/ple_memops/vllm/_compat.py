@@ -227,6 +227,14 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     # combination the plugin's self-decoder splits around the rows, the multimodal class's
     # eager rows and its forward.
     _signature(f"{_G4}:Gemma4ForCausalLM.__init__", "(self, *, vllm_config, prefix='')"),
+    # Both Gemmas: a quantized per-layer table is refused, asked of vLLM's own class.
+    _signature(
+        "vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding.__init__",
+        "(self, num_embeddings, embedding_dim, params_dtype=None, org_num_embeddings=None, "
+        "padding_size=64, quant_config=None, prefix='', *, disable_tp=False, "
+        "reduce_results=True, quant_method=None, parallel_group=None)",
+    ),
+    _exists("vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod", type),
     _exists(f"{_G4}:VocabParallelEmbedding", type),
     _source_has(
         f"{_G4}:Gemma4Model",

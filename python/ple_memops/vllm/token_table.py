@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import UnsupportedError
 from . import ops
 from .layer import MmapTableLayer, TableExpectations, find_tables
 from .settings import engine_settings, parallel_refusals, raise_refusals
@@ -38,6 +39,41 @@ __all__ = [
 ]
 
 logger = logging.getLogger("ple_memops")
+
+
+def _refuse_quantized_table(
+    quant_config: Any,
+    num_embeddings: int,
+    embedding_dim: int,
+    params_dtype: torch.dtype | None,
+    org_num_embeddings: int | None,
+    padding_size: int,
+    prefix: str,
+) -> None:
+    """Raise :class:`~ple_memops.UnsupportedError` if the checkpoint's quantization would
+    quantize this table (vLLM's compressed-tensors can quantize embeddings, weight-only
+    INT): its rows would not be the BF16/F16/F32 rows this table serves. Asked of vLLM's
+    own embedding class, built on the meta device (nothing allocated) with the table's
+    arguments."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    with torch.device("meta"):
+        probe = VocabParallelEmbedding(
+            num_embeddings, embedding_dim, params_dtype=params_dtype,
+            org_num_embeddings=org_num_embeddings, padding_size=padding_size,
+            quant_config=quant_config, prefix=prefix,
+        )  # fmt: skip
+    method = probe.quant_method
+    if not isinstance(method, UnquantizedEmbeddingMethod):
+        name = quant_config.get_name() if hasattr(quant_config, "get_name") else quant_config
+        raise UnsupportedError(
+            f"ple-memops: the checkpoint's quantization ({name}) quantizes the per-layer "
+            f"table {prefix} ({type(method).__name__}); table_backend=mmap serves BF16, "
+            "F16 and F32 per-layer tables: serve this checkpoint without it"
+        )
 
 
 class PerLayerTokenTable(nn.Module, MmapTableLayer):
@@ -57,7 +93,12 @@ class PerLayerTokenTable(nn.Module, MmapTableLayer):
         prefix: str = "",
     ) -> None:
         super().__init__()
-        del padding_size, quant_config  # full rows on every rank; the dtype is checked
+        if quant_config is not None:
+            _refuse_quantized_table(
+                quant_config, num_embeddings, embedding_dim, params_dtype, org_num_embeddings,
+                padding_size, prefix,
+            )  # fmt: skip
+        # Full rows on every rank (no vocabulary padding or split); the dtype is checked.
         dtype = params_dtype or torch.get_default_dtype()
         self.dtype = dtype
         self.org_vocab_size = int(org_num_embeddings or num_embeddings)
