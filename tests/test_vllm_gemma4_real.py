@@ -272,6 +272,20 @@ def test_the_engine_tests_checkpoint_tells_engines_apart(tmp_path: Path) -> None
     ckpts.check_greedy_oracle(model, model.model.embed_tokens_per_layer, TABLE_ROWS)
 
 
+def test_tensor_parallel_ranks_read_full_rows(tmp_path: Path) -> None:
+    """Two tensor-parallel ranks (processes, gloo): vLLM's table is split over them and
+    its lookup combined by an all-reduce; the mmap table holds nothing, each rank reads
+    full rows, without one, and every rank's per-layer inputs are the stock model's bit
+    for bit; one rank that cannot defer makes both synchronous."""
+    ckpt = ckpts.write_gemma4_checkpoint(tmp_path / "ckpt")
+    for report in vllm_cpu.run_tp_ranks("gemma4", ckpt, tmp_path):
+        assert report["plan_mode"] == "host" and report["agreed"] == [False, True], report
+        assert report["mmap_rows"] == 0 and report["stock_rows"] < TABLE_ROWS, report
+        for r in report["inputs"]:
+            assert r["equal"] and r["nonzero"], report
+            assert r["stock_reduces"] == 1 and r["mmap_reduces"] == 0, report
+
+
 class _Int8Embedding:
     """A quantization method that quantizes embeddings (as compressed-tensors' weight-only
     INT scheme does), shaped as vLLM calls one."""

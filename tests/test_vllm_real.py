@@ -570,40 +570,8 @@ def test_switch_per_engine_and_refusals(
 
 
 def test_tensor_parallel_ranks_read_full_rows(checkpoint: Path, tmp_path: Path) -> None:
-    port = free_port()
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
-    env.pop("PLE_MEMOPS_TABLE_BACKEND", None)
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "vllm_tp_rank.py"),
-                str(rank),
-                "2",
-                str(port),
-                str(checkpoint),
-                str(tmp_path / f"rank{rank}.json"),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for rank in range(2)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=300)
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, out in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, out[-4000:]
-    for rank in range(2):
-        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for report in vllm_cpu.run_tp_ranks("qwen4exp", checkpoint, tmp_path):
+        rank = report["rank"]
         assert report["plan_mode"] == "host"
         # Rank 1 alone could not defer: both ranks took the synchronous path.
         assert report["agreed"] == [False, True]

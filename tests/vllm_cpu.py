@@ -4,15 +4,20 @@ vLLM's default loader. Imported after vLLM is known to be importable."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 
-__all__ = ["dist", "free_port", "load_model", "spy_loaded_files"]
+__all__ = ["dist", "free_port", "load_model", "run_tp_ranks", "spy_loaded_files"]
 
 
 def free_port() -> int:
@@ -82,3 +87,33 @@ def spy_loaded_files(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
 
     monkeypatch.setattr(default_loader, "filter_safetensors_files_by_weight_name", spy)
     return kept
+
+
+def run_tp_ranks(family: str, ckpt: Path, out: Path, world: int = 2) -> list[dict[str, Any]]:
+    """``vllm_tp_rank.py`` as ``world`` tensor-parallel ranks (processes, gloo on the CPU)
+    on ``ckpt``; each rank's report, by rank. Any rank's failure fails with its output."""
+    port = free_port()
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    env.pop("PLE_MEMOPS_TABLE_BACKEND", None)
+    script = Path(__file__).with_name("vllm_tp_rank.py")
+    procs = []
+    for rank in range(world):
+        argv = [sys.executable, str(script), family, str(rank), str(world), str(port),
+                str(ckpt), str(out / f"rank{rank}.json")]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            )
+        )
+    outputs = []
+    try:
+        for p in procs:
+            text, _ = p.communicate(timeout=300)
+            outputs.append(text)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, text in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, text[-4000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]

@@ -1,12 +1,15 @@
-"""One tensor-parallel rank of ``test_vllm_real.py::test_tensor_parallel_ranks_read_full_rows``
-(run as ``python vllm_tp_rank.py RANK WORLD PORT CHECKPOINT OUT_JSON``, on the CPU, gloo).
+"""One tensor-parallel rank of the vLLM tests' tensor-parallel checks, on the CPU over gloo
+(run as ``python vllm_tp_rank.py FAMILY RANK WORLD PORT CHECKPOINT OUT_JSON``; FAMILY is
+``qwen4exp`` for ``test_vllm_real.py::test_tensor_parallel_ranks_read_full_rows`` or
+``gemma4`` for ``test_vllm_gemma4_real.py::test_tensor_parallel_ranks_read_full_rows``).
 
 With the plugin installed, loads the checkpoint twice through vLLM's default loader: with
 the device table (each rank holds its vocabulary slice; lookups are combined by an
 all-reduce) and with the mmap table (no slice: every rank reads full rows from the shared
-page cache). Writes what it saw: both backends' PLE rows for the same ids, the table rows
-each rank holds, how many all-reduces each backend's lookup ran, and what the ranks agreed
-when only rank 1 could not defer (over vLLM's world group, gloo).
+page cache). Writes what it saw: both backends' rows (Qwen4Exp's PLE outputs, Gemma 4's
+per-layer inputs) for the same ids, the table rows each rank holds, how many all-reduces
+each backend's lookup ran, and what the ranks agreed when only rank 1 could not defer
+(over vLLM's world group, gloo).
 """
 
 from __future__ import annotations
@@ -15,113 +18,186 @@ import json
 import os
 import sys
 import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
-def main() -> None:
-    rank, world, port, ckpt, out = (
-        int(sys.argv[1]),
-        int(sys.argv[2]),
-        int(sys.argv[3]),
-        sys.argv[4],
-        sys.argv[5],
-    )
-    import torch
-    from vllm.config import (
-        LoadConfig,
-        ModelConfig,
-        ParallelConfig,
-        VllmConfig,
-        set_current_vllm_config,
-    )
-    from vllm.config.engram import EngramConfig
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.distributed.parallel_state import GroupCoordinator
-    from vllm.model_executor.model_loader import get_model_loader
-    from vllm.model_executor.model_loader.utils import initialize_model
+class Rank:
+    """The rank's distributed environment, loader and all-reduce counter."""
 
-    from ple_memops.vllm import ops, plugin, runner
+    def __init__(self, rank: int, world: int, port: int, ckpt: str) -> None:
+        self.rank, self.world, self.ckpt = rank, world, ckpt
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    plugin.install()
+        from ple_memops.vllm import plugin
 
-    def config(engram: EngramConfig, backend: str = "default") -> VllmConfig:
+        plugin.install()
+        with set_current_vllm_config(self.config("default")):
+            init_distributed_environment(
+                world_size=world,
+                rank=rank,
+                distributed_init_method=f"tcp://127.0.0.1:{port}",
+                local_rank=rank,
+                backend="gloo",
+            )
+            initialize_model_parallel(world, 1)
+
+    def config(self, backend: str, **kw: Any) -> Any:
+        from vllm.config import LoadConfig, ModelConfig, ParallelConfig, VllmConfig
+
         return VllmConfig(
-            model_config=ModelConfig(model=ckpt, skip_tokenizer_init=True, dtype="bfloat16"),
-            parallel_config=ParallelConfig(tensor_parallel_size=world),
-            engram_config=engram,
+            model_config=ModelConfig(model=self.ckpt, skip_tokenizer_init=True, dtype="bfloat16"),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.world),
             load_config=LoadConfig(load_format="safetensors"),
             additional_config={"ple_memops": {"table_backend": backend}},
+            **kw,
         )
 
-    def load(vc: VllmConfig) -> tuple[torch.nn.Module, object]:
+    def load(self, vc: Any) -> Any:
+        import vllm_cpu  # beside this script
+
+        return vllm_cpu.load_model(vc)[0]
+
+    def attach(self, model: Any, vc: Any) -> Any:
+        import torch
+        from vllm.config import set_current_vllm_config
+
+        from ple_memops.vllm import runner
+
+        fake = types.SimpleNamespace(model=model, vllm_config=vc, device=torch.device("cpu"))
         with set_current_vllm_config(vc):
-            loader = get_model_loader(vc.load_config)
-            with torch.device("cpu"):
-                model = initialize_model(vllm_config=vc, model_config=vc.model_config)
-            loader.load_weights(model, vc.model_config)
-        return model, loader
+            hooks = runner.attach_runner(fake)
+        assert hooks is not None
+        return hooks
 
-    device_cfg = config(EngramConfig(cpu_offload=False))
-    with set_current_vllm_config(device_cfg):
-        init_distributed_environment(
-            world_size=world,
-            rank=rank,
-            distributed_init_method=f"tcp://127.0.0.1:{port}",
-            local_rank=rank,
-            backend="gloo",
-        )
-        initialize_model_parallel(world, 1)
-    device_model, _ = load(device_cfg)
-    mmap_cfg = config(EngramConfig(), "mmap")
-    mmap_model, _ = load(mmap_cfg)
-    fake_runner = types.SimpleNamespace(
-        model=mmap_model, vllm_config=mmap_cfg, device=torch.device("cpu")
-    )
-    with set_current_vllm_config(mmap_cfg):
-        hooks = runner.attach_runner(fake_runner)
-    assert hooks is not None
-    # One rank that cannot defer makes every rank synchronous (over vLLM's world group).
-    agreed = [runner.agree_on_deferral(rank != 1), runner.agree_on_deferral(True)]
+    @contextmanager
+    def counting_reduces(self) -> Iterator[dict[str, int]]:
+        """All-reduces over vLLM's groups while inside: ``{"n": count}``."""
+        from vllm.distributed.parallel_state import GroupCoordinator
 
-    reduces = {"n": 0}
-    original = GroupCoordinator.all_reduce
+        count = {"n": 0}
+        original = GroupCoordinator.all_reduce
 
-    def counting(self: GroupCoordinator, tensor: torch.Tensor) -> torch.Tensor:
-        reduces["n"] += 1
-        return original(self, tensor)
+        def counting(group: GroupCoordinator, tensor: Any) -> Any:
+            count["n"] += 1
+            return original(group, tensor)
 
-    GroupCoordinator.all_reduce = counting  # type: ignore[method-assign]
+        GroupCoordinator.all_reduce = counting  # type: ignore[method-assign]
+        try:
+            yield count
+        finally:
+            GroupCoordinator.all_reduce = original  # type: ignore[method-assign]
+
+    def agreed(self) -> list[bool]:
+        """One rank that cannot defer makes every rank synchronous (over the world group)."""
+        from ple_memops.vllm import runner
+
+        return [runner.agree_on_deferral(self.rank != 1), runner.agree_on_deferral(True)]
+
+
+def qwen4exp(r: Rank) -> dict[str, Any]:
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.config.engram import EngramConfig
+
+    from ple_memops.vllm import ops
+
+    device_cfg = r.config("default", engram_config=EngramConfig(cpu_offload=False))
+    device_model = r.load(device_cfg)
+    mmap_cfg = r.config("mmap", engram_config=EngramConfig())
+    mmap_model = r.load(mmap_cfg)
+    hooks = r.attach(mmap_model, mmap_cfg)
+    report: dict[str, Any] = {"rank": r.rank, "layers": {}, "agreed": r.agreed()}
     g = torch.Generator().manual_seed(5)
-    report: dict[str, object] = {"rank": rank, "layers": {}}
     for i in (0, 2):
         ids = torch.randint(0, 128, (11,), generator=g, dtype=torch.int32)
         qsl = torch.tensor([0, 4, 5, 11], dtype=torch.int32)
         ctx = torch.randint(0, 128, (3, 2), generator=g, dtype=torch.int32)
         hidden = torch.zeros(11, 256, dtype=torch.bfloat16)
         layer = device_model.model.layers[i].ple
-        reduces["n"] = 0
-        with set_current_vllm_config(device_cfg):
+        with set_current_vllm_config(device_cfg), r.counting_reduces() as device_reduces:
             want = layer.ple_embedding(hidden, ids, qsl, ctx)
-        device_reduces = reduces["n"]
         mlayer = mmap_model.model.layers[i].ple
-        reduces["n"] = 0
         layers = mmap_cfg.compilation_config.static_forward_context
-        with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
+        with (
+            set_current_vllm_config(mmap_cfg),
+            hooks.eager(dummy=False),
+            ops.layers(layers),
+            r.counting_reduces() as mmap_reduces,
+        ):
             mlayer.start_prefetch(ids, qsl, ctx)
             got = mlayer.ple_embedding(hidden, ids, qsl, ctx)
-        report["layers"][str(i)] = {  # type: ignore[index]
+        report["layers"][str(i)] = {
             "equal": bool(torch.equal(got.view(torch.uint8), want.view(torch.uint8))),
             "nonzero": bool(want.view(torch.uint8).any()),
             "device_rows": int(layer.ple_embedding.ngram_embedding.weight.shape[0]),
             "mmap_rows": int(mlayer.ple_embedding.ngram_embedding.weight.shape[0]),
-            "device_reduces": device_reduces,
-            "mmap_reduces": reduces["n"],
+            "device_reduces": device_reduces["n"],
+            "mmap_reduces": mmap_reduces["n"],
         }
-    GroupCoordinator.all_reduce = original  # type: ignore[method-assign]
     report["plan_mode"] = hooks.plan.mode
-    report["agreed"] = agreed
     hooks.shutdown()
+    return report
+
+
+def gemma4(r: Rank) -> dict[str, Any]:
+    """The per-layer inputs of the text model: the rows' lookup counted apart (the
+    token embedding and the projection are vLLM's in both backends)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    from ple_memops.vllm import ops
+
+    stock_cfg = r.config("default")
+    stock = r.load(stock_cfg)
+    mmap_cfg = r.config("mmap")
+    model = r.load(mmap_cfg)
+    hooks = r.attach(model, mmap_cfg)
+    report: dict[str, Any] = {"rank": r.rank, "inputs": [], "agreed": r.agreed()}
+    layers = mmap_cfg.compilation_config.static_forward_context
+
+    def inputs(m: Any, ids: Any, scope: Callable[[], Any]) -> tuple[Any, int]:
+        lm = m.model
+        with scope():
+            embeds = lm.embed_input_ids(ids.clamp(0, lm.config.vocab_size - 1))
+            with r.counting_reduces() as reduces:
+                rows = lm.get_per_layer_inputs(ids)
+            return lm.project_per_layer_inputs(embeds, rows), reduces["n"]
+
+    @contextmanager
+    def mmap_scope() -> Iterator[None]:
+        with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
+            yield
+
+    g = torch.Generator().manual_seed(7)
+    for n in (1, 9, 40):
+        ids = torch.randint(0, 128, (n,), generator=g, dtype=torch.int64)
+        ids[-1] = -1  # outside the table: row 0
+        want, stock_reduces = inputs(stock, ids, lambda: set_current_vllm_config(stock_cfg))
+        got, mmap_reduces = inputs(model, ids, mmap_scope)
+        report["inputs"].append(
+            {
+                "equal": bool(torch.equal(got, want)),
+                "nonzero": bool(want.abs().sum() > 0),
+                "stock_reduces": stock_reduces,
+                "mmap_reduces": mmap_reduces,
+            }
+        )
+    report["stock_rows"] = int(stock.model.embed_tokens_per_layer.weight.shape[0])
+    report["mmap_rows"] = int(model.model.embed_tokens_per_layer.weight.shape[0])
+    report["plan_mode"] = hooks.plan.mode
+    hooks.shutdown()
+    return report
+
+
+def main() -> None:
+    family, rank, world, port, ckpt, out = sys.argv[1:7]
+    r = Rank(int(rank), int(world), int(port), ckpt)
+    report = {"qwen4exp": qwen4exp, "gemma4": gemma4}[family](r)
     with open(out, "w") as f:
         json.dump(report, f)
 
