@@ -90,11 +90,17 @@ def check() -> int:
     if not settings.mmap:
         print(
             f"ready, switched off: vLLM runs as released; set {BACKEND_ENV}=mmap in the "
-            "server's environment to serve Qwen4Exp PLE tables from the checkpoint"
+            f"server's environment to serve {_SERVED} from the checkpoint"
         )
         return 0
-    print("ready: vLLM would serve Qwen4Exp PLE tables from the checkpoint (mmap)")
+    print(f"ready: vLLM would serve {_SERVED} from the checkpoint (mmap)")
     return 0
+
+
+_SERVED = (
+    "the per-layer embedding tables of Qwen4Exp, Gemma 4 and Gemma 3n "
+    "(Gemma3nForConditionalGeneration)"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
