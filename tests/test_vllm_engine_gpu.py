@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +55,6 @@ except ImportError:
     hyperconnection.MAX_FUSED_M = 0
     hc_down_silu.MAX_FUSED_M = 0
 
-import ple_memops as pm  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
 import vllm_checkpoints as ckpts  # noqa: E402
 from vllm_harness import (  # noqa: E402
     ENGINE_GRAPH_SIZES,
@@ -72,6 +68,8 @@ from vllm_harness import (  # noqa: E402
     generate,
     truncate_under_engine,
 )
+
+import ple_memops as pm  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,6 @@ process-wide. Skipped, with the reason, without vLLM, timm or a GPU.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,6 @@ if not torch.cuda.is_available():
 pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/gpu/vllm_gemma4.sh)")
 pytest.importorskip("timm", reason="timm is not installed (transformers' Gemma 3n needs it)")
 
-sys.path.insert(0, str(Path(__file__).parent))
 import vllm_checkpoints as ckpts  # noqa: E402
 from vllm_harness import (  # noqa: E402
     assert_gemma_deferred,

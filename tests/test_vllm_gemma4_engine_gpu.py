@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +41,8 @@ if not torch.cuda.is_available():
     pytest.skip("GPU test: no CUDA device", allow_module_level=True)
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/gpu/vllm_gemma4.sh)")
 
-from vllm import LLM  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
 import vllm_checkpoints as ckpts  # noqa: E402
+from vllm import LLM  # noqa: E402
 from vllm_harness import (  # noqa: E402
     Greedy,
     assert_gemma_deferred,

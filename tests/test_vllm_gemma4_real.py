@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,8 @@ vllm = pytest.importorskip(
 )
 
 import torch  # noqa: E402
+import vllm_checkpoints as ckpts  # noqa: E402
+import vllm_cpu  # noqa: E402
 from vllm.config import (  # noqa: E402
     LoadConfig,
     ModelConfig,
@@ -44,10 +45,6 @@ from vllm.config import (  # noqa: E402
 
 import ple_memops as pm  # noqa: E402
 from ple_memops.vllm import gemma4, ops, plugin, runner  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-import vllm_checkpoints as ckpts  # noqa: E402
-import vllm_cpu  # noqa: E402
 
 dist = vllm_cpu.dist  # the fixture
 

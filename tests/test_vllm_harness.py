@@ -4,12 +4,7 @@ them compared (the GPU engine tests rely on it; here it runs without vLLM or a G
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from vllm_harness import NEAR_TIE, Greedy, assert_same_greedy
 
 DECISIVE = 10 * NEAR_TIE

@@ -43,6 +43,8 @@ vllm = pytest.importorskip(
 )
 
 import torch  # noqa: E402
+import vllm_checkpoints as ckpts  # noqa: E402
+import vllm_cpu  # noqa: E402
 from vllm.config import (  # noqa: E402
     LoadConfig,
     ModelConfig,
@@ -56,10 +58,6 @@ from ple_memops.vllm import _compat, ops, plugin, qwen4exp, runner  # noqa: E402
 from ple_memops.vllm.hooks import build_hooks  # noqa: E402
 from ple_memops.vllm.ngram import NGramHasher, NGramLayout  # noqa: E402
 from ple_memops.vllm.settings import Settings, engine_settings  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-import vllm_checkpoints as ckpts  # noqa: E402
-import vllm_cpu  # noqa: E402
 
 dist = vllm_cpu.dist  # the fixture
 _load = vllm_cpu.load_model
