@@ -43,7 +43,7 @@ from ..errors import UnsupportedError
 from .settings import engine_settings
 from .token_table import (
     PerLayerTokenTable,
-    embed_without_rows,
+    RecordsRowIds,
     find_mmap_tables,
     replace_rows_buffer,
     table_class,
@@ -93,11 +93,11 @@ class _MmapSelfDecoder(Gemma3nSelfDecoder):
         return combined
 
 
-class Gemma3nMmapForConditionalGeneration(Gemma3nForConditionalGeneration):
+class Gemma3nMmapForConditionalGeneration(RecordsRowIds, Gemma3nForConditionalGeneration):
     """vLLM's ``Gemma3nForConditionalGeneration``; with ``mmap`` settings its per-layer
     embedding table stays in the checkpoint (see the module)."""
 
-    ple_memops_ids: torch.Tensor | None
+    ple_memops_vllm_class = Gemma3nForConditionalGeneration
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         mmap = engine_settings(vllm_config).mmap
@@ -121,25 +121,6 @@ class Gemma3nMmapForConditionalGeneration(Gemma3nForConditionalGeneration):
             )
         decoder.__class__ = _MmapSelfDecoder
         self.ple_memops_ids = replace_rows_buffer(self)
-
-    def embed_input_ids(
-        self,
-        input_ids: torch.Tensor,
-        multimodal_embeddings: Any = None,
-        *,
-        is_multimodal: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        ids = self.ple_memops_ids
-        if ids is None:
-            stock: torch.Tensor = super().embed_input_ids(
-                input_ids, multimodal_embeddings, is_multimodal=is_multimodal
-            )
-            return stock
-        if input_ids is not None:
-            # vLLM looks these ids up (masked) here, image and audio tokens too.
-            ids[: input_ids.shape[0]].copy_(input_ids)
-        base = super(Gemma3nForConditionalGeneration, self)  # vLLM's, minus its rows
-        return embed_without_rows(base, input_ids, multimodal_embeddings, is_multimodal)
 
     def forward(
         self,

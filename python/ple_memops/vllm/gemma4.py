@@ -51,7 +51,7 @@ from .settings import engine_settings
 from .tables import is_per_layer_table_weight
 from .token_table import (
     PerLayerTokenTable,
-    embed_without_rows,
+    RecordsRowIds,
     find_mmap_tables,
     replace_rows_buffer,
     table_class,
@@ -127,13 +127,13 @@ class Gemma4MmapForCausalLM(Gemma4ForCausalLM):
             self.is_unused_checkpoint_weight = is_per_layer_table_weight
 
 
-class Gemma4MmapForConditionalGeneration(Gemma4ForConditionalGeneration):
+class Gemma4MmapForConditionalGeneration(RecordsRowIds, Gemma4ForConditionalGeneration):
     """vLLM's ``Gemma4ForConditionalGeneration``; with ``mmap`` settings its language
     model is :class:`Gemma4MmapForCausalLM`'s (vLLM builds it through the registry),
     ``embed_input_ids`` records the step's per-layer ids instead of looking rows up, and
     the forward stages them inside the graph."""
 
-    ple_memops_ids: torch.Tensor | None
+    ple_memops_vllm_class = Gemma4ForConditionalGeneration
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -148,31 +148,17 @@ class Gemma4MmapForConditionalGeneration(Gemma4ForConditionalGeneration):
             )
         self.ple_memops_ids = replace_rows_buffer(self)
 
-    def embed_input_ids(
-        self,
-        input_ids: torch.Tensor,
-        multimodal_embeddings: Any = None,
-        *,
-        is_multimodal: torch.Tensor | None = None,
+    def ple_memops_row_ids(
+        self, input_ids: torch.Tensor, is_multimodal: torch.Tensor | None
     ) -> torch.Tensor:
-        ids = self.ple_memops_ids
-        if ids is None:
-            stock: torch.Tensor = super().embed_input_ids(
-                input_ids, multimodal_embeddings, is_multimodal=is_multimodal
-            )
-            return stock
         # vLLM's: image and audio positions read row 0.
-        if is_multimodal is not None:
-            ple_ids = torch.where(
-                is_multimodal.to(input_ids.device, non_blocking=True),
-                torch.zeros_like(input_ids),
-                input_ids,
-            )
-        else:
-            ple_ids = input_ids
-        ids[: ple_ids.shape[0]].copy_(ple_ids)
-        base = super(Gemma4ForConditionalGeneration, self)  # vLLM's, minus its rows
-        return embed_without_rows(base, input_ids, multimodal_embeddings, is_multimodal)
+        if is_multimodal is None:
+            return input_ids
+        return torch.where(
+            is_multimodal.to(input_ids.device, non_blocking=True),
+            torch.zeros_like(input_ids),
+            input_ids,
+        )
 
     def forward(
         self,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ from .tables import TABLE_DTYPES, LayerTable, find_per_layer_table
 
 __all__ = [
     "PerLayerTokenTable",
-    "embed_without_rows",
+    "RecordsRowIds",
     "find_mmap_tables",
     "replace_rows_buffer",
     "table_class",
@@ -211,23 +211,48 @@ def replace_rows_buffer(model: Any) -> torch.Tensor:
     return ids
 
 
-def embed_without_rows(
-    base: Any,
-    input_ids: torch.Tensor,
-    multimodal_embeddings: Any,
-    is_multimodal: torch.Tensor | None,
-) -> torch.Tensor:
-    """A multimodal Gemma's ``embed_input_ids`` minus its rows: ``base`` is
-    ``super(<vLLM's class>, model)``, whose ``SupportsMultiModal`` default vLLM's class
-    calls after looking the rows up."""
-    embeds: torch.Tensor
-    if multimodal_embeddings is None or is_multimodal is None:
-        embeds = base.embed_input_ids(input_ids)
+class RecordsRowIds:
+    """A mixin before vLLM's multimodal Gemma class in the bases. vLLM's class looks the
+    step's rows up eagerly in ``embed_input_ids``; with ``mmap`` settings (its
+    ``ple_memops_ids``, from :func:`replace_rows_buffer`, not ``None``) this records the
+    step's row ids there instead, for the forward to stage inside the graph, and embeds
+    the tokens as vLLM's class does after its lookup (its ``SupportsMultiModal`` base)."""
+
+    ple_memops_ids: torch.Tensor | None = None
+    ple_memops_vllm_class: ClassVar[type]
+    """The vLLM class this one subclasses."""
+
+    def ple_memops_row_ids(
+        self, input_ids: torch.Tensor, is_multimodal: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The ids vLLM's class looks rows up for (it masks them into the table later)."""
+        return input_ids
+
+    def embed_input_ids(
+        self,
+        input_ids: torch.Tensor,
+        multimodal_embeddings: Any = None,
+        *,
+        is_multimodal: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        embeds: torch.Tensor
+        ids = self.ple_memops_ids
+        if ids is None:
+            embeds = cast(Any, super()).embed_input_ids(
+                input_ids, multimodal_embeddings, is_multimodal=is_multimodal
+            )
+            return embeds
+        if input_ids is not None:
+            row_ids = self.ple_memops_row_ids(input_ids, is_multimodal)
+            ids[: row_ids.shape[0]].copy_(row_ids)
+        base = cast(Any, super(self.ple_memops_vllm_class, self))
+        if multimodal_embeddings is None or is_multimodal is None:
+            embeds = base.embed_input_ids(input_ids)
+            return embeds
+        embeds = base.embed_input_ids(
+            input_ids, multimodal_embeddings=multimodal_embeddings, is_multimodal=is_multimodal
+        )
         return embeds
-    embeds = base.embed_input_ids(
-        input_ids, multimodal_embeddings=multimodal_embeddings, is_multimodal=is_multimodal
-    )
-    return embeds
 
 
 def find_mmap_tables(model: nn.Module) -> list[PerLayerTokenTable]:
