@@ -18,7 +18,6 @@ its rows).
 from __future__ import annotations
 
 import os
-import types
 from pathlib import Path
 from typing import Any
 
@@ -43,21 +42,16 @@ from vllm.config import (  # noqa: E402
 )
 
 import ple_memops as pm  # noqa: E402
-from ple_memops.vllm import gemma3n, ops, plugin, runner  # noqa: E402
+from ple_memops.vllm import gemma3n, ops, plugin  # noqa: E402
 
-dist = vllm_cpu.dist  # the fixture
+dist = vllm_cpu.dist  # the fixtures
+installed = vllm_cpu.installed
+_attach = vllm_cpu.attach_hooks
 
 ARCH = "Gemma3nForConditionalGeneration"
 TABLE_ROWS = ckpts.GEMMA3N_CONFIG["vocab_size_per_layer_input"]
 LAYERS = ckpts.GEMMA3N_CONFIG["num_hidden_layers"]
 WIDTH = ckpts.GEMMA3N_CONFIG["hidden_size_per_layer_input"]
-
-
-@pytest.fixture(scope="module")
-def installed() -> Any:
-    record = plugin.install()
-    yield record
-    record.undo()
 
 
 @pytest.fixture(scope="module")
@@ -78,19 +72,8 @@ def _config(ckpt: Path, *, mmap: bool) -> VllmConfig:
     )
 
 
-def _attach(model: Any, vc: VllmConfig) -> Any:
-    fake = types.SimpleNamespace(model=model, vllm_config=vc, device=torch.device("cpu"))
-    with set_current_vllm_config(vc):
-        hooks = runner.attach_runner(fake)
-    assert hooks is not None
-    return hooks
-
-
 def _ids(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 128, (n,), generator=g, dtype=torch.int64)
-    ids[0] = TABLE_ROWS  # outside the table: row 0
-    return ids
+    return vllm_cpu.token_ids(n, seed, TABLE_ROWS)  # outside the table: row 0
 
 
 def test_the_model_loads_without_its_table_and_its_inputs_are_the_stock_models(

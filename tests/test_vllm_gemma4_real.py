@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import types
 from pathlib import Path
 from typing import Any
 
@@ -44,19 +43,19 @@ from vllm.config import (  # noqa: E402
 )
 
 import ple_memops as pm  # noqa: E402
-from ple_memops.vllm import gemma4, ops, plugin, runner  # noqa: E402
+from ple_memops.vllm import gemma4, ops  # noqa: E402
 
-dist = vllm_cpu.dist  # the fixture
+dist = vllm_cpu.dist  # the fixtures
+installed = vllm_cpu.installed
+_attach = vllm_cpu.attach_hooks
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return vllm_cpu.token_ids(n, seed, TABLE_ROWS, -1)  # outside the table: row 0
+
 
 MMAP = {"ple_memops": {"table_backend": "mmap"}}
 TABLE_ROWS = ckpts.GEMMA4_CONFIG["vocab_size_per_layer_input"]
-
-
-@pytest.fixture(scope="module")
-def installed() -> Any:
-    record = plugin.install()
-    yield record
-    record.undo()
 
 
 @pytest.fixture(scope="module", params=["text", "mm"])
@@ -79,27 +78,12 @@ def _language(model: Any) -> Any:
     return model.language_model.model if hasattr(model, "language_model") else model.model
 
 
-def _attach(model: Any, vc: VllmConfig) -> Any:
-    fake = types.SimpleNamespace(model=model, vllm_config=vc, device=torch.device("cpu"))
-    with set_current_vllm_config(vc):
-        hooks = runner.attach_runner(fake)
-    assert hooks is not None
-    return hooks
-
-
 def _per_layer_inputs(model: Any, ids: torch.Tensor) -> torch.Tensor:
     """The model's per-layer inputs for ``ids``, as its forward computes them."""
     lm = _language(model)
     embeds = lm.embed_input_ids(ids.clamp(0, 127))
     out: torch.Tensor = lm.project_per_layer_inputs(embeds, lm.get_per_layer_inputs(ids))
     return out
-
-
-def _ids(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 128, (n,), generator=g, dtype=torch.int64)
-    ids[0], ids[-1] = TABLE_ROWS, -1  # outside the table: row 0
-    return ids
 
 
 def test_the_model_loads_without_its_table_and_its_inputs_are_the_stock_models(

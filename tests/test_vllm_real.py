@@ -59,7 +59,8 @@ from ple_memops.vllm.hooks import build_hooks  # noqa: E402
 from ple_memops.vllm.ngram import NGramHasher, NGramLayout  # noqa: E402
 from ple_memops.vllm.settings import Settings, engine_settings  # noqa: E402
 
-dist = vllm_cpu.dist  # the fixture
+dist = vllm_cpu.dist  # the fixtures
+installed = vllm_cpu.installed
 _load = vllm_cpu.load_model
 free_port = vllm_cpu.free_port
 
@@ -83,15 +84,6 @@ def _config(
         load_config=LoadConfig(load_format="safetensors"),
         **({"additional_config": MMAP if mmap else {}} | kw),
     )
-
-
-@pytest.fixture(scope="module")
-def installed() -> Any:
-    """The plugin installed in this process, as vLLM's loader does with the switch on (the
-    module puts vLLM back afterwards)."""
-    record = plugin.install()
-    yield record
-    record.undo()
 
 
 # -- the plugin, as vLLM loads it -----------------------------------------------------------

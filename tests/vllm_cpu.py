@@ -17,7 +17,16 @@ import pytest
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 
-__all__ = ["dist", "free_port", "load_model", "run_tp_ranks", "spy_loaded_files"]
+__all__ = [
+    "attach_hooks",
+    "dist",
+    "free_port",
+    "installed",
+    "load_model",
+    "run_tp_ranks",
+    "spy_loaded_files",
+    "token_ids",
+]
 
 
 def free_port() -> int:
@@ -117,3 +126,39 @@ def run_tp_ranks(family: str, ckpt: Path, out: Path, world: int = 2) -> list[dic
     for p, text in zip(procs, outputs, strict=True):
         assert p.returncode == 0, text[-4000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+@pytest.fixture(scope="module")
+def installed() -> Iterator[Any]:
+    """The plugin installed in this process, as vLLM's loader does with the switch on (the
+    module puts vLLM back afterwards)."""
+    from ple_memops.vllm import plugin
+
+    record = plugin.install()
+    yield record
+    record.undo()
+
+
+def attach_hooks(model: Any, vc: VllmConfig) -> Any:
+    """The rows hooks vLLM's model runner would attach to ``model`` right after loading it
+    (on the CPU: a host plan)."""
+    import types
+
+    from ple_memops.vllm import runner
+
+    fake = types.SimpleNamespace(model=model, vllm_config=vc, device=torch.device("cpu"))
+    with set_current_vllm_config(vc):
+        hooks = runner.attach_runner(fake)
+    assert hooks is not None
+    return hooks
+
+
+def token_ids(n: int, seed: int, first: int, last: int | None = None) -> torch.Tensor:
+    """``n`` random token ids below 128, the first one ``first`` and (if given) then the
+    last one ``last``: ids outside a per-layer table, which read its row 0."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (n,), generator=g, dtype=torch.int64)
+    ids[0] = first
+    if last is not None:
+        ids[-1] = last
+    return ids

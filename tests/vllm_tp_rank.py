@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -63,16 +62,9 @@ class Rank:
         return vllm_cpu.load_model(vc)[0]
 
     def attach(self, model: Any, vc: Any) -> Any:
-        import torch
-        from vllm.config import set_current_vllm_config
+        import vllm_cpu  # beside this script
 
-        from ple_memops.vllm import runner
-
-        fake = types.SimpleNamespace(model=model, vllm_config=vc, device=torch.device("cpu"))
-        with set_current_vllm_config(vc):
-            hooks = runner.attach_runner(fake)
-        assert hooks is not None
-        return hooks
+        return vllm_cpu.attach_hooks(model, vc)
 
     @contextmanager
     def counting_reduces(self) -> Iterator[dict[str, int]]:
