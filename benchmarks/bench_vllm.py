@@ -170,6 +170,10 @@ MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     # The first PLE layer's table (the fill every step waits for: PLE at the start of decoder
     # layer 0) on 8 gather threads of its own instead of the pool all tables share.
     "mmap-lead": {"first_layer_threads": 8},
+    # The gather workers never hot: they nap (20 us) from the start of every wait instead of
+    # spinning, then yielding, for 2 ms; a worker armed one step ahead then burns almost no
+    # CPU while the GPU runs the step before (does our threads' CPU use slow the engine's?).
+    "mmap-quiet": {"spin": 1e-6},  # 1 us (0 means the default)
     # A second mmap server (A against A among the mmap rungs).
     "mmap-b": {},
     # Diagnostics: the protocol (publish, waits, copies) without the host's gather; the
@@ -494,6 +498,57 @@ def _proc_tree(root: int) -> list[int]:
         out.append(p)
         todo.extend(children.get(p, []))
     return out
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+# Our threads' names (the Rust core names them; Linux keeps 15 characters of a name).
+OUR_THREADS = ("ple-",)
+
+
+def thread_cpu(pids: list[int]) -> dict[tuple[int, int], tuple[str, int]]:
+    """CPU time (user + system, clock ticks) of every thread of the processes, by (pid,
+    tid), with the thread's name."""
+    out: dict[tuple[int, int], tuple[str, int]] = {}
+    for p in pids:
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tids:
+            try:
+                stat = Path(f"/proc/{p}/task/{t}/stat").read_text()
+            except OSError:
+                continue
+            head, rest = stat.rsplit(")", 1)
+            fields = rest.split()
+            # fields[0] is the state (stat field 3): utime, stime are fields 14 and 15.
+            out[(p, int(t))] = (head.split("(", 1)[1], int(fields[11]) + int(fields[12]))
+    return out
+
+
+def cpu_use(
+    before: dict[tuple[int, int], tuple[str, int]],
+    after: dict[tuple[int, int], tuple[str, int]],
+    wall_s: float,
+) -> dict[str, Any]:
+    """Cores busy over ``wall_s`` between two :func:`thread_cpu` samples: the whole tree,
+    our threads (named ``ple-*``), and the busiest thread by name."""
+    if wall_s <= 0:
+        return {}
+    used: dict[str, float] = {}
+    for key, (name, ticks) in after.items():
+        d = ticks - before.get(key, (name, 0))[1]
+        if d > 0:
+            used[name] = used.get(name, 0.0) + d / _CLK_TCK / wall_s
+    if not used:
+        return {"cpu_cores": 0.0, "cpu_ours": 0.0, "cpu_top": None}
+    ours = sum(v for n, v in used.items() if n.startswith(OUR_THREADS))
+    top = max((n for n in used if not n.startswith(OUR_THREADS)), key=used.get, default=None)
+    return {
+        "cpu_cores": sum(used.values()),
+        "cpu_ours": ours,
+        "cpu_top": None if top is None else (top, used[top]),
+    }
 
 
 def host_rss(pids: list[int]) -> dict[str, float]:
@@ -906,9 +961,13 @@ async def measure(
                     util = Utilization()
                     timeout = max(5.0, min(args.load_timeout, left()))
                     log_at = _log_size(srv.log_path)
+                    tree = _proc_tree(srv.proc.pid) if srv.proc is not None else []
+                    cpu0 = thread_cpu(tree)
                     outs, wall = await run_load(client, srv.port, load, timeout)
+                    cpu = cpu_use(cpu0, thread_cpu(tree), wall) if tree else {}
                     busy = util.stop()
                     m = metrics(outs, wall) | delivery_stats(_log_since(srv.log_path, log_at))
+                    m |= cpu
                     took[load.name] = max(took.get(load.name, 0.0), wall)
                     row = {"repeat": r + 1, "load": load.name, "backend": b, "gpu_busy_pct": busy,
                            "page_cache_gib": page_cache(tables) if tables else None,
@@ -1102,6 +1161,12 @@ def summarize(
                     }
                     for n in names
                 }
+            for k in ("cpu_cores", "cpu_ours"):
+                s[k] = _med(rs, k)
+            tops = [r["cpu_top"] for r in good if r.get("cpu_top")]
+            if tops:
+                name = statistics.mode(t[0] for t in tops)
+                s["cpu_top"] = (name, statistics.median(t[1] for t in tops if t[0] == name))
             colds = [r["cold_pct"] for r in good if r.get("cold_pct")]
             s["cold_pct"] = (
                 statistics.median(statistics.mean(c.values()) for c in colds) if colds else None
@@ -1135,12 +1200,14 @@ def breakdown_markdown(
         f"Paired against `{ref}` (each repeat's server against `{ref}` in the same round; "
         "median [min, max] over the repeats). GPU stall: the first PLE layer's consumer "
         "waiting for its rows, from the GPU's clock (steps stalled > 1 us, p50 / p99 / "
-        "mean us). Host: our code per engine step, p50 us (total / arm / wait / check).",
+        "mean us). Host: our code per engine step, p50 us (total / arm / wait / check). "
+        "CPU: cores the server's threads kept busy over the load (/proc: all of them, ours "
+        "(`ple-*`), the busiest other thread).",
         "",
         f"| load | backend | runs | ITL p50 ms | ITL p50 vs {ref} | tok/s vs {ref} | GPU busy "
         "| GPU stall: stalled, p50 / p99 / mean us | host us: total p50 / p99; arm, wait, "
-        "check |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "check | CPU cores: all / ours; busiest other thread |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def spread(xs: list[float] | None) -> str:
@@ -1165,11 +1232,17 @@ def breakdown_markdown(
                 f"{h['total_p50']:.0f} / {h['total_p99']:.0f}; {h['arm']:.0f}, {h['wait']:.0f}, "
                 f"{h['check']:.0f}"
             )
+        cpu = "-"
+        if s.get("cpu_cores") is not None:
+            top = s.get("cpu_top")
+            cpu = f"{s['cpu_cores']:.2f} / {_f(s.get('cpu_ours'), 2)}"
+            if top:
+                cpu += f"; {top[0]} {top[1]:.2f}"
         lines.append(
             f"| {load} | {b} | {s['n']} | {_f(s['itl_p50_ms'], 2)} "
             f"| {'(ref)' if b == ref else spread(itl.get((load, b)))} "
             f"| {'(ref)' if b == ref else spread(tok.get((load, b)))} "
-            f"| {_f(s['gpu_busy_pct'], 0)}% | {stall} | {host} |"
+            f"| {_f(s['gpu_busy_pct'], 0)}% | {stall} | {host} | {cpu} |"
         )
     return "\n".join(lines)
 

@@ -1,0 +1,66 @@
+"""The benchmark's per-thread CPU accounting (``bench_vllm.thread_cpu`` / ``cpu_use``), on
+this process's own threads: a thread named like ours burns a known amount of CPU time."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+if not sys.platform.startswith("linux"):
+    pytest.skip("/proc thread accounting is Linux's", allow_module_level=True)
+
+import bench_vllm
+
+BURN_S = 0.3
+
+
+def _burn(name: bytes, seconds: float, burned: threading.Event, release: threading.Event) -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    assert libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0) == 0  # PR_SET_NAME
+    t0 = time.thread_time()
+    x = 0
+    while time.thread_time() - t0 < seconds:
+        x += 1
+    burned.set()
+    release.wait(10)  # alive while it is sampled, as a server's threads are
+
+
+def test_our_threads_cpu_time_is_counted_apart() -> None:
+    burned, release = threading.Event(), threading.Event()
+    t = threading.Thread(target=_burn, args=(b"ple-test-burn", BURN_S, burned, release))
+    before = bench_vllm.thread_cpu([os.getpid()])
+    w0 = time.monotonic()
+    t.start()
+    try:
+        assert burned.wait(30)
+        wall = time.monotonic() - w0
+        after = bench_vllm.thread_cpu([os.getpid()])
+    finally:
+        release.set()
+        t.join()
+    names = {name for name, _ in after.values()}
+    assert "ple-test-burn" in names, names
+    use = bench_vllm.cpu_use(before, after, wall)
+    # Clock ticks are 10 ms: the thread's 0.3 s of CPU time, give or take two ticks.
+    ours_s = use["cpu_ours"] * wall
+    assert BURN_S - 0.03 <= ours_s <= BURN_S + 0.1, (ours_s, use)
+    assert use["cpu_cores"] >= use["cpu_ours"]
+    top = use["cpu_top"]
+    assert top is None or not top[0].startswith("ple-")
+
+
+def test_cpu_use_of_a_thread_that_ended_or_began() -> None:
+    before = {(1, 10): ("EngineCore", 100), (1, 11): ("ple-memops-gath", 50)}
+    after = {(1, 10): ("EngineCore", 300), (1, 12): ("ple-gather-0", 40)}
+    use = bench_vllm.cpu_use(before, after, 2.0)
+    tick = bench_vllm._CLK_TCK
+    assert use["cpu_cores"] == pytest.approx((200 + 40) / tick / 2.0)
+    assert use["cpu_ours"] == pytest.approx(40 / tick / 2.0)  # a thread gone adds nothing
+    assert use["cpu_top"] == ("EngineCore", pytest.approx(200 / tick / 2.0))
+    assert bench_vllm.cpu_use(before, after, 0.0) == {}
