@@ -29,12 +29,12 @@ from ple_memops.errors import (
 )
 
 torch = pytest.importorskip("torch")
+from qwen4exp_ngram import NGramHasher, NGramLayout, _is_prime  # noqa: E402
 from safetensors.torch import save_file as save_torch  # noqa: E402
 
 from ple_memops.vllm import hooks, ops, settings  # noqa: E402
 from ple_memops.vllm.__main__ import main as cli  # noqa: E402
 from ple_memops.vllm.hooks import PleRunnerHooks, deferrable  # noqa: E402
-from ple_memops.vllm.ngram import NGramHasher, NGramLayout, _is_prime  # noqa: E402
 from ple_memops.vllm.tables import (  # noqa: E402
     LayerTable,
     checkpoint_tensor_names,

@@ -45,6 +45,7 @@ vllm = pytest.importorskip(
 import torch  # noqa: E402
 import vllm_checkpoints as ckpts  # noqa: E402
 import vllm_cpu  # noqa: E402
+from qwen4exp_ngram import NGramHasher, NGramLayout  # noqa: E402
 from vllm.config import (  # noqa: E402
     LoadConfig,
     ModelConfig,
@@ -56,7 +57,6 @@ from vllm.config.engram import EngramConfig  # noqa: E402
 import ple_memops as pm  # noqa: E402
 from ple_memops.vllm import _compat, ops, plugin, qwen4exp, runner  # noqa: E402
 from ple_memops.vllm.hooks import build_hooks  # noqa: E402
-from ple_memops.vllm.ngram import NGramHasher, NGramLayout  # noqa: E402
 from ple_memops.vllm.settings import Settings, engine_settings  # noqa: E402
 
 dist = vllm_cpu.dist  # the fixtures

@@ -2,7 +2,7 @@
 stand-in runner (vLLM itself cannot be installed on the GPU machine).
 
 The stand-in is a small decoder (torch layers) with two PLE layers whose ids are the
-Qwen4Exp n-gram ids (:class:`~ple_memops.vllm.ngram.NGramHasher`, checked against vLLM's
+Qwen4Exp n-gram ids (:class:`qwen4exp_ngram.NGramHasher`, checked against vLLM's
 own ``compute_ngram_ids`` in ``test_vllm_real.py``), computed in the graph from graph-static
 inputs, staged at the top of the forward and joined before each consumer, exactly as the
 plugin's Qwen4Exp model does through the same custom ops. The runner follows MRV2: load
@@ -33,11 +33,11 @@ from typing import Any
 import numpy as np
 import pytest
 from gpu_wait import done as wait_done
+from qwen4exp_ngram import NGramHasher, NGramLayout
 
 import ple_memops as pm
 from ple_memops.vllm import ops
 from ple_memops.vllm.hooks import PleRunnerHooks, build_hooks
-from ple_memops.vllm.ngram import NGramHasher, NGramLayout
 from ple_memops.vllm.tables import checkpoint_tensor_names, find_layer_table, open_layer_table
 
 torch = pytest.importorskip("torch")

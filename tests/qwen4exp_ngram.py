@@ -1,4 +1,6 @@
-"""Qwen4Exp n-gram PLE row ids, in torch, written from the model's definition.
+"""Qwen4Exp n-gram PLE row ids, in torch, written from the model's definition: what the
+tests compute the ids with where they stand in for vLLM's model (checked against vLLM's own
+``compute_ngram_ids`` in ``test_vllm_real.py``).
 
 For each token, n-gram ``n`` (2..``ngram_size``) hashes the token and its ``n - 1``
 predecessors: ``xor_k(token[t - k] * multiplier[k])`` over ``k < n`` (64-bit wrapping
