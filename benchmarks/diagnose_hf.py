@@ -1,4 +1,4 @@
-"""Diagnose the two failures the Gemma 3n decode bench once had on the H200 (every wait
+"""Diagnose two ways a captured Gemma 3n decode step can go wrong on a GPU (every wait
 bounded; each part says what it shows; the findings are in BENCHMARKS.md: a launch that
 waits for the GPU, and cuDNN attention that does not repeat). Run from the repo root with
 the wheel installed.

@@ -46,10 +46,12 @@ VENV=${PLE_MEMOPS_VLLM_VENV:-$PWD/.venv-vllm}
 if ! "$VENV/bin/python" -c 'import importlib.metadata as m; assert m.version("vllm") == "0.33.0"' \
         >/dev/null 2>&1; then
     echo "-- building the vLLM environment $VENV: vLLM 0.33.0 and its own torch, about 9.5 GB;"
-    echo "   this takes several minutes (about 5 on a fresh 2-core machine) and prints nothing"
-    echo "   until pip is done; later runs reuse it"
+    echo "   this takes several minutes (about 5 on a fresh 2-core machine; pip's lines below"
+    echo "   show its progress); later runs reuse it"
     $PY -m venv "$VENV"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "vllm==0.33.0"
+    # pipefail: a failing pip fails the script (grep only thins its output).
+    "$VENV/bin/python" -m pip install --progress-bar off --disable-pip-version-check "vllm==0.33.0" \
+        | grep --line-buffered -E "^(Collecting|Installing|Successfully)"
     echo "-- vLLM environment ready: $VENV"
 else
     echo "-- reusing the vLLM environment $VENV (vLLM 0.33.0 is there)"

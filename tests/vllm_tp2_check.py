@@ -9,7 +9,7 @@ engine (UVA tables) at TP 2:
 
 * the mmap backend, BF16 and FP8 tables, async scheduling on and off: the same tokens,
   and on *both* ranks a deferring plan whose decode steps were armed replays;
-* the fault that used to hang: rank 1 forced onto the synchronous fallback
+* ranks that disagree: rank 1 forced onto the synchronous fallback
   (``PLE_MEMOPS_FORCE_SYNC=ranks=1``, read by every worker) while rank 0 could defer:
   both ranks end synchronous, the engine captures and serves, the same tokens, and rank
   0's log says why.

@@ -23,7 +23,7 @@
 #                    start and before each repeat; a live mmap server's mapped pages
 #                    stay, so a cold mmap start is "--backends mmap --cold --no-warmup"),
 #                    "--attention-every 4" (dense full
-#                    attention every 4th layer: not yet run on the H200), "--layers 16",
+#                    attention every 4th layer), "--layers 16",
 #                    "--output-len 256", "--repeats 5", "--backends gpu,mmap", "--compile default",
 #                    "--vllm-bench latency,throughput" (vLLM's own offline benchmarks
 #                    instead of the servers: one engine a run for each backend)
@@ -31,7 +31,7 @@
 # Expected wall time on a fresh host at the defaults: checkpoint ~30-60 s (first time only),
 # servers healthy after ~150-250 s (vLLM's Triton kernels compile on a fresh host; a warm
 # host is faster), warm-up (every load once, all servers together) ~15 s, then ~25 s per
-# backend a repeat at 24 layers (c1, c8, c64, mixed: measured on the H200, 2026-12-01).
+# backend a repeat at 24 layers (c1, c8, c64, mixed, on an H200).
 set -uo pipefail
 OUT=${OUT:-/tmp/ple-out}
 mkdir -p "$OUT"

@@ -106,7 +106,8 @@ _SERVED = (
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ple_memops.vllm",
-        description="ple-memops's vLLM plugin: memory-mapped Qwen4Exp PLE tables whose FULL "
+        description="ple-memops's vLLM plugin: memory-mapped per-layer embedding tables "
+        "(Qwen4Exp, Gemma 4, Gemma 3n) whose FULL "
         "CUDA graphs wait for rows gathered after launch.",
         epilog="check's exit status: 0 compatible (switched on or off), 1 a problem (vLLM's "
         "names differ, a bad setting, VLLM_PLUGINS keeps the plugin out), 2 vLLM or the "

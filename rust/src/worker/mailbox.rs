@@ -106,7 +106,7 @@ impl GatherWorker {
     /// that launches the graph never has to fill. (Filling from the launching thread after
     /// the launch can stall until the watchdog: with a copy-engine consumer and thousands
     /// of nodes behind its wait, the launch itself may not return before the wait was
-    /// passed; measured on the H200, see BENCHMARKS.md.)
+    /// passed: BENCHMARKS.md, "A launch that waits for the GPU".)
     ///
     /// One call per armed step, in step order. Refused (nothing written) when the worker
     /// is closed or poisoned, when no armed step lacks ids, or when the previous ids are
