@@ -174,6 +174,8 @@ MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     # spinning, then yielding, for 2 ms; a worker armed one step ahead then burns almost no
     # CPU while the GPU runs the step before (does our threads' CPU use slow the engine's?).
     "mmap-quiet": {"spin": 1e-6},  # 1 us (0 means the default)
+    # Without the instruments (no stall timing, no stats lines): what measuring costs.
+    "mmap-bare": {"bare": True},
     # A second mmap server (A against A among the mmap rungs).
     "mmap-b": {},
     # Diagnostics: the protocol (publish, waits, copies) without the host's gather; the
@@ -681,9 +683,9 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
         for key in ("spin", "first_layer_threads", "diag_skip_gather"):
             if key in variant:
                 ours[key] = variant[key]
-        if args.stats_every:
+        if args.stats_every and not variant.get("bare"):
             ours["stats_every"] = args.stats_every
-        if args.time_stalls:
+        if args.time_stalls and not variant.get("bare"):
             ours["time_stalls"] = True
         extra["ple_memops"] = ours
     elif STOCK_VARIANTS.get(backend, {}).get("plugin"):
