@@ -122,21 +122,12 @@ class Gemma3nMmapForConditionalGeneration(RecordsRowIds, Gemma3nForConditionalGe
         decoder.__class__ = _MmapSelfDecoder
         self.ple_memops_ids = replace_rows_buffer(self)
 
-    def forward(
+    def ple_memops_per_layer_inputs(
         self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: Any = None,
-        inputs_embeds: torch.Tensor | None = None,
-        **kwargs: object,
-    ) -> Any:
-        ids = self.ple_memops_ids
-        if ids is None:
-            return super().forward(
-                input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs
-            )
-        if intermediate_tensors is not None:
-            inputs_embeds = None
+        ids: torch.Tensor,
+        intermediate_tensors: Any,
+        inputs_embeds: torch.Tensor | None,
+    ) -> torch.Tensor:
         # vLLM's: a profiling pass reads what the buffer holds (here: stages its zeros).
         if inputs_embeds is not None:
             num_tokens = inputs_embeds.shape[0]
@@ -145,15 +136,8 @@ class Gemma3nMmapForConditionalGeneration(RecordsRowIds, Gemma3nForConditionalGe
         else:
             raise ValueError("inputs_embeds is required on the first PP rank")
         decoder = self.language_model.model.self_decoder
-        staged = decoder.get_per_layer_input_embeddings(ids[:num_tokens])
-        return self.language_model.model(
-            input_ids,
-            positions,
-            per_layer_inputs=staged,
-            intermediate_tensors=intermediate_tensors,
-            inputs_embeds=inputs_embeds,
-            **kwargs,
-        )
+        staged: torch.Tensor = decoder.get_per_layer_input_embeddings(ids[:num_tokens])
+        return staged
 
 
 ARCHITECTURES = {"Gemma3nForConditionalGeneration": Gemma3nMmapForConditionalGeneration}

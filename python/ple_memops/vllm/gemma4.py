@@ -160,34 +160,19 @@ class Gemma4MmapForConditionalGeneration(RecordsRowIds, Gemma4ForConditionalGene
             input_ids,
         )
 
-    def forward(
+    def ple_memops_per_layer_inputs(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        intermediate_tensors: Any = None,
-        inputs_embeds: torch.Tensor | None = None,
-        **kwargs: object,
-    ) -> Any:
-        ids = self.ple_memops_ids
-        if ids is None:
-            return super().forward(
-                input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs
-            )
-        if intermediate_tensors is not None:
-            inputs_embeds = None
+        ids: torch.Tensor,
+        intermediate_tensors: Any,
+        inputs_embeds: torch.Tensor | None,
+    ) -> torch.Tensor | None:
         staged = None
         if inputs_embeds is not None:
             # A profiling pass stages the zeros it finds (vLLM's reads a zero buffer).
             staged = self.language_model.model.get_per_layer_inputs(ids[: inputs_embeds.shape[0]])
+        # vLLM's, between its per-layer inputs and the language model (outside the graph).
         self._clear_mm_prefix_for_full_attn_layers()
-        return self.language_model.model(
-            input_ids,
-            positions,
-            per_layer_inputs=staged,
-            intermediate_tensors=intermediate_tensors,
-            inputs_embeds=inputs_embeds,
-            **kwargs,
-        )
+        return staged
 
 
 ARCHITECTURES = {

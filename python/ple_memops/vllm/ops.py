@@ -35,7 +35,7 @@ as the op that read them returns, while the rows are gathered from them later::
 import contextlib
 import contextvars
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -116,18 +116,23 @@ def _read_rows_fake(staged: torch.Tensor, row_bytes: int, layer_name: str) -> to
     return staged.new_empty((staged.shape[0], row_bytes), dtype=torch.uint8)
 
 
-_LIB.define("stage_rows(Tensor ids, Tensor(a!) output, str layer_name) -> ()")  # type: ignore[no-untyped-call]
-_LIB.define("join_rows(Tensor(a!) output, str layer_name) -> ()")  # type: ignore[no-untyped-call]
-_LIB.impl("stage_rows", _stage_rows, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
-_LIB.impl("join_rows", _join_rows, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
-torch.library.register_fake("ple_memops::stage_rows", _stage_rows_fake, lib=_LIB)
-torch.library.register_fake("ple_memops::join_rows", _join_rows_fake, lib=_LIB)
-_LIB.define("stage_ids(Tensor ids, str layer_name) -> Tensor")  # type: ignore[no-untyped-call]
-_LIB.define("read_rows(Tensor staged, int row_bytes, str layer_name) -> Tensor")  # type: ignore[no-untyped-call]
-_LIB.impl("stage_ids", _stage_ids, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
-_LIB.impl("read_rows", _read_rows, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
-torch.library.register_fake("ple_memops::stage_ids", _stage_ids_fake, lib=_LIB)
-torch.library.register_fake("ple_memops::read_rows", _read_rows_fake, lib=_LIB)
+def _register(schema: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> None:
+    """Define the op ``schema`` names on :data:`_LIB`, with ``impl`` for every backend and
+    ``fake`` for ``torch.compile``."""
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema)  # type: ignore[no-untyped-call]
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+    torch.library.register_fake(f"ple_memops::{name}", fake, lib=_LIB)
+
+
+_register(
+    "stage_rows(Tensor ids, Tensor(a!) output, str layer_name) -> ()", _stage_rows, _stage_rows_fake
+)
+_register("join_rows(Tensor(a!) output, str layer_name) -> ()", _join_rows, _join_rows_fake)
+_register("stage_ids(Tensor ids, str layer_name) -> Tensor", _stage_ids, _stage_ids_fake)
+_register(
+    "read_rows(Tensor staged, int row_bytes, str layer_name) -> Tensor", _read_rows, _read_rows_fake
+)
 
 
 def stage_rows(ids: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:

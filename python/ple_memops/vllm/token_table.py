@@ -215,8 +215,10 @@ class RecordsRowIds:
     """A mixin before vLLM's multimodal Gemma class in the bases. vLLM's class looks the
     step's rows up eagerly in ``embed_input_ids``; with ``mmap`` settings (its
     ``ple_memops_ids``, from :func:`replace_rows_buffer`, not ``None``) this records the
-    step's row ids there instead, for the forward to stage inside the graph, and embeds
-    the tokens as vLLM's class does after its lookup (its ``SupportsMultiModal`` base)."""
+    step's row ids there instead and embeds the tokens as vLLM's class does after its
+    lookup (its ``SupportsMultiModal`` base); its forward stages the recorded ids inside
+    the graph (:meth:`ple_memops_per_layer_inputs`, each family's) where vLLM's slices
+    its buffer, and runs the language model as vLLM's does."""
 
     ple_memops_ids: torch.Tensor | None = None
     ple_memops_vllm_class: ClassVar[type]
@@ -253,6 +255,43 @@ class RecordsRowIds:
             input_ids, multimodal_embeddings=multimodal_embeddings, is_multimodal=is_multimodal
         )
         return embeds
+
+    def ple_memops_per_layer_inputs(
+        self,
+        ids: torch.Tensor,
+        intermediate_tensors: Any,
+        inputs_embeds: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """What vLLM's forward does before it runs the language model, with the recorded
+        ``ids`` staged where it slices its rows buffer: the per-layer inputs it hands the
+        language model (``inputs_embeds`` is ``None`` when ``intermediate_tensors`` is
+        given, as vLLM's forward sets it)."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: object,
+    ) -> Any:
+        ids = self.ple_memops_ids
+        if ids is None:
+            return cast(Any, super()).forward(
+                input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs
+            )
+        if intermediate_tensors is not None:
+            inputs_embeds = None
+        staged = self.ple_memops_per_layer_inputs(ids, intermediate_tensors, inputs_embeds)
+        return cast(Any, self).language_model.model(
+            input_ids,
+            positions,
+            per_layer_inputs=staged,
+            intermediate_tensors=intermediate_tensors,
+            inputs_embeds=inputs_embeds,
+            **kwargs,
+        )
 
 
 def find_mmap_tables(model: nn.Module) -> list[PerLayerTokenTable]:
