@@ -273,27 +273,14 @@ impl PyDeferredRows {
         }
         let ids = table::extract_ids(ids).py(py)?;
         let inner = &self.inner;
-        let s = stream;
-        match &ids {
-            table::Ids::I64(a) => {
-                let v = table::slice_or_copy(a);
-                // SAFETY: as in `fill`.
-                py.detach(|| unsafe {
-                    inner.fill_with_stream(v.len(), stream_of(s), wait, |dst| {
-                        table.gather_into(crate::table::RowIds::I64(&v), dst)
-                    })
+        ids.with_row_ids(|ids| {
+            // SAFETY: as in `fill`.
+            py.detach(|| unsafe {
+                inner.fill_with_stream(ids.len(), stream_of(stream), wait, |dst| {
+                    table.gather_into(ids, dst)
                 })
-            }
-            table::Ids::I32(a) => {
-                let v = table::slice_or_copy(a);
-                // SAFETY: as in `fill`.
-                py.detach(|| unsafe {
-                    inner.fill_with_stream(v.len(), stream_of(s), wait, |dst| {
-                        table.gather_into(crate::table::RowIds::I32(&v), dst)
-                    })
-                })
-            }
-        }
+            })
+        })
         .py(py)
     }
 

@@ -22,9 +22,24 @@ pub(crate) enum Ids<'py> {
     I32(PyReadonlyArray1<'py, i32>),
 }
 
-pub(crate) fn slice_or_copy<'a, T: numpy::Element + Copy>(
-    a: &'a PyReadonlyArray1<'_, T>,
-) -> Cow<'a, [T]> {
+impl Ids<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Ids::I64(a) => a.len(),
+            Ids::I32(a) => a.len(),
+        }
+    }
+
+    /// `f` of the ids as the core's [`RowIds`] (borrowed, or a copy of strided ids).
+    pub(crate) fn with_row_ids<R>(&self, f: impl FnOnce(RowIds<'_>) -> R) -> R {
+        match self {
+            Ids::I64(a) => f(RowIds::I64(&slice_or_copy(a))),
+            Ids::I32(a) => f(RowIds::I32(&slice_or_copy(a))),
+        }
+    }
+}
+
+fn slice_or_copy<'a, T: numpy::Element + Copy>(a: &'a PyReadonlyArray1<'_, T>) -> Cow<'a, [T]> {
     match a.as_slice() {
         Ok(s) => Cow::Borrowed(s),
         Err(_) => Cow::Owned(a.as_array().iter().copied().collect()),
@@ -62,27 +77,14 @@ impl PyMmapTable {
 
     fn run(&self, py: Python<'_>, ids: &Ids<'_>, dst: &mut [u8]) -> PyResult<()> {
         let table = &self.inner;
-        let r = match ids {
-            Ids::I64(a) => {
-                let v = slice_or_copy(a);
-                let ids = RowIds::I64(&v);
-                if overlaps(&ids.byte_range(), &dst.as_ptr_range().into_usize()) {
-                    Err(Error::invalid("ids and the destination share memory"))
-                } else {
-                    py.detach(|| table.gather_into(ids, dst))
-                }
+        ids.with_row_ids(|ids| {
+            if overlaps(&ids.byte_range(), &dst.as_ptr_range().into_usize()) {
+                Err(Error::invalid("ids and the destination share memory"))
+            } else {
+                py.detach(|| table.gather_into(ids, dst))
             }
-            Ids::I32(a) => {
-                let v = slice_or_copy(a);
-                let ids = RowIds::I32(&v);
-                if overlaps(&ids.byte_range(), &dst.as_ptr_range().into_usize()) {
-                    Err(Error::invalid("ids and the destination share memory"))
-                } else {
-                    py.detach(|| table.gather_into(ids, dst))
-                }
-            }
-        };
-        r.map_err(|e| to_pyerr(py, e))
+        })
+        .map_err(|e| to_pyerr(py, e))
     }
 }
 
@@ -239,10 +241,7 @@ impl PyMmapTable {
         let arr = out
             .cast::<PyArray2<u8>>()
             .map_err(|_| to_pyerr(py, Error::invalid("out must be a 2-D numpy uint8 array")))?;
-        let n = match &ids {
-            Ids::I64(a) => a.len(),
-            Ids::I32(a) => a.len(),
-        };
+        let n = ids.len();
         let shape = arr.shape();
         if shape != [n, self.inner.row_bytes()] {
             return Err(to_pyerr(
@@ -269,10 +268,7 @@ impl PyMmapTable {
         ids: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray2<u8>>> {
         let ids = extract_ids(ids).map_err(|e| to_pyerr(py, e))?;
-        let n = match &ids {
-            Ids::I64(a) => a.len(),
-            Ids::I32(a) => a.len(),
-        };
+        let n = ids.len();
         let out = PyArray2::<u8>::zeros(py, [n, self.inner.row_bytes()], false);
         {
             let mut rw = out
@@ -289,11 +285,8 @@ impl PyMmapTable {
     /// Check `ids` against the table without gathering.
     fn check_ids(&self, py: Python<'_>, ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = extract_ids(ids).map_err(|e| to_pyerr(py, e))?;
-        let r = match &ids {
-            Ids::I64(a) => self.inner.check_ids(RowIds::I64(&slice_or_copy(a))),
-            Ids::I32(a) => self.inner.check_ids(RowIds::I32(&slice_or_copy(a))),
-        };
-        r.map_err(|e| to_pyerr(py, e))
+        ids.with_row_ids(|ids| self.inner.check_ids(ids))
+            .map_err(|e| to_pyerr(py, e))
     }
 
     fn resident_bytes(&self, py: Python<'_>) -> PyResult<u64> {
