@@ -9,7 +9,8 @@
 //! * `residency`: which pages the table has read (a gather of those goes straight to the
 //!   copy), their access counts, and the clock that evicts the least used under a budget.
 //! * [`pagecache`]: random-access advice, prewarm, dropping pages, residency (`mincore`).
-//! * [`floor`]: measuring instruments for the benchmarks (storage and memory latency).
+//! * `floor` (crate-private): measuring instruments for the benchmarks (storage and memory
+//!   latency).
 //!
 //! The table is immutable once open and cheap to clone (an `Arc`); any number of threads
 //! may gather at once.
@@ -20,7 +21,10 @@
 
 pub mod coldread;
 pub mod discover;
-pub mod floor;
+// Measuring instruments for the benchmarks, not part of the table: crate-private, reached
+// only through the Python bindings' `_bench_*` functions.
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) mod floor;
 pub mod gather;
 pub mod pagecache;
 mod residency;
