@@ -165,8 +165,7 @@ class RowsPlan:
             raise InvalidArgumentError(f"table names must be unique, got {names}")
         if not isinstance(max_rows, int) or max_rows <= 0:
             raise InvalidArgumentError(f"max_rows must be a positive int, got {max_rows!r}")
-        if timeout <= 0:
-            raise InvalidArgumentError(f"timeout must be > 0 seconds, got {timeout}")
+        DEFAULTS.replace(timeout=timeout)  # checked by the settings' rule
         torch = optional_torch()
         if torch is None:
             raise InvalidArgumentError("a RowsPlan needs torch (its staging buffers are tensors)")

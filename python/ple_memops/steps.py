@@ -59,14 +59,56 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from .errors import ClosedError, InvalidArgumentError, StateError
+from .errors import ClosedError, StateError
 from .settings import DEFAULTS
 
-__all__ = ["StepCounters", "StepDriver"]
+__all__ = ["PlanLike", "StagedLike", "StepCounters", "StepDriver"]
+
+
+class StagedLike(Protocol):
+    """A staged table's rows for one step (:class:`~ple_memops.StagedRows`)."""
+
+    def join(self, stream: Any = None) -> Any: ...
+
+
+class PlanLike(Protocol):
+    """What :class:`StepDriver` and the engines' hooks use of a rows plan
+    (:class:`~ple_memops.plan.RowsPlan`)."""
+
+    @property
+    def mode(self) -> str: ...
+    @property
+    def reason(self) -> str | None: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def layers(self) -> Mapping[str, Any]: ...
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def poison_cause(self) -> str | None: ...
+    def stage(self, name: str, ids: Any, *, rows: int) -> StagedLike: ...
+    def stage_eager(self, name: str, ids: Any, *, rows: int) -> StagedLike: ...
+    def begin(self, rows: int, *, eager: bool = False) -> Any: ...
+    def publish_host(self, name: str, ids: Any, timeout: float | None = None) -> None: ...
+    def complete(self, timeout: float | None = None) -> None: ...
+    def drain(self, timeout: float | None = None) -> None: ...
+    def gather_now(
+        self, name: str, ids: Any, rows: int | None = None, *, stream: Any = None
+    ) -> Any: ...
+    def gather_many_now(
+        self, ids: Mapping[str, Any], rows: int | None = None, *, stream: Any = None
+    ) -> dict[str, Any]: ...
+    def dummy_now(self, name: str, rows: int, *, stream: Any = None) -> Any: ...
+    def staging(self, name: str, n: int | None = None) -> Any: ...
+    def stats(self) -> Mapping[str, Any]: ...
+    def abort(self, reason: str) -> None: ...
+    def close(self) -> None: ...
+
 
 T = TypeVar("T")
 
@@ -155,7 +197,7 @@ class StepDriver:
     """Runs the steps of one rows plan (see the module docs).
 
     Args:
-        plan: a :class:`~ple_memops.plan.RowsPlan` (or an object with its methods).
+        plan: a :class:`~ple_memops.plan.RowsPlan` (or any :class:`PlanLike`).
         depth: steps armed at once (default :data:`~ple_memops.settings.DEFAULTS`'s;
             the plan's workers must allow as many).
         timeout: seconds each completion waits for a step's fill (default: the plan's
@@ -165,17 +207,15 @@ class StepDriver:
 
     def __init__(
         self,
-        plan: Any,
+        plan: PlanLike,
         *,
         depth: int | None = None,
         timeout: float | None = None,
         log: logging.Logger | None = None,
     ) -> None:
+        # Checked by the settings' own rules (the one place they are written).
         depth = DEFAULTS.depth if depth is None else depth
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise InvalidArgumentError(f"depth must be an int >= 1, got {depth!r}")
-        if timeout is not None and not timeout > 0:
-            raise InvalidArgumentError(f"timeout must be > 0 seconds, got {timeout}")
+        DEFAULTS.replace(depth=depth, **({} if timeout is None else {"timeout": timeout}))
         self.plan = plan
         self.depth = depth
         self._timeout = None if timeout is None else float(timeout)
@@ -193,7 +233,7 @@ class StepDriver:
         """Seconds each completion waits for a step's fill."""
         if self._timeout is not None:
             return self._timeout
-        return float(getattr(self.plan, "timeout", DEFAULTS.timeout))
+        return float(self.plan.timeout)
 
     @property
     def mode(self) -> str:

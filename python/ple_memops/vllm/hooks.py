@@ -60,12 +60,12 @@ import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from .._common import capturing as _capturing
 from ..errors import ClosedError, InvalidArgumentError, StateError
 from ..step_costs import HostTime, StallSummary
-from ..steps import StepDriver
+from ..steps import PlanLike, StagedLike, StepDriver
 from .settings import DEFAULT_TIMEOUT, DEPTH
 
 __all__ = [
@@ -80,35 +80,6 @@ __all__ = [
 logger = logging.getLogger("ple_memops")
 
 T = TypeVar("T")
-
-
-class StagedLike(Protocol):
-    def join(self, stream: Any = None) -> Any: ...
-
-
-class PlanLike(Protocol):
-    """What the hooks use of :class:`ple_memops.plan.RowsPlan`."""
-
-    @property
-    def mode(self) -> str: ...
-    @property
-    def reason(self) -> str | None: ...
-    @property
-    def in_flight(self) -> int: ...
-    @property
-    def layers(self) -> Mapping[str, Any]: ...
-    def stage(self, name: str, ids: Any, *, rows: int) -> StagedLike: ...
-    def stage_eager(self, name: str, ids: Any, *, rows: int) -> StagedLike: ...
-    def begin(self, rows: int, *, eager: bool = False) -> Any: ...
-    def complete(self, timeout: float | None = None) -> None: ...
-    def drain(self, timeout: float | None = None) -> None: ...
-    def gather_now(
-        self, name: str, ids: Any, rows: int | None = None, *, stream: Any = None
-    ) -> Any: ...
-    def dummy_now(self, name: str, rows: int, *, stream: Any = None) -> Any: ...
-    def staging(self, name: str, n: int | None = None) -> Any: ...
-    def abort(self, reason: str) -> None: ...
-    def close(self) -> None: ...
 
 
 def _mode_name(mode: Any) -> str:
@@ -213,8 +184,8 @@ class PleRunnerHooks:
         sync_graphs: bool = False,
         stats_every: float | None = None,
     ) -> None:
-        if rows_per_token < 1 or depth < 1 or not timeout > 0:
-            raise InvalidArgumentError("rows_per_token and depth must be >= 1, timeout > 0")
+        if rows_per_token < 1:
+            raise InvalidArgumentError(f"rows_per_token must be >= 1, got {rows_per_token}")
         if stats_every is not None and not stats_every > 0:
             raise InvalidArgumentError(f"stats_every must be > 0 seconds, got {stats_every!r}")
         self.plan = plan
