@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from ple_memops.transformers.checkpoints import (
+from ple_memops.demo.checkpoints import (
     build_checkpoint,
     default_cache_dir,
     e2b_gemma3n_config,
 )
-from ple_memops.transformers.cli import _relayer
-from ple_memops.transformers.runner import Decoder
+from ple_memops.demo.cli import relayer
+from ple_memops.demo.runner import Decoder
 
 
 def run(dec: Decoder, steps: int, graph: Any, logits: Any) -> torch.Tensor:
@@ -70,7 +70,7 @@ def main() -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
     cfg = e2b_gemma3n_config()
     if a.layers:
-        cfg = _relayer(cfg, a.layers, tiny=False)
+        cfg = relayer(cfg, a.layers, tiny=False)
     ckpt = default_cache_dir() / f"gemma3n-e2b-shaped{a.layers or ''}-tf{transformers.__version__}"
     t0 = time.perf_counter()
     build_checkpoint(ckpt, cfg, device=a.device)

@@ -150,18 +150,18 @@ def _load(model: str, layers: int, device: str) -> tuple[Any, Any, Any]:
     import torch
     import transformers
 
-    from ple_memops.transformers.checkpoints import (
+    from ple_memops.demo.checkpoints import (
         build_checkpoint,
         default_cache_dir,
         e2b_gemma3n_config,
         tiny_gemma3n_config,
     )
-    from ple_memops.transformers.cli import _relayer, load_gemma
+    from ple_memops.demo.cli import load_gemma, relayer
 
     tiny = model == "tiny"
     cfg = tiny_gemma3n_config() if tiny else e2b_gemma3n_config()
     if layers:
-        cfg = _relayer(cfg, layers, tiny=tiny)
+        cfg = relayer(cfg, layers, tiny=tiny)
     name = f"gemma3n-{'tiny' if tiny else 'e2b-shaped'}{layers or ''}-tf{transformers.__version__}"
     ckpt = default_cache_dir() / name
     t0 = time.perf_counter()
@@ -173,8 +173,8 @@ def _load(model: str, layers: int, device: str) -> tuple[Any, Any, Any]:
 
 
 def hang_part(served: Any, stock: Any, dev: Any, batch: int, steps: int) -> None:
-    from ple_memops.transformers import _report
-    from ple_memops.transformers.runner import GemmaBench
+    from ple_memops.demo import report
+    from ple_memops.demo.runner import GemmaBench
 
     for attention in ("math",):
         print(f"== hang: deferred-host at batch {batch}, {steps} steps ({attention} attention)")
@@ -190,7 +190,7 @@ def hang_part(served: Any, stock: Any, dev: Any, batch: int, steps: int) -> None
                 styles=["sync", "async"],
                 placements=["early", "late"],
             )
-            print(_report.text_table(res))
+            print(report.text_table(res))
         except Exception as e:
             print("".join(traceback.format_exception(e)[-8:]))
         print(f"   ({time.perf_counter() - t0:.1f} s)")
@@ -222,7 +222,7 @@ def _first_diff(dec: Any, graph: Any, logits: Any, record: Any) -> str:
 
 def determinism_part(served: Any, stock: Any, dev: Any, batch: int, steps: int) -> None:
 
-    from ple_memops.transformers.runner import Decoder, GemmaBench, _Ops, _Record
+    from ple_memops.demo.runner import Decoder, GemmaBench, Ops, Record
 
     # torch's own SDPA choice (cuDNN on the H200): the backend this part was written to test.
     bench = GemmaBench(
@@ -233,7 +233,7 @@ def determinism_part(served: Any, stock: Any, dev: Any, batch: int, steps: int) 
     differed: list[str] = []
 
     def show(what: str, style: str = "sync") -> None:
-        r = bench._loop(dec, graph, logits, style, _Ops(), record)
+        r = bench.loop(dec, graph, logits, style, Ops(), record)
         state = "same" if not r.state_diff else ", ".join(r.state_diff)
         print(
             f"  {what:<44} logits first differ at {r.first_mismatch}, tokens "
@@ -244,17 +244,17 @@ def determinism_part(served: Any, stock: Any, dev: Any, batch: int, steps: int) 
         sys.stdout.flush()
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(bench._installed("gpu-table"))
-        graph, logits = bench._capture(dec)
+        stack.enter_context(bench.installed("gpu-table"))
+        graph, logits = bench.capture(dec)
         stack.callback(served.restore)
-        record = _Record(dec, True)
-        bench._loop(dec, graph, logits, "sync", _Ops(), record, recording=True)
+        record = Record(dec, True)
+        bench.loop(dec, graph, logits, "sync", Ops(), record, recording=True)
         for i in range(3):
             show(f"replay run {i + 1}, nothing in between")
         back_to_back = bool(differed)
         if back_to_back:
             print(f"  (a back-to-back replay: {_first_diff(dec, graph, logits, record)})")
-        ok = bench._check_eager(dec, record)
+        ok = bench.check_eager(dec, record)
         print(f"  eager check (4 steps): {'bit-identical' if ok else 'DIFFER'}")
         show("replay after the eager check")
         show("replay, async style", "async")
@@ -263,7 +263,7 @@ def determinism_part(served: Any, stock: Any, dev: Any, batch: int, steps: int) 
         served.restore()
         others = [("deferred-device", "late"), ("pinned-uva", "early")]
         for variant, placement in others if bench.cuda else others[:1]:
-            for r in bench._variant(dec, variant, placement, ["sync"], record, False):
+            for r in bench.run_variant(dec, variant, placement, ["sync"], record, False):
                 state = "same" if not r.state_diff else ", ".join(r.state_diff)
                 print(
                     f"  {variant} ({placement}) itself: logits first differ at "
@@ -279,19 +279,19 @@ def _by_attention_backend(bench: Any, served: Any, dec: Any) -> None:
     (the eager prefill too): which of them repeat?"""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from ple_memops.transformers.runner import _Ops, _Record
+    from ple_memops.demo.runner import Ops, Record
 
     print("== determinism by attention backend (capture, record, two replays each)")
     for backend in (SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
         try:
             with contextlib.ExitStack() as stack, sdpa_kernel([backend]):
-                stack.enter_context(bench._installed("gpu-table"))
-                graph, logits = bench._capture(dec)
+                stack.enter_context(bench.installed("gpu-table"))
+                graph, logits = bench.capture(dec)
                 stack.callback(served.restore)
-                record = _Record(dec, True)
-                bench._loop(dec, graph, logits, "sync", _Ops(), record, recording=True)
+                record = Record(dec, True)
+                bench.loop(dec, graph, logits, "sync", Ops(), record, recording=True)
                 firsts = [
-                    bench._loop(dec, graph, logits, "sync", _Ops(), record).first_mismatch
+                    bench.loop(dec, graph, logits, "sync", Ops(), record).first_mismatch
                     for _ in range(2)
                 ]
                 print(f"  {backend.name:<20} replays first differ at {firsts}")

@@ -1,6 +1,6 @@
-"""ple_memops.transformers on the CPU, against transformers' own Gemma 3n and Qwen4Exp:
-checkpoints written by ``save_pretrained``, the stock models as the reference, logits
-compared bit for bit."""
+"""ple_memops.transformers and the harness that runs it (ple_memops.demo) on the CPU,
+against transformers' own Gemma 3n and Qwen4Exp: checkpoints written by
+``save_pretrained``, the stock models as the reference, logits compared bit for bit."""
 
 from __future__ import annotations
 
@@ -19,16 +19,16 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from ple_memops import MmapTable, TableError  # noqa: E402
+from ple_memops.demo.checkpoints import (  # noqa: E402
+    build_checkpoint,
+    tiny_gemma3n_config,
+    tiny_qwen4exp_config,
+)
 from ple_memops.transformers import (  # noqa: E402
     TableMismatchError,
     TableMissingError,
     UnsupportedModelError,
     serve,
-)
-from ple_memops.transformers.checkpoints import (  # noqa: E402
-    build_checkpoint,
-    tiny_gemma3n_config,
-    tiny_qwen4exp_config,
 )
 
 GEMMA_KEY = "model.embed_tokens_per_layer.weight"
@@ -131,8 +131,8 @@ def test_ids_outside_the_table_read_row_zero(gemma_ckpt: Path) -> None:
 def test_bench_cpu_path_every_variant_identical(gemma_ckpt: Path) -> None:
     # The captured step's code path (rows from the plan's staging buffer, filled before
     # each step; the late consumer placement) run eagerly on the CPU, against stock.
-    from ple_memops.transformers.cli import load_gemma
-    from ple_memops.transformers.runner import GemmaBench
+    from ple_memops.demo.cli import load_gemma
+    from ple_memops.demo.runner import GemmaBench
 
     served, stock = load_gemma(gemma_ckpt, torch.device("cpu"))
     bench = GemmaBench(served, stock, device="cpu")
@@ -168,9 +168,9 @@ def test_bench_runs_start_from_the_recordings_state(gemma_ckpt: Path) -> None:
     # Every run checks, after its prefill, the state its steps read (KV cache, counters,
     # token and position, prefill logits, memoised constants, weights) against the
     # recording's: a clean run reports nothing, the report says so.
-    from ple_memops.transformers import _report
-    from ple_memops.transformers.cli import load_gemma
-    from ple_memops.transformers.runner import GemmaBench
+    from ple_memops.demo import report
+    from ple_memops.demo.cli import load_gemma
+    from ple_memops.demo.runner import GemmaBench
 
     served, stock = load_gemma(gemma_ckpt, torch.device("cpu"))
     bench = GemmaBench(served, stock, device="cpu")
@@ -182,9 +182,7 @@ def test_bench_runs_start_from_the_recordings_state(gemma_ckpt: Path) -> None:
         placements=["late"],
     )
     assert [r.state_diff for r in results] == [[], [], []]
-    assert any(
-        "every run started from the recording's state" in x for x in _report.summary(results)
-    )
+    assert any("every run started from the recording's state" in x for x in report.summary(results))
     served.close()
 
 
@@ -193,13 +191,13 @@ def test_bench_names_state_that_changed_between_runs(gemma_ckpt: Path, what: str
     # Something changed behind the runner's back between the recording and the timed
     # runs (a stray write into a weight, a cache position the prefill's reset misses, a
     # memoised constant): the runs that differ say which state they started from.
-    from ple_memops.transformers import _capture, _report
-    from ple_memops.transformers.cli import load_gemma
-    from ple_memops.transformers.runner import GemmaBench
+    from ple_memops.demo import capture, report
+    from ple_memops.demo.cli import load_gemma
+    from ple_memops.demo.runner import GemmaBench
 
     served, stock = load_gemma(gemma_ckpt, torch.device("cpu"))
     bench = GemmaBench(served, stock, device="cpu")
-    check_eager = bench._check_eager
+    check_eager = bench.check_eager
     undo: list[Any] = []
 
     def tamper(dec: Any, record: Any) -> bool:
@@ -221,14 +219,13 @@ def test_bench_names_state_that_changed_between_runs(gemma_ckpt: Path, what: str
 
                 layer.reset = leaky_reset
             else:
-                memo = vars(_capture._PATCHED["gemma3n"])["torch"]._memo
-                t = next(iter(memo.values()))
+                _, t = next(capture.memoised_constants())
                 old = t.clone()
                 t.add_(1)
                 undo.append(lambda: t.copy_(old))
         return ok
 
-    bench._check_eager = tamper  # type: ignore[method-assign]
+    bench.check_eager = tamper  # type: ignore[method-assign]
     try:
         results = bench.run_batch(
             1, 4, variants=["gpu-table", "sync-gather"], styles=["sync"], placements=["early"]
@@ -242,7 +239,7 @@ def test_bench_names_state_that_changed_between_runs(gemma_ckpt: Path, what: str
         assert r.state_diff is not None and want[what] in r.state_diff, r
         if what == "kv-cache":  # a position past the prompt: nothing else moves
             assert r.state_diff == [want[what]], r
-    text = _report.text_table(results)
+    text = report.text_table(results)
     assert "started from a different " in text and want[what] in text
     served.close()
 
@@ -296,9 +293,9 @@ def test_published_ids_live_until_the_consumer_joined(gemma_ckpt: Path) -> None:
 def test_attention_backend_is_checked_and_pinned(gemma_ckpt: Path) -> None:
     from torch.nn.attention import SDPBackend
 
+    from ple_memops.demo.cli import load_gemma
+    from ple_memops.demo.runner import GemmaBench
     from ple_memops.errors import InvalidArgumentError
-    from ple_memops.transformers.cli import load_gemma
-    from ple_memops.transformers.runner import GemmaBench
 
     served, stock = load_gemma(gemma_ckpt, torch.device("cpu"))
     with pytest.raises(InvalidArgumentError, match="attention"):
@@ -414,7 +411,7 @@ def test_real_checkpoint_tensor_name_is_found(gemma_ckpt: Path, tmp_path: Path) 
 
 
 def test_qwen4exp_shards_are_served_and_eager_identical(qwen_ckpt: Path) -> None:
-    from ple_memops.transformers.qwen import qwen_check
+    from ple_memops.demo.qwen import qwen_check
 
     model = transformers.Qwen4ExpForCausalLM.from_pretrained(str(qwen_ckpt), dtype=torch.bfloat16)
     stock_w = {
@@ -586,7 +583,7 @@ def test_cli_check_and_help(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_capture_patch_memoises_scalars_only_in_scope() -> None:
-    from ple_memops.transformers._capture import _MemoTorch
+    from ple_memops.demo.capture import _MemoTorch
 
     memo = _MemoTorch(torch)
     # outside a scope: torch itself (module construction never shares a tensor)
@@ -613,7 +610,7 @@ def test_tensor_parallel_two_ranks_on_the_cpu(tmp_path: Path) -> None:
             "--standalone",
             "--nproc_per_node=2",
             "-m",
-            "ple_memops.transformers.tp",
+            "ple_memops.demo.tp",
             "--model",
             "small",
             "--layers",

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from ple_memops.transformers.checkpoints import (  # noqa: E402
+from ple_memops.demo.checkpoints import (  # noqa: E402
     build_checkpoint,
     tiny_gemma3n_config,
     tiny_qwen4exp_config,
@@ -26,7 +26,7 @@ def gemma_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_served_model_holds_no_table_on_the_gpu(gemma_ckpt: Path) -> None:
-    from ple_memops.transformers.cli import load_gemma
+    from ple_memops.demo.cli import load_gemma
 
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -40,8 +40,8 @@ def test_served_model_holds_no_table_on_the_gpu(gemma_ckpt: Path) -> None:
 
 
 def test_every_variant_captured_and_bit_identical(gemma_ckpt: Path) -> None:
-    from ple_memops.transformers.cli import load_gemma
-    from ple_memops.transformers.runner import ALL_VARIANTS, DEFERRED_VARIANTS, GemmaBench
+    from ple_memops.demo.cli import load_gemma
+    from ple_memops.demo.runner import ALL_VARIANTS, DEFERRED_VARIANTS, GemmaBench
 
     served, stock = load_gemma(gemma_ckpt, torch.device("cuda", 0))
     bench = GemmaBench(served, stock, device="cuda:0", track_arrival=True, eager_check_steps=6)
@@ -96,8 +96,8 @@ def test_deferred_host_ids_through_the_worker(gemma_ckpt: Path, copy_rows: int) 
     # scheduling, from a publisher thread under async), in both placements, on the kernel
     # copy path (batch 1: 128 B a step) and the copy-engine one (batch 520: 66,560 B,
     # above the 64 KiB switch).
-    from ple_memops.transformers.cli import load_gemma
-    from ple_memops.transformers.runner import GemmaBench
+    from ple_memops.demo.cli import load_gemma
+    from ple_memops.demo.runner import GemmaBench
 
     served, stock = load_gemma(gemma_ckpt, torch.device("cuda", 0))
     bench = GemmaBench(served, stock, device="cuda:0", track_arrival=True)
@@ -118,7 +118,7 @@ def test_deferred_host_ids_through_the_worker(gemma_ckpt: Path, copy_rows: int) 
 
 
 def test_qwen4exp_eager_and_deferred_ids_identical(tmp_path: Path) -> None:
-    from ple_memops.transformers.qwen import qwen_check
+    from ple_memops.demo.qwen import qwen_check
 
     ckpt = build_checkpoint(tmp_path / "qwen", tiny_qwen4exp_config())
     rep = qwen_check(ckpt, batch=3, steps=8, device="cuda:0", try_capture=False)

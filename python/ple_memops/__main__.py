@@ -113,7 +113,7 @@ def _check(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .transformers import cli
+    from .demo import cli
 
     ap = argparse.ArgumentParser(
         prog="python -m ple_memops",

@@ -57,7 +57,7 @@ if [ "$GATE" = 0 ] || [ "${FORCE:-0}" = 1 ]; then
 fi
 
 run "Qwen4Exp (eager through HF's code, deferred ids, capture attempt)" 60 "$OUT/demo.log" \
-    $PY -c "import sys; from ple_memops.transformers.checkpoints import default_cache_dir; from ple_memops.transformers.cli import qwen_main; sys.exit(qwen_main(default_cache_dir(), steps=32))"
+    $PY -c "import sys; from ple_memops.demo.checkpoints import default_cache_dir; from ple_memops.demo.cli import qwen_main; sys.exit(qwen_main(default_cache_dir(), steps=32))"
 
 if [ "$GATE" = 0 ] || [ "${FORCE:-0}" = 1 ]; then
     # --deadline: past it no further variant starts, and what was measured is reported.

@@ -19,7 +19,7 @@ tp() {  # tp LIMIT ARGS...: one torchrun, bounded
     shift
     echo "== tp $* (t=$((SECONDS - T0)) s)" | tee -a "$OUT/tp2.log"
     timeout --kill-after=15 "$limit" $PY -m torch.distributed.run --standalone --nproc_per_node=2 \
-        -m ple_memops.transformers.tp "$@" >>"$OUT/tp2.log" 2>&1
+        -m ple_memops.demo.tp "$@" >>"$OUT/tp2.log" 2>&1
     local r=$?
     if [ $r -ne 0 ]; then
         echo "!! tp $*: rc=$r$([ $r -ge 124 ] && echo ' (timed out)')" | tee -a "$OUT/tp2.log"

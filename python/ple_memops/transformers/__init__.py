@@ -11,8 +11,9 @@ model.to("cuda")                     #   the memory-mapped checkpoint: never on 
 served.prepare(max_tokens=64)        # the rows plan for captured steps (outside capture)
 ```
 
-Importing this package does not import transformers or torch; :func:`serve` and the
-runner do.
+Importing this package does not import transformers or torch; :func:`serve` does. The
+demo and the benchmark that run these models (``python -m ple_memops demo|bench``) are
+:mod:`ple_memops.demo`, outside the library.
 """
 
 from __future__ import annotations

@@ -41,9 +41,10 @@ Timing: a CUDA event after each step; a step's time is the interval between cons
 events, so it counts GPU work, any GPU wait at the rows' consumer and any gap where the GPU
 had nothing queued (the host was late). Median and p99 over the steps after the first.
 
-The jobs live in their own modules, the names stay importable here: the decode step and
-a run's record (``_decode``), each variant's host side (``_variants``), the timing loop
-(``_timing``) and the state checks (``_state``); this module runs them side by side.
+The jobs live in their own modules, the names a caller needs stay importable here: the
+decode step and a run's record (``decode``), each variant's host side (``variants``), the
+timing loop (``timing``) and the state checks (``state``); this module runs them side by
+side.
 """
 
 from __future__ import annotations
@@ -54,29 +55,31 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import InvalidArgumentError
-from ._decode import ALL_VARIANTS as ALL_VARIANTS
-from ._decode import ATTENTIONS as ATTENTIONS
-from ._decode import DEFERRED_VARIANTS as DEFERRED_VARIANTS
-from ._decode import STYLES as STYLES
-from ._decode import WARMUPS as WARMUPS
-from ._decode import Decoder as Decoder
-from ._decode import RunResult as RunResult
-from ._decode import _bits as _bits
-from ._decode import _cache_kwarg as _cache_kwarg
-from ._decode import _cuda
-from ._decode import _in_table as _in_table
-from ._decode import _Record as _Record
-from ._models import GEMMA3N_TABLE, ServedModel
-from ._state import check_state, state_digest
-from ._timing import loop
-from ._variants import _Ops as _Ops
-from ._variants import deferred_ops, fallback_ops, installed, sync_gather_ops
+from ..transformers import ServedModel
+from .decode import ALL_VARIANTS as ALL_VARIANTS
+from .decode import ATTENTIONS as ATTENTIONS
+from .decode import DEFERRED_VARIANTS as DEFERRED_VARIANTS
+from .decode import GEMMA3N_TABLE, bits, in_table, is_cuda
+from .decode import STYLES as STYLES
+from .decode import WARMUPS as WARMUPS
+from .decode import Decoder as Decoder
+from .decode import Record as Record
+from .decode import RunResult as RunResult
+from .state import check_state, state_digest
+from .timing import loop
+from .variants import Ops as Ops
+from .variants import deferred_ops, fallback_ops, installed, sync_gather_ops
 
 __all__ = [
     "ALL_VARIANTS",
+    "ATTENTIONS",
     "DEFERRED_VARIANTS",
+    "STYLES",
+    "WARMUPS",
     "Decoder",
     "GemmaBench",
+    "Ops",
+    "Record",
     "RunResult",
 ]
 
@@ -84,7 +87,7 @@ __all__ = [
 class GemmaBench:
     """Runs the variants of one served Gemma 3n model side by side.
 
-    ``served``: the model from :func:`~ple_memops.transformers.serve`, moved to its device.
+    ``served``: the model from :func:`ple_memops.transformers.serve`, moved to its device.
     ``stock``: the model's original PLE module (with its table, on the CPU), which the
     ``gpu-table`` and ``pinned-uva`` variants put back in."""
 
@@ -110,15 +113,18 @@ class GemmaBench:
         self.served = served
         self.stock = stock
         self.device = torch.device(device)
-        self.cuda = _cuda(self.device)
+        self.cuda = is_cuda(self.device)
         self.progress = progress or (lambda s: None)
         self.watchdog = watchdog
         self.eager_check_steps = eager_check_steps
         self.track_arrival = track_arrival
         self.table = served.tables[GEMMA3N_TABLE]
         self.eager_check: dict[int, bool] = {}
-        self._uva: Any = None
-        self._cpu_graph_path = False
+        self.uva: Any = None
+        """The ``pinned-uva`` variant's (module, pinned table, bytes), made on first use."""
+        self.cpu_graph_path = False
+        """The CPU path's eager steps take the captured step's code path (rows from the
+        plan's staging buffer), as the served variants' graphs would."""
         self.deadline: float | None = None
         """``time.perf_counter()`` past which no further variant starts (``None``: none)."""
         # GPU memory of the served model alone (no table), the base of every variant's figure.
@@ -161,7 +167,7 @@ class GemmaBench:
 
     # -- installing a variant's module ----------------------------------------------------
 
-    _installed = installed
+    installed = installed
 
     # -- what a batch runs ------------------------------------------------------------------
 
@@ -219,7 +225,7 @@ class GemmaBench:
                     if self.deadline is not None and time.perf_counter() > self.deadline:
                         print(f"batch {batch}: {variant} ({placement}) skipped: past the deadline")
                         continue
-                    results.extend(self._variant(dec, variant, placement, styles, ref, cold))
+                    results.extend(self.run_variant(dec, variant, placement, styles, ref, cold))
             # The reference once more, after the others: drift (clocks, heat, page cache)
             # shows as a difference between its two runs.
             results.extend(again())
@@ -231,7 +237,7 @@ class GemmaBench:
         styles: list[str],
         results: list[RunResult],
         stack: contextlib.ExitStack,
-    ) -> tuple[_Record, Callable[[], list[RunResult]]]:
+    ) -> tuple[Record, Callable[[], list[RunResult]]]:
         """Capture the stock model (table in GPU memory), record its logits, time it. The
         graph and the table stay on the GPU until ``stack`` closes, so the returned
         callable can time the reference again after the other variants (their modules
@@ -239,19 +245,19 @@ class GemmaBench:
         that precedes a run gives the same values through any variant)."""
         self.progress(f"batch {dec.batch}: gpu-table (reference) record")
         before = self._allocated()
-        stack.enter_context(self._installed("gpu-table"))
+        stack.enter_context(self.installed("gpu-table"))
         gpu_bytes = self.model_base + self._allocated() - before if self.cuda else None
-        graph, logits = self._capture(dec)
+        graph, logits = self.capture(dec)
         stack.callback(lambda: self.served.restore())
-        record = _Record(dec, self.cuda)
-        self._loop(dec, graph, logits, "sync", _Ops(), record, recording=True)
-        self.eager_check[dec.batch] = self._check_eager(dec, record)
+        record = Record(dec, self.cuda)
+        self.loop(dec, graph, logits, "sync", Ops(), record, recording=True)
+        self.eager_check[dec.batch] = self.check_eager(dec, record)
 
         def timed(placement: str) -> list[RunResult]:
             out = []
             for style in styles:
                 self.progress(f"batch {dec.batch}: gpu-table {style}")
-                r = self._loop(dec, graph, logits, style, _Ops(), record)
+                r = self.loop(dec, graph, logits, style, Ops(), record)
                 r.variant, r.placement, r.gpu_bytes, r.pinned_bytes = (
                     "gpu-table",
                     placement,
@@ -270,7 +276,7 @@ class GemmaBench:
             return record, lambda: []
         return record, lambda: timed("again")
 
-    def _check_eager(self, dec: Decoder, record: _Record) -> bool:
+    def check_eager(self, dec: Decoder, record: Record) -> bool:
         """The captured reference against the stock model run eagerly for the first steps."""
         import torch
 
@@ -281,10 +287,14 @@ class GemmaBench:
         ok = True
         for i in range(k):
             logits = dec.step()
-            ok &= bool(torch.equal(_bits(logits), _bits(record.logits[i])))
+            ok &= bool(torch.equal(bits(logits), bits(record.logits[i])))
         return ok
 
-    def _capture(self, dec: Decoder, ops: _Ops | None = None) -> tuple[Any, Any]:
+    def capture(self, dec: Decoder, ops: Ops | None = None) -> tuple[Any, Any]:
+        """Capture ``dec``'s step with the module installed now: ``(graph, logits)``, or
+        ``(None, None)`` on the CPU path. With ``ops``, the warm-up steps take the
+        variant's protocol (arm, fill or publish, complete) eagerly first, so the path is
+        loaded and checked before the capture; ``ops`` is finished and closed after."""
         if not self.cuda:
             return None, None
         if ops is None:
@@ -297,7 +307,7 @@ class GemmaBench:
             # are filled before the step's consumer is enqueued (deferred-host fills
             # first; the worker fills from its own thread).
             nonlocal k
-            ids = _in_table(dec.tok.view(-1).cpu().numpy(), dec.vocab_rows)
+            ids = in_table(dec.tok.view(-1).cpu().numpy(), dec.vocab_rows)
             ops.arm(k)
             ops.before(k, ids)
             server.graph_path = True
@@ -322,31 +332,33 @@ class GemmaBench:
 
         return int(torch.cuda.memory_allocated(self.device)) if self.cuda else 0
 
-    def _variant(
+    def run_variant(
         self,
         dec: Decoder,
         variant: str,
         placement: str,
         styles: list[str],
-        ref: _Record,
+        ref: Record,
         cold: bool,
     ) -> list[RunResult]:
-
+        """Install ``variant`` in ``placement``, capture its step and time it in every
+        style against the reference's record ``ref`` (``cold``: drop the table's pages
+        before each run); the served module and placement are put back after."""
         served = self.served
         server = served.server
         out: list[RunResult] = []
         before = self._allocated()
         with contextlib.ExitStack() as stack:
-            pinned = stack.enter_context(self._installed(variant))
+            pinned = stack.enter_context(self.installed(variant))
             served.set_placement(placement if variant != "gpu-table" else "early")
             stack.callback(served.set_placement, "early")
             mode = None
-            ops_for: Callable[[str], _Ops]
+            ops_for: Callable[[str], Ops]
             n = dec.batch
             if variant in ("gpu-table", "pinned-uva"):
 
-                def ops_for(style: str) -> _Ops:
-                    return _Ops()
+                def ops_for(style: str) -> Ops:
+                    return Ops()
 
             elif variant == "sync-gather":
                 ops_for, buffers, pinned = sync_gather_ops(self, dec)
@@ -375,17 +387,17 @@ class GemmaBench:
             if not self.cuda:
                 # No graphs here: run the captured step's code path eagerly, rows filled
                 # before each step (the host plan), to check it against the reference.
-                self._cpu_graph_path = variant not in ("gpu-table", "pinned-uva")
-                stack.callback(setattr, self, "_cpu_graph_path", False)
+                self.cpu_graph_path = variant not in ("gpu-table", "pinned-uva")
+                stack.callback(setattr, self, "cpu_graph_path", False)
             gpu_bytes = self.model_base + self._allocated() - before if self.cuda else None
             self.progress(f"batch {dec.batch}: {variant} ({placement}) capture")
-            graph, logits = self._capture(dec, ops_for("sync"))
+            graph, logits = self.capture(dec, ops_for("sync"))
             for style in styles:
                 if cold:
                     self.table.drop_pages()
                 self.progress(f"batch {dec.batch}: {variant} ({placement}) {style}")
                 ops = ops_for(style)
-                r = self._loop(dec, graph, logits, style, ops, ref)
+                r = self.loop(dec, graph, logits, style, ops, ref)
                 r.variant, r.placement = variant, placement
                 r.gpu_bytes, r.pinned_bytes, r.mode = gpu_bytes, pinned, mode
                 r.host_gather_us, r.gpu_waited = ops.stats()
@@ -395,9 +407,9 @@ class GemmaBench:
 
     # -- the decode loop and the state checks (their own modules) ------------------------
 
-    _loop = loop
-    _check_state = check_state
+    loop = loop
+    check_state = check_state
     state_digest = state_digest
 
     def close(self) -> None:
-        self._uva = None
+        self.uva = None

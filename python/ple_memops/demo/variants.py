@@ -1,5 +1,5 @@
 """The variants' host side: the module each one reads its rows through (:func:`installed`)
-and what it does around each step's launch (:class:`_Ops`, built per scheduling style).
+and what it does around each step's launch (:class:`Ops`, built per scheduling style).
 
 The deferred variants run their steps through the server's
 :class:`~ple_memops.steps.StepDriver` (arm, publish, complete the oldest beyond the
@@ -16,14 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from ._decode import Decoder
-from ._models import GEMMA3N_TABLE
+from .decode import GEMMA3N_TABLE, Decoder
 
-__all__ = ["deferred_ops", "fallback_ops", "installed", "sync_gather_ops", "uva_module"]
+__all__ = ["Ops", "deferred_ops", "fallback_ops", "installed", "sync_gather_ops", "uva_module"]
 
 
 @dataclass
-class _Ops:
+class Ops:
     """What a variant does around each step's launch."""
 
     arm: Callable[[int], None] = lambda k: None
@@ -78,7 +77,7 @@ def uva_module(bench: Any) -> tuple[Any, int]:
 
     import torch
 
-    if bench._uva is None:
+    if bench.uva is None:
         # The stock (reference) module may already live on the GPU: pin a host copy.
         w = bench.stock.weight.detach().to("cpu")
         pinned = w.view(torch.int16).pin_memory()
@@ -87,11 +86,11 @@ def uva_module(bench: Any) -> tuple[Any, int]:
         mod._parameters = dict(mod._parameters)
         mod._buffers = {k: v.to(bench.device) for k, v in mod._buffers.items()}
         mod.weight = torch.nn.Parameter(view.view(w.dtype), requires_grad=False)
-        bench._uva = (mod, pinned, int(pinned.numel() * 2))
-    return bench._uva[0], bench._uva[2]
+        bench.uva = (mod, pinned, int(pinned.numel() * 2))
+    return bench.uva[0], bench.uva[2]
 
 
-def sync_gather_ops(bench: Any, dec: Decoder) -> tuple[Callable[[str], _Ops], dict[str, Any], int]:
+def sync_gather_ops(bench: Any, dec: Decoder) -> tuple[Callable[[str], Ops], dict[str, Any], int]:
     import torch
 
     table = bench.table
@@ -101,8 +100,8 @@ def sync_gather_ops(bench: Any, dec: Decoder) -> tuple[Callable[[str], _Ops], di
     if bench.cuda:
         host = host.pin_memory()
 
-    def ops_for(style: str) -> _Ops:
-        ops = _Ops(needs_ids_before=True)
+    def ops_for(style: str) -> Ops:
+        ops = Ops(needs_ids_before=True)
 
         def before(k: int, ids: Any) -> None:
             t0 = time.perf_counter_ns()
@@ -117,11 +116,11 @@ def sync_gather_ops(bench: Any, dec: Decoder) -> tuple[Callable[[str], _Ops], di
     return ops_for, {GEMMA3N_TABLE: staging}, int(host.numel())
 
 
-def fallback_ops(bench: Any, dec: Decoder) -> Callable[[str], _Ops]:
+def fallback_ops(bench: Any, dec: Decoder) -> Callable[[str], Ops]:
     server = bench.served.server
 
-    def ops_for(style: str) -> _Ops:
-        ops = _Ops(needs_ids_before=True)
+    def ops_for(style: str) -> Ops:
+        ops = Ops(needs_ids_before=True)
 
         def before(k: int, ids: Any) -> None:
             t0 = time.perf_counter_ns()
@@ -135,7 +134,7 @@ def fallback_ops(bench: Any, dec: Decoder) -> Callable[[str], _Ops]:
     return ops_for
 
 
-def deferred_ops(bench: Any, dec: Decoder, *, host: bool) -> Callable[[str], _Ops]:
+def deferred_ops(bench: Any, dec: Decoder, *, host: bool) -> Callable[[str], Ops]:
     """The deferred variants, through the server's step driver. ``deferred-device``
     (``host=False``): the graph publishes the ids it computed, a native worker fills.
     ``deferred-host`` (``host=True``): host-known ids go to the table's worker
@@ -150,8 +149,8 @@ def deferred_ops(bench: Any, dec: Decoder, *, host: bool) -> Callable[[str], _Op
     driver = bench.served.server.driver
     n = dec.batch
 
-    def ops_for(style: str) -> _Ops:
-        ops = _Ops()
+    def ops_for(style: str) -> Ops:
+        ops = Ops()
         base = driver.counters(GEMMA3N_TABLE)
         # sync: the step completes before the next launch; async: one step stays armed
         # ahead (depth 2) and the older one completes.

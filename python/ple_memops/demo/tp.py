@@ -2,7 +2,7 @@
 serving the PLE table from the one checkpoint through its own rows plan and worker (the
 ranks share the page cache of the one file). Run with ``torchrun``::
 
-    torchrun --nproc_per_node=2 -m ple_memops.transformers.tp --model e2b --batch 8
+    torchrun --nproc_per_node=2 -m ple_memops.demo.tp --model e2b --batch 8
 
 Every rank first decodes with the whole model (TP 1) on its GPU, then shards it and
 decodes again (TP 2). Sharding follows transformers' tensor-parallel plan for Gemma 3n
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     from .runner import Decoder, GemmaBench, RunResult
 
     ap = argparse.ArgumentParser(
-        prog="python -m ple_memops.transformers.tp",
+        prog="python -m ple_memops.demo.tp",
         description="Gemma 3n decode with tensor parallelism 2 (run with torchrun "
         "--nproc_per_node=2), PLE rows deferred on every rank, checked against TP 2 with the "
         "table in GPU memory and against TP 1.",

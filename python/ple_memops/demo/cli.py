@@ -18,9 +18,19 @@ from .checkpoints import (
     e2b_gemma3n_config,
     tiny_gemma3n_config,
 )
+from .decode import GEMMA3N_TABLE
 from .runner import ALL_VARIANTS, ATTENTIONS, STYLES, GemmaBench, RunResult
 
-__all__ = ["add_bench_args", "add_demo_args", "bench_main", "demo_main"]
+__all__ = [
+    "add_bench_args",
+    "add_demo_args",
+    "bench_main",
+    "default_png",
+    "demo_main",
+    "load_gemma",
+    "qwen_main",
+    "relayer",
+]
 
 
 def _csv_ints(s: str) -> list[int]:
@@ -233,7 +243,7 @@ def load_gemma(
     import torch
     import transformers
 
-    from ._models import serve
+    from ..transformers import serve
 
     cls: Any = transformers.Gemma3nForCausalLM
     model = cls.from_pretrained(
@@ -258,8 +268,8 @@ def _run(
     served, stock = load_gemma(checkpoint, device)
     print(
         f"loaded {checkpoint} in {time.perf_counter() - t0:.1f} s: PLE table "
-        f"{served.tables['embed_tokens_per_layer'].rows} rows x "
-        f"{served.tables['embed_tokens_per_layer'].row_bytes} B served from the checkpoint"
+        f"{served.tables[GEMMA3N_TABLE].rows} rows x "
+        f"{served.tables[GEMMA3N_TABLE].row_bytes} B served from the checkpoint"
     )
     bench = GemmaBench(
         served,
@@ -283,7 +293,7 @@ def _run(
             "each step, checked bit for bit against the stock model"
         )
     results: list[RunResult] = []
-    from . import _report
+    from . import report
 
     deadline = getattr(args, "deadline", None)
     styles = args.styles if device.type == "cuda" else ["sync"]  # no async on the CPU path
@@ -308,7 +318,7 @@ def _run(
             if args.no_progress:  # a log: each batch's table as soon as it is done
                 print(f"-- batch {b} done at {time.perf_counter() - t0:.0f} s")
             if args.json:  # keep what is measured if a later batch is cut short
-                _report.to_json(results, args.json, {"title": title, "partial": True})
+                report.to_json(results, args.json, {"title": title, "partial": True})
     for b, ok in bench.eager_check.items() if bench.cuda else ():
         print(
             f"batch {b}: captured reference vs the stock model run eagerly "
@@ -324,18 +334,18 @@ def _shapes(bench: GemmaBench) -> dict[str, tuple[int, int]]:
 
 
 def _finish(args: Any, results: list[RunResult], bench: GemmaBench, title: str) -> int:
-    from . import _report
+    from . import report
 
-    print(_report.text_table(results))
+    print(report.text_table(results))
     if not bench.cuda:
-        print(_report.CPU_TIMINGS)
+        print(report.CPU_TIMINGS)
     table_bytes = bench.served.server.table_bytes
-    for line in _report.summary(results, table_bytes, _shapes(bench)):
+    for line in report.summary(results, table_bytes, _shapes(bench)):
         print(line)
     if args.png:
-        print(_report.plot(results, args.png, title))
+        print(report.plot(results, args.png, title))
     if args.json:
-        _report.to_json(
+        report.to_json(
             results,
             args.json,
             {"title": title, "table_bytes": table_bytes, "eager_check": bench.eager_check},
@@ -382,12 +392,12 @@ def bench_main(args: Any) -> int:
     if args.model == "tiny":
         cfg = tiny_gemma3n_config()
         if args.layers:
-            cfg = _relayer(cfg, args.layers, tiny=True)
+            cfg = relayer(cfg, args.layers, tiny=True)
         ckpt = root / f"gemma3n-tiny{args.layers or ''}-tf{transformers.__version__}"
     elif args.model == "e2b":
         cfg = e2b_gemma3n_config()
         if args.layers:
-            cfg = _relayer(cfg, args.layers, tiny=False)
+            cfg = relayer(cfg, args.layers, tiny=False)
         ckpt = root / f"gemma3n-e2b-shaped{args.layers or ''}-tf{transformers.__version__}"
     else:
         ckpt, cfg = Path(args.model), None
@@ -403,7 +413,7 @@ def bench_main(args: Any) -> int:
     return rc
 
 
-def _relayer(cfg: Any, layers: int, *, tiny: bool) -> Any:
+def relayer(cfg: Any, layers: int, *, tiny: bool) -> Any:
     """``cfg`` with ``layers`` layers: transformers' default attention pattern, a third of
     the layers KV-shared where the pattern allows it (every shared layer needs a
     non-shared layer of its type), activation sparsity as the default gives it."""
@@ -424,7 +434,7 @@ def _relayer(cfg: Any, layers: int, *, tiny: bool) -> Any:
 
 
 def _finish_bench(args: Any, results: list[RunResult], bench: GemmaBench, title: str) -> int:
-    from . import _report
+    from . import report
 
     if args.markdown:
         import torch
@@ -441,16 +451,19 @@ def _finish_bench(args: Any, results: list[RunResult], bench: GemmaBench, title:
                 f"{','.join(map(str, args.batch))} --styles {','.join(args.styles)} "
                 f"--page-cache {args.page_cache}`\n\n"
             )
-            f.write(_report.markdown(results) + "\n\n")
+            f.write(report.markdown(results) + "\n\n")
             if not bench.cuda:
-                f.write(f"- {_report.CPU_TIMINGS}\n")
+                f.write(f"- {report.CPU_TIMINGS}\n")
             table_bytes = bench.served.server.table_bytes
-            for line in _report.summary(results, table_bytes, _shapes(bench)):
+            for line in report.summary(results, table_bytes, _shapes(bench)):
                 f.write(f"- {line}\n")
     return _finish(args, results, bench, title)
 
 
 def qwen_main(root: Path, *, device: str | None = None, steps: int = 16) -> int:
+    """Build (if missing) a tiny random Qwen4Exp checkpoint under ``root`` and run
+    :func:`~ple_memops.demo.qwen.qwen_check` on it; print what it found. Returns 0 when
+    every run was bit-identical to the stock model."""
     import transformers
 
     from .checkpoints import tiny_qwen4exp_config

@@ -1,6 +1,6 @@
 """The decode step the runner times: :class:`Decoder` (static-cache greedy decode of one
 batch size, its step captured into one CUDA graph), the variants' names and the record of
-a run (:class:`RunResult`, the reference's :class:`_Record`)."""
+a run (:class:`RunResult`, the reference's :class:`Record`)."""
 
 from __future__ import annotations
 
@@ -12,17 +12,26 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ._capture import capture_scope, device_query_offset, make_capturable
+from .capture import capture_scope, device_query_offset, make_capturable
 
 __all__ = [
     "ALL_VARIANTS",
     "ATTENTIONS",
     "DEFERRED_VARIANTS",
+    "GEMMA3N_TABLE",
     "STYLES",
     "WARMUPS",
     "Decoder",
+    "Record",
     "RunResult",
+    "bits",
+    "cache_kwarg",
+    "in_table",
+    "is_cuda",
 ]
+
+GEMMA3N_TABLE = "embed_tokens_per_layer"
+"""The name a served Gemma 3n model's PLE table has in ``ServedModel.tables``."""
 
 # In the order they run (the ones the targets compare first, in case a deadline cuts a run).
 ALL_VARIANTS = (
@@ -83,12 +92,15 @@ class RunResult:
         return self.step_us[1:] if len(self.step_us) > 1 else self.step_us
 
 
-def _cache_kwarg(model: Any) -> str:
+def cache_kwarg(model: Any) -> str:
+    """The keyword ``model``'s forward takes its KV cache by: ``cache`` where the
+    signature has it, else ``past_key_values``."""
     params = inspect.signature(type(model).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _cuda(device: Any) -> bool:
+def is_cuda(device: Any) -> bool:
+    """Whether ``device`` (a ``torch.device`` or its name) is a CUDA device."""
     return getattr(device, "type", str(device)).startswith("cuda")
 
 
@@ -130,7 +142,7 @@ class Decoder:
                 )
         self.max_cache_len = need
         self.cache = device_query_offset(StaticCache(config=cfg, max_cache_len=need))
-        self.cache_kw = _cache_kwarg(model)
+        self.cache_kw = cache_kwarg(model)
         gen = torch.Generator().manual_seed(seed)
         # Ids 3.. avoid pad (0), eos (1) and bos (2).
         self.prompt = torch.randint(
@@ -207,7 +219,7 @@ class Decoder:
         return graph, logits
 
 
-class _Record:
+class Record:
     """The reference's logits (on the model's device) and tokens of every step."""
 
     def __init__(self, dec: Decoder, cuda: bool) -> None:
@@ -223,13 +235,15 @@ class _Record:
         self.state: dict[str, tuple[int, int]] | None = None
 
 
-def _bits(t: Any) -> Any:
+def bits(t: Any) -> Any:
     """``t`` viewed as integers of its own width: equal views mean equal bits."""
     import torch
 
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def _in_table(ids: Any, rows: int) -> np.ndarray[Any, Any]:
+def in_table(ids: Any, rows: int) -> np.ndarray[Any, Any]:
+    """``ids`` as a flat int64 array with those outside ``[0, rows)`` mapped to row 0, as
+    the served Gemma 3n table reads them (stock semantics)."""
     a = np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(-1))
     return np.where((a >= 0) & (a < rows), a, 0)

@@ -38,9 +38,9 @@ class QwenReport:
 def _decode(model: Any, prompt: Any, steps: int, on_step: Any = None) -> list[Any]:
     import torch
 
-    from .runner import _cache_kwarg
+    from .decode import cache_kwarg
 
-    kw = _cache_kwarg(model)
+    kw = cache_kwarg(model)
     out: list[Any] = []
     with torch.no_grad():
         res = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
@@ -63,10 +63,10 @@ def _decode(model: Any, prompt: Any, steps: int, on_step: Any = None) -> list[An
 def _same(a: list[Any], b: list[Any]) -> bool:
     import torch
 
-    from .runner import _bits
+    from .decode import bits
 
     return len(a) == len(b) and all(
-        torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b, strict=True)
+        torch.equal(bits(x), bits(y)) for x, y in zip(a, b, strict=True)
     )
 
 
@@ -84,7 +84,7 @@ def qwen_check(
     import torch
     import transformers
 
-    from ._models import serve
+    from ..transformers import serve
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cls: Any = transformers.Qwen4ExpForCausalLM
@@ -248,9 +248,9 @@ def _try_capture(model: Any, prompt: Any, dev: Any) -> str:
     prepared, so what stops it is HF's code); say what happened."""
     import torch
 
-    from .runner import _cache_kwarg
+    from .decode import cache_kwarg
 
-    kw = _cache_kwarg(model)
+    kw = cache_kwarg(model)
     try:
         with torch.no_grad():
             res = model(input_ids=prompt, use_cache=True, logits_to_keep=1)

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import PleMemopsError
-from ._decode import Decoder, RunResult, _bits, _in_table, _Record
-from ._state import check_state
-from ._variants import _Ops
+from .decode import Decoder, Record, RunResult, bits, in_table
+from .state import check_state
+from .variants import Ops
 
 __all__ = ["loop", "loop_host"]
 
@@ -25,13 +25,13 @@ def loop(
     graph: Any,
     logits: Any,
     style: str,
-    ops: _Ops,
-    record: _Record,
+    ops: Ops,
+    record: Record,
     *,
     recording: bool = False,
 ) -> RunResult:
     """One run of ``bench``'s decode steps: replayed on a GPU, eager on the CPU path
-    (:func:`loop_host`). ``GemmaBench._loop`` is this function."""
+    (:func:`loop_host`). ``GemmaBench.loop`` is this function."""
     if not bench.cuda:
         return loop_host(bench, dec, style, ops, record, recording)
     import torch
@@ -41,7 +41,7 @@ def loop(
     first = dec.prefill()
     torch.cuda.synchronize(bench.device)
     assert dec.first_tokens is not None
-    ids_prev = _in_table(dec.first_tokens, dec.vocab_rows)
+    ids_prev = in_table(dec.first_tokens, dec.vocab_rows)
     toks = torch.empty((steps, b), dtype=torch.int64).pin_memory()
     tok_ev = [torch.cuda.Event() for _ in range(steps)]  # type: ignore[no-untyped-call]
     ends = [
@@ -50,7 +50,7 @@ def loop(
     ]
     mism = torch.zeros(steps, dtype=torch.bool, device=bench.device)
     # Preallocated, so the loop allocates nothing while a step may wait for its rows.
-    diff = torch.empty(_bits(logits).shape, dtype=torch.bool, device=bench.device)
+    diff = torch.empty(bits(logits).shape, dtype=torch.bool, device=bench.device)
     state_diff = check_state(bench, dec, first, record, recording)
     launch_max = 0.0
 
@@ -58,7 +58,7 @@ def loop(
         def get() -> Any:
             if style == "async" and k > 0:
                 tok_ev[k - 1].synchronize()  # step k-1 only: never waits for step k
-                return _in_table(toks[k - 1].numpy(), dec.vocab_rows)
+                return in_table(toks[k - 1].numpy(), dec.vocab_rows)
             return prev
 
         return get
@@ -70,7 +70,7 @@ def loop(
                 # The ids of step k are step k-1's tokens: they must reach the host
                 # first, which drains the device queue.
                 tok_ev[k - 1].synchronize()
-                ids_prev = _in_table(toks[k - 1].numpy(), dec.vocab_rows)
+                ids_prev = in_table(toks[k - 1].numpy(), dec.vocab_rows)
             ops.arm(k)
             ops.before(k, ids_prev)
             if ops.launching is not None:
@@ -84,12 +84,12 @@ def loop(
             if recording:
                 record.logits[k].copy_(logits)
             else:
-                torch.ne(_bits(logits), _bits(record.logits[k]), out=diff)
+                torch.ne(bits(logits), bits(record.logits[k]), out=diff)
                 torch.any(diff, out=mism[k])
             ops.after_launch(k)
             if style == "sync":
                 tok_ev[k].synchronize()
-                ids_prev = _in_table(toks[k].numpy(), dec.vocab_rows)
+                ids_prev = in_table(toks[k].numpy(), dec.vocab_rows)
             elif k > 0:
                 tok_ev[k - 1].synchronize()  # the host reads step k-1's tokens
         ops.finish()
@@ -115,7 +115,7 @@ def loop(
 
 
 def loop_host(
-    bench: Any, dec: Decoder, style: str, ops: _Ops, record: _Record, recording: bool
+    bench: Any, dec: Decoder, style: str, ops: Ops, record: Record, recording: bool
 ) -> RunResult:
     """The CPU path: the same step function, run eagerly, fills before each step."""
     import torch
@@ -124,7 +124,7 @@ def loop_host(
     first = dec.prefill()
     assert dec.first_tokens is not None
     state_diff = check_state(bench, dec, first, record, recording)
-    ids = _in_table(dec.first_tokens, dec.vocab_rows)
+    ids = in_table(dec.first_tokens, dec.vocab_rows)
     tokens = np.empty((steps, b), dtype=np.int64)
     step_us: list[float] = []
     mism = np.zeros(steps, dtype=bool)
@@ -133,19 +133,19 @@ def loop_host(
         ops.arm(k)
         ops.before(k, ids)
         server = bench.served.server
-        server.graph_path = bench._cpu_graph_path
+        server.graph_path = bench.cpu_graph_path
         try:
             logits = dec.step()
         finally:
             server.graph_path = False
         ops.after_launch(k)
         tokens[k] = dec.tok.view(-1).numpy()
-        ids = _in_table(tokens[k], dec.vocab_rows)
+        ids = in_table(tokens[k], dec.vocab_rows)
         step_us.append((time.perf_counter() - t0) * 1e6)
         if recording:
             record.logits[k].copy_(logits)
         else:
-            mism[k] = not torch.equal(_bits(logits), _bits(record.logits[k]))
+            mism[k] = not torch.equal(bits(logits), bits(record.logits[k]))
     ops.finish()
     ops.close()
     r = RunResult("", b, style, "", steps, step_us, captured=False, tokens=tokens)

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._capture import _PATCHED
-from ._decode import Decoder, _bits, _Record
+from .capture import memoised_constants
+from .decode import Decoder, Record, bits
 
 __all__ = ["check_state", "state_digest"]
 
 
 def check_state(
-    bench: Any, dec: Decoder, prefill_logits: Any, record: _Record, recording: bool
+    bench: Any, dec: Decoder, prefill_logits: Any, record: Record, recording: bool
 ) -> list[str] | None:
     """Checksums of the state a run's steps start from (see the module docs); the
     recording keeps its own, every other run returns what differs from them."""
@@ -53,9 +53,8 @@ def state_digest(
     out["decode token/position"] = _checksum([dec.tok, dec.pos])
     if prefill_logits is not None:
         out["prefill logits"] = _checksum([prefill_logits])
-    for m in _PATCHED.values():
-        for key, t in vars(m)["torch"]._memo.items():
-            out[f"{_CONST} {key}"] = _checksum([t])
+    for key, t in memoised_constants():
+        out[f"{_CONST} {key}"] = _checksum([t])
     served = bench.served
     slots = {id(getattr(parent, attr)) for parent, attr in served.owners.values()}
     seen: set[tuple[int, int]] = set()
@@ -103,7 +102,7 @@ def _checksum(tensors: list[Any]) -> tuple[int, int]:
         if t.numel() == 0:
             continue
         flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
-        flat = flat.view(torch.uint8) if flat.element_size() == 1 else _bits(flat)
+        flat = flat.view(torch.uint8) if flat.element_size() == 1 else bits(flat)
         acc = accs.get(flat.device)
         if acc is None:
             acc = accs[flat.device] = torch.zeros(2, dtype=torch.int64, device=flat.device)

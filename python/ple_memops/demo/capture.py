@@ -11,7 +11,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["capture_scope", "device_query_offset", "make_capturable"]
+__all__ = ["capture_scope", "device_query_offset", "make_capturable", "memoised_constants"]
 
 _LOCK = threading.Lock()
 _PATCHED: dict[str, Any] = {}
@@ -88,6 +88,13 @@ def make_capturable(model_type: str = "gemma3n") -> None:
             return
         vars(mod)["torch"] = _MemoTorch(torch)
         _PATCHED[model_type] = mod
+
+
+def memoised_constants() -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Every scalar constant the patched modules made so far, as ``(key, tensor)``: the
+    tensors themselves, which captured graphs read (the runner's state checks sum them)."""
+    for mod in list(_PATCHED.values()):
+        yield from list(vars(mod)["torch"]._memo.items())
 
 
 def device_query_offset(cache: Any) -> Any:

@@ -135,7 +135,7 @@ def _model_class(config: Any) -> Any:
         return transformers.Gemma3nForCausalLM
     if kind == "qwen4_exp_text":
         return transformers.Qwen4ExpForCausalLM
-    from ._errors import UnsupportedModelError
+    from ..transformers import UnsupportedModelError
 
     raise UnsupportedModelError(f"no builder for model_type {kind!r}")
 
