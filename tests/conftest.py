@@ -1,11 +1,25 @@
-"""Shared fixtures. GPU tests carry ``@pytest.mark.gpu`` and skip, with the reason, where
-no CUDA device is usable."""
+"""Shared fixtures, and the rule that names the test files.
+
+The name says where a file runs: ``test_*_gpu.py`` needs a CUDA GPU (its tests carry
+``@pytest.mark.gpu`` and skip, with the reason, where no CUDA device is usable);
+``test_*_real.py`` needs the real vLLM package, in its own environment (``scripts/test.sh``
+builds it; elsewhere the file skips); every other ``test_*.py`` runs on any CPU machine.
+Modules without the ``test_`` prefix are helpers, imported through pytest's ``pythonpath``
+(``pyproject.toml``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    import ple_memops as pm
+
+# The stand-in runner's checks are assertions: keep pytest's report of their values.
+pytest.register_assert_rewrite("vllm_stand_in")
 
 
 @pytest.fixture(scope="module")
@@ -15,6 +29,48 @@ def torch() -> Any:
 
     torch.cuda.init()
     return torch
+
+
+@pytest.fixture(params=["kernel", "memop"])
+def publish(request: pytest.FixtureRequest) -> str:
+    """Each way a worker publishes its ids on the GPU (``GatherWorker(publish=...)``)."""
+    return str(request.param)
+
+
+RandomTables = Callable[..., AbstractContextManager[dict[str, "pm.MmapTable"]]]
+
+
+@pytest.fixture(scope="session")
+def random_tables(tmp_path_factory: pytest.TempPathFactory) -> RandomTables:
+    """Tables of random bytes: ``with random_tables(rows, {name: width, ...}) as tables``
+    writes ``<name>.safetensors`` for each name into a fresh directory, one float16 tensor
+    (``tensor=``, ``"ple.weight"`` unless given) of ``rows`` rows of ``width`` bytes, drawn
+    in order from one generator seeded 0; opens each as a table and closes them when the
+    block ends. A fixture of any scope yields inside the block."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    import ple_memops as pm
+
+    @contextmanager
+    def make(
+        rows: int, widths: dict[str, int], *, tensor: str = "ple.weight"
+    ) -> Iterator[dict[str, pm.MmapTable]]:
+        directory = tmp_path_factory.mktemp("ckpt")
+        rng = np.random.default_rng(0)
+        tables: dict[str, pm.MmapTable] = {}
+        try:
+            for name, width in widths.items():
+                data = rng.integers(0, 256, (rows, width), dtype=np.uint8)
+                path = directory / f"{name}.safetensors"
+                save_file({tensor: data.view(np.float16)}, str(path))
+                tables[name] = pm.MmapTable.open(path, tensor)
+            yield tables
+        finally:
+            for t in tables.values():
+                t.close()
+
+    return make
 
 
 def _gpu_skip_reason() -> str | None:

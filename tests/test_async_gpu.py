@@ -8,12 +8,12 @@ No test may hang: every wait for the GPU polls an event with a bound.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 from gpu_wait import done
-from safetensors.numpy import save_file
 
 import ple_memops as pm
 from ple_memops.plan import RowsPlan
@@ -25,18 +25,9 @@ HIST = 512
 
 
 @pytest.fixture(scope="module")
-def table(tmp_path_factory: pytest.TempPathFactory) -> pm.MmapTable:
-    data = np.random.default_rng(0).integers(0, 256, (TABLE_ROWS, WIDTH), dtype=np.uint8)
-    path = tmp_path_factory.mktemp("ckpt") / "model.safetensors"
-    save_file({"ple.weight": data.view(np.float16)}, str(path))
-    t = pm.MmapTable.open(path, "ple.weight")
-    yield t
-    t.close()
-
-
-@pytest.fixture(params=["kernel", "memop"])
-def publish(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+def table(random_tables: Any) -> Iterator[pm.MmapTable]:
+    with random_tables(TABLE_ROWS, {"model": WIDTH}) as tables:
+        yield tables["model"]
 
 
 def ids_for(step: int, n: int, modulo: int = TABLE_ROWS) -> np.ndarray:

@@ -4,11 +4,11 @@ misuse is typed. (tests/test_plan_gpu.py covers the deferred mode on a GPU.)"""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 import ple_memops as pm
 from ple_memops.plan import RowsPlan
@@ -19,17 +19,9 @@ ROWS = 500
 
 
 @pytest.fixture
-def tables(tmp_path: Path) -> dict[str, pm.MmapTable]:
-    rng = np.random.default_rng(0)
-    out = {}
-    for i, width in ((2, 32), (5, 64)):
-        data = rng.integers(0, 256, (ROWS, width), dtype=np.uint8)
-        path = tmp_path / f"layer{i}.safetensors"
-        save_file({"ple.weight": data.view(np.float16)}, str(path))
-        out[f"layer{i}"] = pm.MmapTable.open(path, "ple.weight")
-    yield out
-    for t in out.values():
-        t.close()
+def tables(random_tables: Any) -> Iterator[dict[str, pm.MmapTable]]:
+    with random_tables(ROWS, {"layer2": 32, "layer5": 64}) as out:
+        yield out
 
 
 def test_host_plan_gathers_the_tables_bytes(

@@ -6,12 +6,12 @@ No test may hang: every wait for the GPU polls an event with a bound.
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 from gpu_wait import done
-from safetensors.numpy import save_file
 
 import ple_memops as pm
 from ple_memops.plan import RowsPlan
@@ -23,17 +23,9 @@ ROWS = 5000
 
 
 @pytest.fixture
-def tables(tmp_path: Path) -> dict[str, pm.MmapTable]:
-    rng = np.random.default_rng(0)
-    out = {}
-    for i, width in ((2, 256), (5, 15360)):
-        data = rng.integers(0, 256, (ROWS, width), dtype=np.uint8)
-        path = tmp_path / f"layer{i}.safetensors"
-        save_file({"ple.weight": data.view(np.float16)}, str(path))
-        out[f"layer{i}"] = pm.MmapTable.open(path, "ple.weight")
-    yield out
-    for t in out.values():
-        t.close()
+def tables(random_tables: Any) -> Iterator[dict[str, pm.MmapTable]]:
+    with random_tables(ROWS, {"layer2": 256, "layer5": 15360}) as out:
+        yield out
 
 
 def test_publish_host_feeds_captured_consumers(tables: dict[str, pm.MmapTable]) -> None:

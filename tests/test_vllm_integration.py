@@ -1,6 +1,7 @@
 """The vLLM integration layer without vLLM: Qwen4Exp ids, table discovery, the runner
 hooks (against a real host-mode RowsPlan, and a recording plan for the step sequencing),
-the custom ops (eager and under torch.compile), and the settings.
+the custom ops (eager and under torch.compile), the GPU tests' stand-in runner on the host
+(``vllm_stand_in.py``), and the settings.
 
 The same layer against the real vLLM 0.33.0 is in ``test_vllm_real.py``; on a GPU, through
 Model Runner V2's sequence, in ``test_vllm_runner_gpu.py``.
@@ -29,6 +30,7 @@ from ple_memops.errors import (
 )
 
 torch = pytest.importorskip("torch")
+import vllm_stand_in as stand_in  # noqa: E402
 from qwen4exp_ngram import NGramHasher, NGramLayout, _is_prime  # noqa: E402
 from safetensors.torch import save_file as save_torch  # noqa: E402
 
@@ -845,6 +847,67 @@ def test_deferrable() -> None:
     assert "microbatched" in str(deferrable(Desc(FULL, 8, num_ubatches=2)))
     with pytest.raises(InvalidArgumentError):
         PleRunnerHooks(RecordingPlan(["a"]), rows_per_token=0)
+
+
+# -- the stand-in runner of test_vllm_runner_gpu.py, on the host ------------------------
+
+
+@pytest.fixture(scope="module")
+def stand_in_ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
+    return stand_in.write_checkpoint(tmp_path_factory.mktemp("standin"))
+
+
+def test_stand_in_eager_on_the_host(stand_in_ckpt: tuple[Path, dict[str, np.ndarray]]) -> None:
+    """The same runner without a GPU (host plan, eager steps only): its inputs, ring and
+    checks, so the GPU run starts from code that ran."""
+    path, tables = stand_in_ckpt
+    r = stand_in.boot(path, "cpu")
+    try:
+        assert r.hooks.plan.mode == "host"
+        r.profile_run()
+        r.warm_up()
+        r.eager_step([[5, 6, 7, 8], [stand_in.EOS, 9, 10]])
+        for _ in range(6):
+            r.eager_step([])
+        r.eager_step([[1, 2]])
+        assert r.check_ring(0, tables) == 2 * 8
+    finally:
+        r.shutdown()
+
+
+def test_stats_lines_every_interval(
+    stand_in_ckpt: tuple[Path, dict[str, np.ndarray]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``stats_every``: a ``ple-memops stats`` line once the interval passed, checked at
+    each step, and a last one at shutdown; none in between."""
+    path, _tables = stand_in_ckpt
+    caplog.set_level(logging.INFO, logger="ple_memops")
+    r = stand_in.boot(path, "cpu", stats_every=3600.0)
+    try:
+        r.profile_run()
+        r.eager_step([[5, 6, 7, 8], [stand_in.EOS, 9, 10]])
+        assert not [m for m in caplog.messages if m.startswith("ple-memops stats")]
+        r.hooks.stats_every = 1e-9  # every step from now on
+        r.eager_step([])
+        r.eager_step([])
+        lines = [m for m in caplog.messages if m.startswith("ple-memops stats")]
+        assert len(lines) == 2, lines
+        assert "0 deferred steps (0 replays, 0 eager), 0 synchronous replays" in lines[0]
+        assert "layers." in lines[0] and "0 fills" in lines[0]  # a host plan: no workers
+        # The checkpoint was just written, so its pages are cached: adopted at open, no
+        # row of these host gathers was read cold.
+        assert "fills, 0.0% rows cold" in lines[0], lines[0]
+        # Our own host time per engine step, by hook (two steps since the last line); no
+        # GPU stall part on the host.
+        assert "host us per engine step over 2: total p50 " in lines[0], lines[0]
+        assert "step p50" in lines[0] and "stats p50" in lines[0], lines[0]
+        assert "GPU stall" not in lines[0], lines[0]
+    finally:
+        r.shutdown()
+    lines = [m for m in caplog.messages if m.startswith("ple-memops stats")]
+    assert len(lines) == 3, lines  # the last interval's, at shutdown
+    with pytest.raises(pm.InvalidArgumentError, match="stats_every must be > 0"):
+        PleRunnerHooks(r.hooks.plan, rows_per_token=stand_in.H, stats_every=0)
 
 
 # -- settings ------------------------------------------------------------------------------

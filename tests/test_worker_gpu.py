@@ -8,6 +8,8 @@ No test may hang: every wait for the GPU polls an event with a bound.
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,18 +24,10 @@ TABLE_ROWS, WIDTH = 50_000, 160
 
 
 @pytest.fixture(scope="module")
-def table(tmp_path_factory: pytest.TempPathFactory) -> pm.MmapTable:
-    data = np.random.default_rng(0).integers(0, 256, (TABLE_ROWS, WIDTH), dtype=np.uint8)
-    path = tmp_path_factory.mktemp("ckpt") / "model.safetensors"
-    save_file({"embed_tokens_per_layer.weight": data.view(np.float16)}, str(path))
-    t = pm.MmapTable.open(path, "embed_tokens_per_layer.weight")
-    yield t
-    t.close()
-
-
-@pytest.fixture(params=["kernel", "memop"])
-def publish(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+def table(random_tables: Any) -> Iterator[pm.MmapTable]:
+    tensor = "embed_tokens_per_layer.weight"
+    with random_tables(TABLE_ROWS, {"model": WIDTH}, tensor=tensor) as tables:
+        yield tables["model"]
 
 
 class IdGraph:

@@ -35,6 +35,7 @@ from typing import Any
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.resolve().parent / "benchmarks"))  # vllm_checkpoints needs it
 
 SIZES = [1, 2, 4, 8]
 MAX_TOKENS = 16

@@ -4,7 +4,7 @@ per replay, and nothing else ever waits for a fill.
 
 Pure Python against a small protocol (a rows plan, see :class:`PlanLike`), so the same
 code runs in the plugin's Model Runner V2 (:mod:`ple_memops.vllm.runner`) and in the
-stand-in runner of ``tests/test_vllm_runner_gpu.py``. The hooks keep the set of graphs
+stand-in runner of ``tests/vllm_stand_in.py``. The hooks keep the set of graphs
 that wait for rows themselves (nothing is stored on the engine's graph manager).
 
 The runner calls, in the order Model Runner V2 reaches them::
