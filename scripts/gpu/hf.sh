@@ -79,7 +79,7 @@ run "pytest (GPU: Qwen4Exp)" 60 "$OUT/pytest.log" \
     $PY -m pytest tests/test_transformers_gpu.py -k qwen -q -rs -p no:cacheprovider
 if [ "${CPU_TESTS:-0}" = 1 ]; then
     run "pytest (CPU path with this machine's torch and transformers)" 90 "$OUT/pytest.log" \
-        $PY -m pytest tests/test_transformers_cpu.py -q -rs -p no:cacheprovider
+        $PY -m pytest tests/test_transformers.py -q -rs -p no:cacheprovider
 fi
 
 {
