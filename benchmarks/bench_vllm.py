@@ -174,6 +174,9 @@ MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     # spinning, then yielding, for 2 ms; a worker armed one step ahead then burns almost no
     # CPU while the GPU runs the step before (does our threads' CPU use slow the engine's?).
     "mmap-quiet": {"spin": 1e-6},  # 1 us (0 means the default)
+    # The gather workers hot only around the READY they predict from the last steps
+    # (predict_ready), asleep through the step before instead of spinning, then napping.
+    "mmap-predict": {"predict_ready": True},
     # Without the instruments (no stall timing, no stats lines): what measuring costs.
     "mmap-bare": {"bare": True},
     # A second mmap server (A against A among the mmap rungs).
@@ -680,7 +683,7 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
     extra: dict[str, Any] = {} if gemma else {"gdn_prefill_backend": "triton"}
     if backend in MMAP_VARIANTS:
         ours = {"table_backend": "mmap", "copy": variant.get("copy", args.copy)}
-        for key in ("spin", "first_layer_threads", "diag_skip_gather"):
+        for key in ("spin", "first_layer_threads", "diag_skip_gather", "predict_ready"):
             if key in variant:
                 ours[key] = variant[key]
         if args.stats_every and not variant.get("bare"):

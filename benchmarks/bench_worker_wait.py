@@ -67,11 +67,13 @@ def main() -> int:
     )
     ap.add_argument(
         "--spins",
-        default="default,0.000001,0.05",
-        help="spin settings to compare, seconds ('default': the core's, 2 ms)",
+        default="default,0.000001,0.05,predict",
+        help="settings to compare: spin seconds, 'default' (the core's, 2 ms) or 'predict' "
+        "(the default spin placed where READY is expected: predict_ready)",
     )
     args = ap.parse_args()
-    spins = [None if s == "default" else float(s) for s in args.spins.split(",")]
+    names = args.spins.split(",")
+    spins = [None if s in ("default", "predict") else float(s) for s in names]
     table_rows = 4096
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "t.safetensors"
@@ -93,7 +95,8 @@ def main() -> int:
                 for k in range(len(spins)):
                     i = (k + r) % len(spins)
                     rows = pm.DeferredRows(max(args.rows, 1), args.row_bytes, device="cpu")
-                    with pm.GatherWorker(rows, table, spin=spins[i]) as w:
+                    predict = names[i] == "predict"
+                    with pm.GatherWorker(rows, table, spin=spins[i], predict_ready=predict) as w:
                         for step in range(per + 5):  # 5 warm-up steps, untimed
                             ids = rng.integers(0, table_rows, args.rows)
                             c0 = our_cpu_ticks()
@@ -126,6 +129,8 @@ def main() -> int:
             share = cpu_ms / (args.step_us / 1e3 + statistics.mean(lat[i]) / 1e3)
             xs = sorted(lat[i])
             name = "default (2 ms)" if spin is None else f"{spin * 1e3:g} ms"
+            if names[i] == "predict":
+                name = "predict_ready (2 ms)"
             print(
                 f"| {name} | {cpu_ms:.2f} ({share:.0%}) | {statistics.mean(fills[i]):.1f} "
                 f"| {xs[n // 2]:.1f} / {xs[min(n - 1, n * 99 // 100)]:.1f} |"

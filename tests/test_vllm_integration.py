@@ -993,6 +993,19 @@ def test_settings_first_layer_threads() -> None:
             S.for_engine({"ple_memops": {"first_layer_threads": value}}, {})
 
 
+def test_settings_predicted_ready() -> None:
+    S = settings.Settings
+    assert not S.from_env({}).predict_ready and not S().predict_ready
+    env = {"PLE_MEMOPS_PREDICT_READY": "1"}
+    assert S.from_env(env).predict_ready
+    assert not S.for_engine({"ple_memops": {"predict_ready": False}}, env).predict_ready
+    assert S.for_engine({"ple_memops": {"predict_ready": "on"}}, {}).predict_ready
+    with pytest.raises(InvalidArgumentError, match="PLE_MEMOPS_PREDICT_READY must be 1 or 0"):
+        S.from_env({"PLE_MEMOPS_PREDICT_READY": "soon"})
+    with pytest.raises(InvalidArgumentError, match=r"\['predict_ready'\] must be 1 or 0"):
+        S.for_engine({"ple_memops": {"predict_ready": 2}}, {})
+
+
 def test_settings_stall_timing_and_the_gather_free_diagnostic() -> None:
     S = settings.Settings
     assert not S.from_env({}).time_stalls and not S.from_env({}).diag_skip_gather

@@ -43,6 +43,24 @@ def test_worker_fills_published_ids(table: pm.MmapTable) -> None:
         assert s.eager_fills == 0 and s.eager_fill_ns_total == 0
 
 
+def test_a_predicted_wait_fills_like_any_other(table: pm.MmapTable) -> None:
+    """``predict_ready=True``: once steps were armed ahead of READY the worker sleeps until
+    READY is near (counted), and a READY much earlier than predicted is still filled."""
+    rows = pm.DeferredRows(64, WIDTH, device="cpu")
+    with pm.GatherWorker(rows, table, predict_ready=True) as w:
+        rng = np.random.default_rng(2)
+        for lead in [0.005] * 6 + [0.0003, 0.005]:
+            ids = rng.integers(0, ROWS, 8)
+            w.begin(64)
+            time.sleep(lead)  # the GPU running the step before
+            w.publish_from_host(ids)
+            w.complete()
+            np.testing.assert_array_equal(rows.staging[:8], table.gather(ids))
+        s = w.stats()
+        assert s.fills == 8 and s.failures == 0
+        assert s.predicted_sleeps >= 3 and s.ready_in_sleep >= 1, s
+
+
 def test_eager_steps_are_counted_apart(table: pm.MmapTable) -> None:
     """``begin(eager=True)``: the same protocol and rows, its fill counted apart (an
     engine's stats lines keep a prefill chunk's gather out of the replays' mean)."""

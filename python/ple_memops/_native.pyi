@@ -158,6 +158,7 @@ class GatherWorkerCore:
         depth: int = 2,
         spin_s: float | None = None,
         skip_gather: bool = False,
+        predict_ready: bool = False,
     ) -> GatherWorkerCore: ...
     @property
     def max_ids(self) -> int: ...

@@ -140,6 +140,7 @@ class RowsPlan:
         copy: str = DEFAULTS.copy,
         publish: str = DEFAULTS.publish,
         spin: float | None = DEFAULTS.spin,
+        predict_ready: bool = False,
         track_arrival: bool = False,
         time_stalls: bool = False,
         skip_gather: bool = False,
@@ -153,6 +154,7 @@ class RowsPlan:
         for (one more stream write a step; see :class:`~ple_memops.DeferredRows`);
         ``time_stalls`` times each step's consumer stall on the GPU (:meth:`stall_samples`);
         ``skip_gather`` (diagnostics only: wrong rows) fills without reading the tables,
+        and ``predict_ready`` places each worker's hot window where READY is expected,
         see :class:`~ple_memops.GatherWorker`. Raises
         only for bad arguments; a device that cannot defer gives a ``sync`` plan with
         :attr:`reason`, logged once unless ``log_fallback=False`` (for a caller that says
@@ -199,6 +201,7 @@ class RowsPlan:
                             publish=publish,
                             depth=depth,
                             spin=spin,
+                            predict_ready=predict_ready,
                             skip_gather=skip_gather,
                         ),
                     )

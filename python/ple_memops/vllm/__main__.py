@@ -20,6 +20,7 @@ from .settings import (
     BACKEND_ENV,
     COPY_ENV,
     FIRST_LAYER_THREADS_ENV,
+    PREDICT_READY_ENV,
     SKIP_GATHER_ENV,
     SPIN_ENV,
     STATS_ENV,
@@ -73,7 +74,8 @@ def check() -> int:
         f"settings: copy {settings.copy} ({COPY_ENV}), spin {spin} ({SPIN_ENV}), stats lines "
         f"{stats} ({STATS_ENV}), the first PLE layer's gathers on {lead_text} "
         f"({FIRST_LAYER_THREADS_ENV}), stall timing {'on' if settings.time_stalls else 'off'} "
-        f"({TIME_STALLS_ENV}); an engine's additional_config['ple_memops'] overrides them"
+        f"({TIME_STALLS_ENV}), predicted READY {'on' if settings.predict_ready else 'off'} "
+        f"({PREDICT_READY_ENV}); an engine's additional_config['ple_memops'] overrides them"
     )
     if settings.diag_skip_gather:
         print(

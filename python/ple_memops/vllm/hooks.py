@@ -817,6 +817,7 @@ def build_hooks(
     copy: str = "auto",
     sync_graphs: bool = True,
     spin: float | None = None,
+    predict_ready: bool = False,
     stats_every: float | None = None,
     time_stalls: bool = False,
     skip_gather: bool = False,
@@ -825,7 +826,8 @@ def build_hooks(
     outside any capture) and the runner hooks around it. ``timeout`` bounds both the
     watchdog of a waiting graph and the completion of a pending step. ``sync_graphs``: a
     synchronous plan keeps FULL graphs (the model gives an ids source while captured).
-    ``spin``: the workers' hot window (``None``: the core's default); ``stats_every``:
+    ``spin``: the workers' hot window (``None``: the core's default), ``predict_ready``:
+    placed where READY is expected (:class:`~ple_memops.GatherWorker`); ``stats_every``:
     see :class:`PleRunnerHooks`; ``time_stalls``: time each layer's consumer stall on
     the GPU (in the stats line); ``skip_gather``: diagnostics only (wrong rows), see
     :class:`~ple_memops.GatherWorker`."""
@@ -842,6 +844,7 @@ def build_hooks(
         depth=DEPTH,
         copy=copy,
         spin=spin,
+        predict_ready=predict_ready,
         time_stalls=time_stalls,
         skip_gather=skip_gather,
         log_fallback=False,  # the engine's integration says it once, with what it changes

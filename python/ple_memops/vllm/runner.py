@@ -185,6 +185,7 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
             timeout=settings.timeout,
             copy=settings.copy,
             spin=settings.spin,
+            predict_ready=settings.predict_ready,
             stats_every=settings.stats_every,
             time_stalls=settings.time_stalls,
             skip_gather=settings.diag_skip_gather,

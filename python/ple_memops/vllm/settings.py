@@ -37,6 +37,7 @@ __all__ = [
     "DEPTH",
     "FIRST_LAYER_THREADS_ENV",
     "KEYS",
+    "PREDICT_READY_ENV",
     "SKIP_GATHER_ENV",
     "SPIN_ENV",
     "STATS_ENV",
@@ -56,6 +57,7 @@ STATS_ENV = "PLE_MEMOPS_STATS_EVERY"
 FIRST_LAYER_THREADS_ENV = "PLE_MEMOPS_FIRST_LAYER_THREADS"
 TIME_STALLS_ENV = "PLE_MEMOPS_TIME_STALLS"
 SKIP_GATHER_ENV = "PLE_MEMOPS_DIAG_SKIP_GATHER"
+PREDICT_READY_ENV = "PLE_MEMOPS_PREDICT_READY"
 CONFIG_KEY = "ple_memops"
 """The key of ``additional_config`` that holds these settings."""
 BACKENDS = ("default", "mmap")
@@ -170,6 +172,11 @@ class Settings:
     """Diagnostics only, never for serving: the gather workers fill every step without
     reading the tables, so the consumers read stale rows and the tokens are wrong. Times
     the protocol (publish, waits, copies) without the host's gather."""
+    predict_ready: bool = False
+    """Each gather worker sleeps until shortly before the READY it predicts from the last
+    steps (an armed step's wait is a whole step under async scheduling) and is hot only
+    then, instead of hot from arming (:class:`~ple_memops.GatherWorker`'s
+    ``predict_ready``). Off by default: not yet measured in the engine."""
 
     @property
     def mmap(self) -> bool:
@@ -192,6 +199,7 @@ class Settings:
             _threads_or_off(env.get(FIRST_LAYER_THREADS_ENV), FIRST_LAYER_THREADS_ENV),
             _switch(env.get(TIME_STALLS_ENV), TIME_STALLS_ENV),
             _switch(env.get(SKIP_GATHER_ENV), SKIP_GATHER_ENV),
+            _switch(env.get(PREDICT_READY_ENV), PREDICT_READY_ENV),
         )
 
     @classmethod
@@ -222,7 +230,7 @@ class Settings:
                 changes[key] = _copy(value, where)
             elif key == "first_layer_threads":
                 changes[key] = _threads_or_off(value, where)
-            elif key in ("time_stalls", "diag_skip_gather"):
+            elif key in ("time_stalls", "diag_skip_gather", "predict_ready"):
                 changes[key] = _switch(value, where)
             else:
                 changes[key] = _seconds_or_off(value, where)
@@ -238,6 +246,7 @@ KEYS = (
     "first_layer_threads",
     "time_stalls",
     "diag_skip_gather",
+    "predict_ready",
 )
 """The keys ``additional_config["ple_memops"]`` may hold (:class:`Settings`' fields)."""
 

@@ -21,7 +21,7 @@ pub struct PyGatherWorker {
 #[pymethods]
 impl PyGatherWorker {
     #[new]
-    #[pyo3(signature = (rows, table, max_ids, id_bytes, offsets=None, sizes=None, publish="kernel", depth=2, spin_s=None, skip_gather=false))]
+    #[pyo3(signature = (rows, table, max_ids, id_bytes, offsets=None, sizes=None, publish="kernel", depth=2, spin_s=None, skip_gather=false, predict_ready=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -35,6 +35,7 @@ impl PyGatherWorker {
         depth: usize,
         spin_s: Option<f64>,
         skip_gather: bool,
+        predict_ready: bool,
     ) -> PyResult<Self> {
         let path = match publish {
             "kernel" => PublishPath::Kernel,
@@ -68,6 +69,7 @@ impl PyGatherWorker {
             path,
             depth,
             spin,
+            predict_ready,
             skip_gather,
         };
         let rows = rows.get().rows().clone();
@@ -181,6 +183,8 @@ impl PyGatherWorker {
                 ("warmed_steps", s.warmed_steps),
                 ("completes_waited", s.completes_waited),
                 ("complete_wait_ns_total", s.complete_wait_ns_total),
+                ("predicted_sleeps", s.predicted_sleeps),
+                ("ready_in_sleep", s.ready_in_sleep),
             ],
         )
     }

@@ -48,6 +48,11 @@ pub struct WorkerStats {
     /// the fill done.
     pub completes_waited: u64,
     pub complete_wait_ns_total: u64,
+    /// With [`WorkerOptions::predict_ready`]: steps whose wait began with a sleep until
+    /// shortly before their predicted READY, and of those, the steps whose READY came
+    /// during the sleep (seen up to one sleep chunk, 100 us, late).
+    pub predicted_sleeps: u64,
+    pub ready_in_sleep: u64,
 }
 
 /// How a worker is set up (beyond its rows, table and row map).
@@ -66,6 +71,13 @@ pub struct WorkerOptions {
     /// (idle). A worker that sleeps sees READY late: on a VM, waking an idle vCPU can take
     /// longer than the whole gather.
     pub spin: Duration,
+    /// Place the hot window where READY is expected instead of at arming: once a few
+    /// steps were armed ahead of their READY, the worker sleeps (in short chunks, checking
+    /// READY between them) until shortly before the earliest of the last arm-to-READY
+    /// times, then is hot for `spin` as usual. Under asynchronous scheduling a worker is
+    /// armed a whole step before READY; hot from arming it keeps a CPU busy for `spin` and
+    /// may still see READY a nap late. Off by default.
+    pub predict_ready: bool,
     /// Diagnostics only: fill each step without gathering (the slot keeps whatever bytes
     /// it held, so consumers read stale rows). Times the protocol without the host's
     /// gather; never for serving.
@@ -80,6 +92,7 @@ impl Default for WorkerOptions {
             path: PublishPath::Kernel,
             depth: 2,
             spin: DEFAULT_SPIN,
+            predict_ready: false,
             skip_gather: false,
         }
     }

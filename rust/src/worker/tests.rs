@@ -524,3 +524,37 @@ fn host_ids_go_to_armed_steps_in_order_once_each() {
         ErrorKind::Closed
     );
 }
+
+#[test]
+fn a_predicted_wait_sleeps_until_ready_is_near_and_still_serves_an_early_ready() {
+    let mut staging = vec![0u8; 4 * 4];
+    let rows = host_rows(4, 4, &mut staging);
+    let src = Arc::new(Counting {
+        rows: 100,
+        width: 4,
+    });
+    let o = WorkerOptions {
+        predict_ready: true,
+        ..opts(4, 8)
+    };
+    let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, o).unwrap();
+    let step = |lead: Duration, id: i64| {
+        w.begin(4).unwrap();
+        std::thread::sleep(lead); // the GPU running the step before
+        w.publish_from_host(&[id], T).unwrap();
+        w.complete(T).unwrap();
+        assert!(staging[..4].iter().all(|&b| b == (id % 251) as u8 + 1));
+    };
+    for id in 0..6 {
+        step(Duration::from_millis(5), id);
+    }
+    let s = w.stats();
+    // Three replays teach it; the later ones sleep first.
+    assert!(s.predicted_sleeps >= 2, "{s:?}");
+    // A READY far earlier than predicted comes while the worker sleeps: still served.
+    step(Duration::from_micros(300), 42);
+    let s = w.stats();
+    assert_eq!(s.fills, 7, "{s:?}");
+    assert!(s.ready_in_sleep >= 1, "{s:?}");
+    w.close();
+}

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::pace::{pause, IDLE_POLL, NAP};
+use super::pace::{pause, ReadyPredictor, IDLE_POLL, NAP, SLEEP_CHUNK};
 use super::shared::{Ctl, Shared};
 use super::warm::WarmThreads;
 use crate::error::{Error, Op, Result};
@@ -74,9 +74,30 @@ impl Shared {
         self.cv.notify_all();
     }
 
-    /// Poll for READY while a step is armed: hot for `spin`, then short naps. Returns
-    /// false if the rows were released or the worker stopped.
-    pub(super) fn wait_ready(&self) -> bool {
+    /// Poll for READY while a step is armed: asleep until `sleep_until` when given (in
+    /// chunks of [`SLEEP_CHUNK`], READY checked between them), then hot for `spin`, then
+    /// short naps. Returns whether READY came, and whether it came while asleep; not
+    /// ready if the rows were released or the worker stopped.
+    pub(super) fn wait_ready(&self, sleep_until: Option<Instant>) -> (bool, bool) {
+        if let Some(until) = sleep_until {
+            loop {
+                if self.mailbox().is_ready() {
+                    return (true, true);
+                }
+                if self.stop.load(Ordering::Acquire) || self.rows.is_released() {
+                    return (false, false);
+                }
+                let now = Instant::now();
+                if now >= until {
+                    break;
+                }
+                std::thread::sleep((until - now).min(SLEEP_CHUNK));
+            }
+        }
+        (self.wait_ready_hot(), false)
+    }
+
+    fn wait_ready_hot(&self) -> bool {
         let t0 = Instant::now();
         loop {
             if self.mailbox().is_ready() {
@@ -120,12 +141,17 @@ pub(super) fn run(sh: &Shared) {
     let mut rows = Vec::with_capacity(max_ids);
     // Rows of the last fill: the next step's size is most likely the same (decode batches).
     let mut last_rows = 0usize;
+    let mut predictor = ReadyPredictor::default();
     while let Some(step) = sh.next_step() {
         let armed_at = Instant::now();
+        // A replay's READY is predicted from the last replays'; an eager step publishes
+        // right after its arming and is neither predicted nor recorded.
+        let predicted = sh.opts.predict_ready && !sh.ctl().eager.contains(&step);
+        let sleep = predicted.then(|| predictor.sleep_for()).flatten();
         let warm = sh.source.own_pool_for(last_rows).map(WarmThreads::start);
         // Counted under the `ctl` lock each way below takes anyway.
         let warmed = u64::from(warm.is_some());
-        let ready = sh.wait_ready();
+        let (ready, in_sleep) = sh.wait_ready(sleep.map(|d| armed_at + d));
         drop(warm);
         if !ready {
             // Released or stopping: nothing to fill. Mark the step handled so a waiting
@@ -137,6 +163,9 @@ pub(super) fn run(sh: &Shared) {
             continue;
         }
         let t_ready = Instant::now();
+        if predicted {
+            predictor.record(t_ready - armed_at);
+        }
         // The GPU reached the step: from now on it may be waiting for these rows.
         sh.rows.watch(step);
         // A panic here (a bug) must still release the GPU: it becomes the step's error.
@@ -153,6 +182,8 @@ pub(super) fn run(sh: &Shared) {
         last_rows = rows.len();
         let mut ctl = sh.ctl();
         ctl.stats.warmed_steps += warmed;
+        ctl.stats.predicted_sleeps += u64::from(sleep.is_some());
+        ctl.stats.ready_in_sleep += u64::from(in_sleep);
         match result {
             Ok(count) => {
                 let eager = ctl.eager.contains(&step);
