@@ -97,6 +97,7 @@ from typing import Any
 
 # The harness modules beside this script (on sys.path when it is run as a script).
 import vllm_bench_model as vbm
+from proc_cpu import CLK_TCK, OUR_THREADS, thread_cpu
 
 # The offline bundle leaves CuTe DSL out: the model then takes its unfused hyper-connection
 # path in every vLLM process (a vLLM general plugin on PYTHONPATH).
@@ -505,32 +506,6 @@ def _proc_tree(root: int) -> list[int]:
     return out
 
 
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-# Our threads' names (the Rust core names them; Linux keeps 15 characters of a name).
-OUR_THREADS = ("ple-",)
-
-
-def thread_cpu(pids: list[int]) -> dict[tuple[int, int], tuple[str, int]]:
-    """CPU time (user + system, clock ticks) of every thread of the processes, by (pid,
-    tid), with the thread's name."""
-    out: dict[tuple[int, int], tuple[str, int]] = {}
-    for p in pids:
-        try:
-            tids = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tids:
-            try:
-                stat = Path(f"/proc/{p}/task/{t}/stat").read_text()
-            except OSError:
-                continue
-            head, rest = stat.rsplit(")", 1)
-            fields = rest.split()
-            # fields[0] is the state (stat field 3): utime, stime are fields 14 and 15.
-            out[(p, int(t))] = (head.split("(", 1)[1], int(fields[11]) + int(fields[12]))
-    return out
-
-
 def cpu_use(
     before: dict[tuple[int, int], tuple[str, int]],
     after: dict[tuple[int, int], tuple[str, int]],
@@ -544,7 +519,7 @@ def cpu_use(
     for key, (name, ticks) in after.items():
         d = ticks - before.get(key, (name, 0))[1]
         if d > 0:
-            used[name] = used.get(name, 0.0) + d / _CLK_TCK / wall_s
+            used[name] = used.get(name, 0.0) + d / CLK_TCK / wall_s
     if not used:
         return {"cpu_cores": 0.0, "cpu_ours": 0.0, "cpu_top": None}
     ours = sum(v for n, v in used.items() if n.startswith(OUR_THREADS))

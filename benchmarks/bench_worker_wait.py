@@ -34,26 +34,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+from proc_cpu import CLK_TCK, ours, thread_cpu
 from safetensors.numpy import save_file
 
 import ple_memops as pm
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def our_cpu_ticks() -> int:
-    """User + system clock ticks of this process's threads named ``ple-*``."""
-    total = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-        except OSError:
-            continue
-        head, rest = stat.rsplit(")", 1)
-        if head.split("(", 1)[1].startswith("ple-"):
-            fields = rest.split()
-            total += int(fields[11]) + int(fields[12])
-    return total
 
 
 def main() -> int:
@@ -99,7 +83,7 @@ def main() -> int:
                     with pm.GatherWorker(rows, table, spin=spins[i], predict_ready=predict) as w:
                         for step in range(per + 5):  # 5 warm-up steps, untimed
                             ids = rng.integers(0, table_rows, args.rows)
-                            c0 = our_cpu_ticks()
+                            c0 = ours(thread_cpu([os.getpid()]))
                             w.begin(args.rows)
                             time.sleep(sleep)
                             t0 = time.perf_counter_ns()
@@ -108,7 +92,7 @@ def main() -> int:
                             t1 = time.perf_counter_ns()
                             if step >= 5:
                                 lat[i].append((t1 - t0) / 1e3)
-                                ticks[i] += our_cpu_ticks() - c0
+                                ticks[i] += ours(thread_cpu([os.getpid()])) - c0
                         s = w.stats()
                         fills[i].append(s.ready_to_filled_ns_total / max(s.fills, 1) / 1e3)
         finally:

@@ -1,21 +1,18 @@
-"""The benchmark's per-thread CPU accounting (``bench_vllm.thread_cpu`` / ``cpu_use``), on
-this process's own threads: a thread named like ours burns a known amount of CPU time."""
+"""The benchmarks' per-thread CPU accounting (``proc_cpu.thread_cpu``,
+``bench_vllm.cpu_use``), on this process's own threads: a thread named like ours burns a
+known amount of CPU time."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import os
-import sys
 import threading
 import time
 
-import pytest
-
-if not sys.platform.startswith("linux"):
-    pytest.skip("/proc thread accounting is Linux's", allow_module_level=True)
-
 import bench_vllm
+import proc_cpu
+import pytest
 
 BURN_S = 0.3
 
@@ -34,13 +31,13 @@ def _burn(name: bytes, seconds: float, burned: threading.Event, release: threadi
 def test_our_threads_cpu_time_is_counted_apart() -> None:
     burned, release = threading.Event(), threading.Event()
     t = threading.Thread(target=_burn, args=(b"ple-test-burn", BURN_S, burned, release))
-    before = bench_vllm.thread_cpu([os.getpid()])
+    before = proc_cpu.thread_cpu([os.getpid()])
     w0 = time.monotonic()
     t.start()
     try:
         assert burned.wait(30)
         wall = time.monotonic() - w0
-        after = bench_vllm.thread_cpu([os.getpid()])
+        after = proc_cpu.thread_cpu([os.getpid()])
     finally:
         release.set()
         t.join()
@@ -59,7 +56,7 @@ def test_cpu_use_of_a_thread_that_ended_or_began() -> None:
     before = {(1, 10): ("EngineCore", 100), (1, 11): ("ple-memops-gath", 50)}
     after = {(1, 10): ("EngineCore", 300), (1, 12): ("ple-gather-0", 40)}
     use = bench_vllm.cpu_use(before, after, 2.0)
-    tick = bench_vllm._CLK_TCK
+    tick = proc_cpu.CLK_TCK
     assert use["cpu_cores"] == pytest.approx((200 + 40) / tick / 2.0)
     assert use["cpu_ours"] == pytest.approx(40 / tick / 2.0)  # a thread gone adds nothing
     assert use["cpu_top"] == ("EngineCore", pytest.approx(200 / tick / 2.0))

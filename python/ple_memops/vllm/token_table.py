@@ -265,8 +265,10 @@ class RecordsRowIds:
         """What vLLM's forward does before it runs the language model, with the recorded
         ``ids`` staged where it slices its rows buffer: the per-layer inputs it hands the
         language model (``inputs_embeds`` is ``None`` when ``intermediate_tensors`` is
-        given, as vLLM's forward sets it)."""
-        raise NotImplementedError
+        given, as vLLM's forward sets it). Each family's class defines it."""
+        raise NotImplementedError(
+            f"{type(self).__qualname__} does not say how it stages its per-layer inputs"
+        )
 
     def forward(
         self,
