@@ -2072,8 +2072,11 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
                 raise AssertionError(f"{b}: table backend {ours.table_backend}")
             if ours.diag_skip_gather != (b == "mmap-nogather"):
                 raise AssertionError(f"{b}: diag_skip_gather {ours.diag_skip_gather}")
-            if ours.time_stalls != (b in MMAP_VARIANTS and args.time_stalls):
+            bare = bool(MMAP_VARIANTS.get(b, {}).get("bare"))
+            if ours.time_stalls != (b in MMAP_VARIANTS and args.time_stalls and not bare):
                 raise AssertionError(f"{b}: time_stalls {ours.time_stalls}")
+            if ours.predict_ready != (b == "mmap-predict"):
+                raise AssertionError(f"{b}: predict_ready {ours.predict_ready}")
             engram = ea.engram_config
             offload = (
                 engram.get("cpu_offload")
