@@ -327,14 +327,15 @@ def test_main_job_on_the_gpu(torch) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_auto_path_switches_to_memops_for_large_steps(torch) -> None:  # type: ignore[no-untyped-def]
-    # 640 rows x 160 B = 100 KiB: above the kernel's 64 KiB, so auto uses the copy engine;
-    # 16 rows use the kernel. Both must deliver the same bytes.
-    dr = pm.DeferredRows(640, ROW, device=0, copy="auto", watchdog=10.0)
+    # Rows of 8 KiB: 4 rows (32 KiB) take the kernel, 64 (512 KiB) and 640 (5 MiB) the
+    # copy engine (above the kernel's 64 KiB). All the same bytes.
+    width = 8192
+    dr = pm.DeferredRows(640, width, device=0, copy="auto", watchdog=10.0)
     assert dr._core is not None and dr._core.kernel_max_bytes == 64 * 1024
-    for extent in (16, 640):
+    for extent in (4, 64, 640):
         g = Captured(torch, dr, extent)
-        for i in range(20):
-            rows = host_rows(max(1, extent - 7 * i), 1000 * extent + i)
+        for i in range(12):
+            rows = host_rows(max(1, extent - 3 * i), 1000 * extent + i, width)
             dr.begin(extent)
             g.replay()
             dr.fill(rows, busy_wait=5.0)
@@ -343,3 +344,63 @@ def test_auto_path_switches_to_memops_for_large_steps(torch) -> None:  # type: i
             got = g.out.cpu().numpy()
             np.testing.assert_array_equal(got[: len(rows)], rows)
             assert not got[len(rows) : extent].any()
+    dr.close()
+
+
+@pytest.mark.parametrize("width", [15360, 1001])
+def test_grid_copy_delivers_large_steps(torch, width: int) -> None:  # type: ignore[no-untyped-def]
+    # Steps above the fused kernel's 64 KiB on the kernel path: one warp waits, a grid of
+    # blocks copies and the last resets the flag. Gemma E2B's 64-token step (64 rows of
+    # 15 KiB, 30 blocks) and an odd width (bytes past the last 16-byte word); two objects
+    # in one graph (each counts its own blocks), replayed with partial fills, then eager.
+    extent = 64 if width == 15360 else 300
+    a = pm.DeferredRows(extent, width, device=0, copy="kernel", watchdog=10.0)
+    b = pm.DeferredRows(extent, width, device=0, copy="kernel", watchdog=10.0)
+    outs = [torch.zeros_like(a.staging), torch.zeros_like(b.staging)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for dr, out in zip((a, b), outs, strict=True):
+            dr.begin(extent)
+            dr.prepare_dummy()
+            dr.enqueue(rows=extent)
+            out.copy_(dr.staging)
+            dr.complete()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert a.wait_consumed(5.0) and b.wait_consumed(5.0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for dr, out in zip((a, b), outs, strict=True):
+            assert dr.enqueue(rows=extent) == "captured"
+            out.copy_(dr.staging)
+    end = torch.cuda.Event()
+    rng = np.random.default_rng(width)
+    for i in range(200):
+        ks = [int(rng.integers(1, extent + 1)) for _ in range(2)]
+        rows = [host_rows(k, 7 * i + j, width) for j, k in enumerate(ks)]
+        for dr in (a, b):
+            dr.begin(extent)
+        graph.replay()
+        end.record()
+        for dr, r in zip((b, a), rows[::-1], strict=True):  # filled in the other order
+            dr.fill(r, busy_wait=5.0)
+        for dr in (a, b):
+            dr.complete()
+        assert done(end), f"replay {i} never finished"
+        for out, r in zip(outs, rows, strict=True):
+            got = out.cpu().numpy()
+            np.testing.assert_array_equal(got[: len(r)], r, err_msg=f"replay {i}")
+            assert not got[len(r) :].any(), f"replay {i}: padding not zero"
+    for seed in range(3):
+        rows = host_rows(extent - seed, 10_000 + seed, width)
+        a.begin(extent)
+        a.fill(rows, busy_wait=5.0)
+        assert a.enqueue() == "eager"
+        got = a.staging.cpu().numpy()
+        a.complete()
+        np.testing.assert_array_equal(got[: len(rows)], rows)
+        assert a.wait_consumed(5.0)
+    assert a.stats().fills == 203 and b.stats().fills == 200
+    a.close()
+    b.close()

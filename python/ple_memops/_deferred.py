@@ -188,7 +188,8 @@ class DeferredRows:
             read with :meth:`stall_samples`). Deferred mode only.
         copy: the device side of a deferred step. ``"kernel"``: one single-block kernel
             polls the flag, reads the mapped slot over PCIe, writes the staging buffer
-            and resets the flag (lowest latency; holds one SM while waiting).
+            and resets the flag (lowest latency; holds one SM while waiting); above 64 KiB
+            a step one warp polls, then a grid of blocks copies.
             ``"memop"``: ``cuStreamWaitValue64``, a copy-engine H2D, ``cuStreamWriteValue32``
             (holds no SM; more bandwidth for large steps). ``"auto"`` (default): the kernel
             up to 64 KiB a step, memops above.

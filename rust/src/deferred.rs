@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::cuda::driver::{
-    self, DevicePtr, Event, Kernels, OwnedStream, PrimaryContext, RawStream,
+    self, DeviceBuffer, DevicePtr, Event, Kernels, OwnedStream, PrimaryContext, RawStream,
 };
 use crate::cuda::pinned::{HostFlag, PinnedBuf};
 use crate::cuda::stall::{StallClock, StallSamples, Stamp};
@@ -64,17 +64,20 @@ pub enum CopyPath {
     /// [`CopyPath::Kernel`] up to [`KERNEL_MAX_BYTES`] a step, [`CopyPath::Memop`] above.
     #[default]
     Auto,
-    /// One single-block kernel polls the flag, reads the mapped slot over PCIe, writes the
-    /// staging buffer and resets the flag. Lowest latency for small steps; occupies one
-    /// SM while it waits.
+    /// Kernels only. Up to [`KERNEL_MAX_BYTES`]: one single-block kernel polls the flag,
+    /// reads the mapped slot over PCIe, writes the staging buffer and resets the flag
+    /// (lowest latency; occupies one SM while it waits). Above: one warp polls, then a grid
+    /// of blocks reads the slot and the last one resets the flag (one block's PCIe reads
+    /// would be too slow).
     Kernel,
     /// `cuStreamWaitValue64` ; copy-engine H2D ; `cuStreamWriteValue32`. Occupies no SM
     /// while waiting; the copy engine wins on bandwidth for large steps.
     Memop,
 }
 
-/// Largest step [`CopyPath::Auto`] sends through the kernel (chosen by measurement:
-/// BENCHMARKS.md, "copy path").
+/// Largest step [`CopyPath::Auto`] sends through the kernel path (chosen by measurement:
+/// BENCHMARKS.md, "copy path"), and the largest the kernel path copies with its fused
+/// single-block kernel (a forced kernel path takes the grid copy above it).
 pub const KERNEL_MAX_BYTES: usize = 64 * 1024;
 
 impl CopyPath {
@@ -201,6 +204,9 @@ struct Shared {
     flag: Option<HostFlag>,
     /// Stall timing (deferred mode with `time_stalls`).
     stall: Option<StallClock>,
+    /// The grid copy's count of finished blocks (deferred mode; see
+    /// `Kernels::wait_then_copy_reset`): device memory, zero between steps.
+    copy_done: Option<DeviceBuffer>,
     inner: Mutex<Inner>,
     /// A dedicated stream for staged consumers (created on first use).
     side: Mutex<Option<OwnedStream>>,
@@ -312,9 +318,19 @@ impl DeferredRows {
             }
             _ => None,
         };
+        let copy_done = match (&kernel, &ctx) {
+            (Some(_), Some(ctx)) => {
+                let _g = ctx.bind()?;
+                let buf = DeviceBuffer::new(16, ctx.ordinal())?;
+                buf.zero(16, ctx.ordinal())?;
+                Some(buf)
+            }
+            _ => None,
+        };
         let shared = Arc::new(Shared {
             cfg,
             stall,
+            copy_done,
             slot_ptr,
             slot_dptr,
             kernel,
@@ -830,7 +846,7 @@ impl Shared {
                 driver::write_u32(stream, flag.arrived_device_ptr(), 1, dev)?;
             }
             match self.cfg.copy.resolve(bytes) {
-                CopyPath::Kernel => {
+                CopyPath::Kernel if bytes <= KERNEL_MAX_BYTES => {
                     let k = self.kernel.expect("deferred mode loads the kernel");
                     k.wait_copy_reset(
                         stream,
@@ -839,6 +855,22 @@ impl Shared {
                         bytes,
                         flag.gate_device_ptr(),
                         HostFlag::WAIT_MASK,
+                    )?;
+                }
+                CopyPath::Kernel => {
+                    let k = self.kernel.expect("deferred mode loads the kernel");
+                    let done = self
+                        .copy_done
+                        .as_ref()
+                        .expect("deferred mode has a counter");
+                    k.wait_then_copy_reset(
+                        stream,
+                        self.slot_dptr,
+                        staging,
+                        bytes,
+                        flag.gate_device_ptr(),
+                        HostFlag::WAIT_MASK,
+                        done.ptr,
                     )?;
                 }
                 _ => {
@@ -1024,6 +1056,9 @@ impl Drop for Shared {
             if let Some(clock) = &mut self.stall {
                 clock.retain_forever();
             }
+            if let Some(done) = &mut self.copy_done {
+                done.retain_forever();
+            }
         } else if inner.copy_pending {
             if let Some(ev) = &inner.last_copy {
                 // Errors (driver gone at exit) leave nothing to wait for.
@@ -1037,6 +1072,7 @@ impl Drop for Shared {
         inner.last_copy = None;
         inner.slot = Slot::Heap(Vec::new());
         self.flag = None;
+        self.copy_done = None;
         if let Some(clock) = &mut self.stall {
             clock.release();
         }

@@ -16,6 +16,8 @@ use crate::error::Result;
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Kernels {
     wait_copy_reset: sys::CUfunction,
+    wait_gate: sys::CUfunction,
+    copy_reset: sys::CUfunction,
     publish_ids: sys::CUfunction,
     stamp: sys::CUfunction,
     ordinal: i32,
@@ -27,6 +29,17 @@ unsafe impl Send for Kernels {}
 unsafe impl Sync for Kernels {}
 
 const ROWS_PTX: &str = concat!(include_str!("../kernels/rows.ptx"), "\0");
+
+/// Bytes one block of the grid copy moves (its share of the slot), and the most blocks:
+/// 30 blocks for a 64-token Gemma E2B step (960 KiB), 64 for 2 MiB and more.
+const GRID_BLOCK_BYTES: usize = 32 * 1024;
+const GRID_MAX_BLOCKS: usize = 64;
+
+/// Blocks and threads of the grid copy of `n` bytes (16 bytes a thread an iteration).
+pub(crate) fn grid_for(n: usize) -> (u32, u32) {
+    let blocks = n.div_ceil(GRID_BLOCK_BYTES).clamp(1, GRID_MAX_BLOCKS);
+    (blocks as u32, 512)
+}
 
 /// Threads of a single-block launch that moves `n` units.
 fn block_for(n: usize) -> u32 {
@@ -66,6 +79,8 @@ impl Kernels {
         };
         let k = Kernels {
             wait_copy_reset: get(c"ple_wait_copy_reset")?,
+            wait_gate: get(c"ple_wait_gate")?,
+            copy_reset: get(c"ple_copy_reset")?,
             publish_ids: get(c"ple_publish_ids")?,
             stamp: get(c"ple_stamp")?,
             ordinal,
@@ -84,11 +99,25 @@ impl Kernels {
         stream: RawStream,
         params: &mut [*mut c_void],
     ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.launch_grid(f, 1, threads, stream, params) }
+    }
+
+    /// # Safety
+    /// As [`Self::launch`].
+    unsafe fn launch_grid(
+        &self,
+        f: sys::CUfunction,
+        blocks: u32,
+        threads: u32,
+        stream: RawStream,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
         // SAFETY: the caller's contract; the driver copies the parameter values.
         check("cuLaunchKernel", Some(self.ordinal), unsafe {
             sys::cuLaunchKernel(
                 f,
-                1,
+                blocks,
                 1,
                 1,
                 threads,
@@ -135,6 +164,42 @@ impl Kernels {
                 &mut params,
             )
         }
+    }
+
+    /// Enqueue `wait until (gate & mask) != 0` (one warp polls), then `copy n bytes src ->
+    /// dst` by a grid of `grid_for(n)` blocks, the last of which sets `filled = EMPTY` (and
+    /// puts the device counter `done` back to zero): the kernel path for steps above one
+    /// block's bandwidth.
+    ///
+    /// # Safety
+    /// As [`Self::wait_copy_reset`]; `done` is a zeroed device `u32` used by no other
+    /// launch while this one runs (one per flag: a flag's steps never overlap).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn wait_then_copy_reset(
+        &self,
+        stream: RawStream,
+        src: DevicePtr,
+        dst: DevicePtr,
+        n: usize,
+        gate: DevicePtr,
+        mask: u64,
+        done: DevicePtr,
+    ) -> Result<()> {
+        let (mut g, mut m) = (gate, mask);
+        let mut wait: [*mut c_void; 2] = [(&mut g as *mut u64).cast(), (&mut m as *mut u64).cast()];
+        // SAFETY: two 8-byte parameters, as the kernel declares; the rest is the caller's.
+        unsafe { self.launch(self.wait_gate, 32, stream, &mut wait)? };
+        let (mut a, mut b, mut c, mut d, mut e) = (src, dst, n as u64, gate, done);
+        let mut params: [*mut c_void; 5] = [
+            (&mut a as *mut u64).cast(),
+            (&mut b as *mut u64).cast(),
+            (&mut c as *mut u64).cast(),
+            (&mut d as *mut u64).cast(),
+            (&mut e as *mut u64).cast(),
+        ];
+        let (blocks, threads) = grid_for(n);
+        // SAFETY: five 8-byte parameters, as the kernel declares; the rest is the caller's.
+        unsafe { self.launch_grid(self.copy_reset, blocks, threads, stream, &mut params) }
     }
 
     /// Enqueue `copy count ids (elem bytes each) -> mailbox ; store count ; ready = 1`, where

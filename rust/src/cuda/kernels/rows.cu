@@ -53,6 +53,52 @@ extern "C" __global__ void ple_wait_copy_reset(const uint4* src, uint4* __restri
     }
 }
 
+// Steps above one block's bandwidth (the fused kernel above reads the slot with one SM):
+// ple_wait_gate, one warp that polls the gate, then ple_copy_reset, a grid of blocks that
+// copy the slot and whose last block resets the flag. Two kernels, so that while the rows
+// are awaited only one warp holds an SM (a polling grid would keep dozens of blocks
+// resident beside the model's kernels). `done` is a device-memory counter of the finished
+// blocks, zero between steps (the last block puts it back).
+extern "C" __global__ void ple_wait_gate(const unsigned int* gate, unsigned long long mask) {
+    if (threadIdx.x == 0) {
+        volatile const unsigned long long* g = (volatile const unsigned long long*)gate;
+        while ((*g & mask) == 0ull) {
+            __nanosleep(100);
+        }
+        // The next kernel's slot reads follow this flag read (a kernel boundary orders them
+        // too; the fence keeps the two kernels' contract the fused kernel's).
+        __threadfence_system();
+    }
+}
+
+extern "C" __global__ void ple_copy_reset(const uint4* src, uint4* __restrict__ dst,
+                                          unsigned long long n, unsigned int* gate,
+                                          unsigned int* done) {
+    unsigned long long n16 = n / 16;
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    // ld.cv, as in the fused kernel: no cached line of an earlier step may answer.
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n16; i += stride) {
+        dst[i] = __ldcv(src + i);
+    }
+    if (blockIdx.x == 0 && threadIdx.x < (n & 15)) {
+        ((uint8_t*)dst)[n16 * 16 + threadIdx.x] =
+            __ldcv((const unsigned char*)src + n16 * 16 + threadIdx.x);
+    }
+    // This block's reads are done (each value was stored) before it counts itself.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(done, 1u) == gridDim.x - 1) {
+            // Every block has read its part of the slot: hand it back to the host.
+            *done = 0u;
+            __threadfence_system();
+            *(volatile unsigned int*)gate = 0u;
+            ((volatile unsigned int*)gate)[2] = 0u;
+        }
+    }
+}
+
 // Publish the step's ids to the host: copy `count` ids of `elem` bytes (4 or 8) from device
 // memory into the pinned, mapped mailbox, store the count, then READY (1) into `ready`.
 // `count` is `*count_dev` when that pointer is non-null (clamped to `max_ids`), else
