@@ -180,6 +180,8 @@ MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     "mmap-predict": {"predict_ready": True},
     # Without the instruments (no stall timing, no stats lines): what measuring costs.
     "mmap-bare": {"bare": True},
+    # The stats lines (host times) without the stall timing's two stamps a step.
+    "mmap-nostall": {"stalls": False},
     # A second mmap server (A against A among the mmap rungs).
     "mmap-b": {},
     # Diagnostics: the protocol (publish, waits, copies) without the host's gather; the
@@ -663,7 +665,7 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
                 ours[key] = variant[key]
         if args.stats_every and not variant.get("bare"):
             ours["stats_every"] = args.stats_every
-        if args.time_stalls and not variant.get("bare"):
+        if args.time_stalls and not variant.get("bare") and variant.get("stalls", True):
             ours["time_stalls"] = True
         extra["ple_memops"] = ours
     elif STOCK_VARIANTS.get(backend, {}).get("plugin"):
@@ -998,11 +1000,13 @@ _LAYER_STATS = re.compile(
 
 
 # "host us per engine step over 812: total p50 41.2 p99 95.0, step p50 6.1 p99 9.0, arm p50
-# 20.3 p99 40.2, wait p50 0.4 p99 30.1, check p50 3.0 p99 5.2, stats p50 0.2 p99 0.5"
+# 20.3 p99 40.2, wait p50 0.4 p99 30.1, check p50 3.0 p99 5.2, stats p50 0.2 p99 0.5; graph
+# launch p50 12.0 p99 20.1" (older wheels: no launch)
 _HOST = re.compile(
     r"host us per engine step over (\d+): total p50 ([\d.]+) p99 ([\d.]+), "
     r"step p50 ([\d.]+) p99 [\d.]+, arm p50 ([\d.]+) p99 [\d.]+, "
     r"wait p50 ([\d.]+) p99 ([\d.]+), check p50 ([\d.]+) p99 [\d.]+, stats p50 ([\d.]+)"
+    r"(?: p99 [\d.]+; graph launch p50 ([\d.]+))?"
 )
 # "GPU stall per step: layers.0 812 steps, 40 stalled; us p50 0.0 p90 2.1 p99 61.0 max 90.2
 # mean 1.20; layers.6 ..."
@@ -1010,7 +1014,9 @@ _STALL = re.compile(
     r"(\S+) (\d+) steps, (\d+) stalled(?:, \d+ dropped)?; us p50 ([\d.]+) p90 [\d.]+ "
     r"p99 ([\d.]+) max ([\d.]+) mean ([\d.]+)"
 )
-HOST_FIELDS = ("total_p50", "total_p99", "step", "arm", "wait", "wait_p99", "check", "stats")
+HOST_FIELDS = (
+    "total_p50", "total_p99", "step", "arm", "wait", "wait_p99", "check", "stats", "launch"
+)  # fmt: skip
 
 
 def cost_stats(lines: list[str]) -> dict[str, Any]:
@@ -1018,7 +1024,7 @@ def cost_stats(lines: list[str]) -> dict[str, Any]:
     hook, step-weighted over the lines) and each layer's GPU stall (steps, share stalled,
     step-weighted p50 / p99 / mean, the worst max)."""
     out: dict[str, Any] = {}
-    host = [(int(m.group(1)), [float(x) for x in m.groups()[1:]]) for ln in lines
+    host = [(int(m.group(1)), [float(x or "nan") for x in m.groups()[1:]]) for ln in lines
             if (m := _HOST.search(ln))]  # fmt: skip
     n = sum(k for k, _ in host)
     if n:
@@ -1186,7 +1192,7 @@ def breakdown_markdown(
         "",
         f"| load | backend | runs | ITL p50 ms | ITL p50 vs {ref} | tok/s vs {ref} | GPU busy "
         "| GPU stall: stalled, p50 / p99 / mean us | host us: total p50 / p99; arm, wait, "
-        "check | CPU cores: all / ours; busiest other thread |",
+        "check; graph launch | CPU cores: all / ours; busiest other thread |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
@@ -1210,7 +1216,7 @@ def breakdown_markdown(
         if h:
             host = (
                 f"{h['total_p50']:.0f} / {h['total_p99']:.0f}; {h['arm']:.0f}, {h['wait']:.0f}, "
-                f"{h['check']:.0f}"
+                f"{h['check']:.0f}; {_f(_num(h.get('launch')), 0)}"
             )
         cpu = "-"
         if s.get("cpu_cores") is not None:
@@ -1230,6 +1236,11 @@ def breakdown_markdown(
 def _layer_index(name: str) -> int:
     m = re.search(r"layers\.(\d+)", name)
     return int(m.group(1)) if m else 1 << 30
+
+
+def _num(x: float | None) -> float | None:
+    """``x``, or ``None`` for a missing or NaN value (an older wheel's stats line)."""
+    return None if x is None or x != x else x
 
 
 def _f(x: float | None, nd: int = 1) -> str:
@@ -2072,8 +2083,9 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
                 raise AssertionError(f"{b}: table backend {ours.table_backend}")
             if ours.diag_skip_gather != (b == "mmap-nogather"):
                 raise AssertionError(f"{b}: diag_skip_gather {ours.diag_skip_gather}")
-            bare = bool(MMAP_VARIANTS.get(b, {}).get("bare"))
-            if ours.time_stalls != (b in MMAP_VARIANTS and args.time_stalls and not bare):
+            variant = MMAP_VARIANTS.get(b, {})
+            timed = b in MMAP_VARIANTS and args.time_stalls and not variant.get("bare")
+            if ours.time_stalls != (timed and variant.get("stalls", True)):
                 raise AssertionError(f"{b}: time_stalls {ours.time_stalls}")
             if ours.predict_ready != (b == "mmap-predict"):
                 raise AssertionError(f"{b}: predict_ready {ours.predict_ready}")
@@ -2159,11 +2171,12 @@ def check_delivery_stats(ckpt: Path) -> bool:
     costs = (
         "; host us per engine step over 400: total p50 41.2 p99 95.0, step p50 6.1 p99 9.0, "
         "arm p50 20.3 p99 40.2, wait p50 0.4 p99 30.1, check p50 3.0 p99 5.2, stats p50 0.2 "
-        "p99 0.5; GPU stall per step: layers.0 400 steps, 40 stalled; us p50 0.0 p90 2.1 p99 "
-        "61.0 max 90.2 mean 1.20; layers.6 400 steps, 0 stalled; us p50 0.0 p90 0.0 p99 0.0 "
-        "max 0.5 mean 0.01"
+        "p99 0.5; graph launch p50 12.0 p99 20.1; GPU stall per step: layers.0 400 steps, 40 "
+        "stalled; us p50 0.0 p90 2.1 p99 61.0 max 90.2 mean 1.20; layers.6 400 steps, 0 "
+        "stalled; us p50 0.0 p90 0.0 p99 0.0 max 0.5 mean 0.01"
     )
     three = delivery_stats("\n".join([gpu_like + costs] * 3))
+    good &= three.get("host_us", {}).get("launch") == 12.0
     good &= three.get("host_us", {}).get("arm") == 20.3 and three.get("stall", {}).get(
         "layers.0", {}
     ) == {"steps": 800, "stalled_pct": 10.0, "p50_us": 0.0, "p99_us": 61.0, "max_us": 90.2,

@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import ple_memops as pm
-from ple_memops.step_costs import HOST_KINDS, HostTime, StallSummary, percentile
+from ple_memops.step_costs import ENGINE_KINDS, HOST_KINDS, HostTime, StallSummary, percentile
 
 ROWS, WIDTH = 1000, 32
 
@@ -60,16 +60,19 @@ def test_host_time_per_step_by_hook() -> None:
     steps = h.take()
     assert len(steps) == 3  # only the newest `keep`
     assert [s["arm"] for s in steps] == [3000, 4000, 5000]
-    assert all(set(s) == set(HOST_KINDS) and s["stats"] > 0 for s in steps)
+    assert all(set(s) == {*HOST_KINDS, *ENGINE_KINDS} and s["stats"] > 0 for s in steps)
     assert h.take() == []
     # From another thread too (an output check may run off the engine's thread).
     t = threading.Thread(target=h.add, args=("check", 2500))
     t.start()
     t.join()
+    # The graph's launch is counted apart, not in our total.
+    h.add("launch", 9000)
     h.end_step()
     line = h.summary()
     assert line.startswith("host us per engine step over 1: total p50 2.5 p99 2.5")
     assert "check p50 2.5 p99 2.5" in line and "arm p50 0.0" in line
+    assert line.endswith("stats p50 0.0 p99 0.0; graph launch p50 9.0 p99 9.0")
     with pytest.raises(KeyError):
         h.add("sleep", 1)
 

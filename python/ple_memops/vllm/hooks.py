@@ -343,6 +343,7 @@ class PleRunnerHooks:
         self.host.add("arm", t2 - t1)
         with self.driver.guard(lambda: f"the replay of {desc}"):
             out = launch()
+        self.host.add("launch", time.perf_counter_ns() - t2)
         if self.stats_every is not None and not isinstance(self._scope, _Step):
             self.log_stats()  # a replay outside step(): step() checks its own at its end
         return out
