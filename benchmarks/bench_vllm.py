@@ -96,6 +96,7 @@ from pathlib import Path
 from typing import Any
 
 # The harness modules beside this script (on sys.path when it is run as a script).
+import trace_steps
 import vllm_bench_model as vbm
 from proc_cpu import CLK_TCK, OUR_THREADS, thread_cpu
 
@@ -640,8 +641,27 @@ def serve_argv(args: argparse.Namespace, ckpt: Path, backend: str, port: int) ->
     return [
         "serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", SERVED, "--disable-uvicorn-access-log",
-        *engine_argv(args, backend),
+        *engine_argv(args, backend), *profiler_argv(args, backend),
     ]  # fmt: skip
+
+
+def profile_dir(args: argparse.Namespace, backend: str) -> Path:
+    return (args.log_dir / f"profile-{backend}").resolve()
+
+
+def profiler_argv(args: argparse.Namespace, backend: str) -> list[str]:
+    """With ``--profile-steps``: vLLM's torch profiler configured in every server alike
+    (idle until ``/start_profile``; no Python stacks, no front end, the GPU's activity
+    and the host's runtime calls), traces under ``profile-<backend>/``."""
+    if not args.profile_steps:
+        return []
+    cfg = {
+        "profiler": "torch", "torch_profiler_dir": str(profile_dir(args, backend)),
+        "torch_profiler_with_stack": False, "ignore_frontend": True,
+        "torch_profiler_dump_cuda_time_total": False, "delay_iterations": 16,
+        "max_iterations": args.profile_steps,
+    }  # fmt: skip
+    return ["--profiler-config", json.dumps(cfg)]
 
 
 def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
@@ -728,6 +748,7 @@ class Server:
     error: str = ""
     ready_s: float | None = None
     facts: dict[str, Any] = field(default_factory=dict)
+    profile: dict[str, Any] | None = None
 
 
 def engine_env(backend: str, plugin_dir: Path) -> dict[str, str]:
@@ -968,6 +989,49 @@ async def measure(
                 if stop:
                     break
     return rows
+
+
+async def profile(args: argparse.Namespace, servers: dict[str, Server], vocab: int) -> None:
+    """After the loads, each live server in turn: ``/start_profile``, one c1 request long
+    enough for the profiler's 16 skipped and ``--profile-steps`` profiled iterations,
+    ``/stop_profile``; its newest trace summarized (``trace_steps``: the FULL graphs'
+    replays, span, busy, queued, period, the kernels) into ``servers[b].profile``."""
+
+    def post(port: int, path: str) -> None:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=max(5.0, min(120.0, left()))) as r:
+            r.read()
+
+    steps = args.profile_steps + 16 + 8
+    load = make_loads(args, vocab, 99)[0]
+    one = Load("profile", 1, [Req(load.requests[0].prompt, steps)])
+    async with Client(args.request_timeout) as client:
+        for b in [b for b in args.backends if servers[b].healthy]:
+            srv = servers[b]
+            if left() < 30 or (srv.proc is not None and srv.proc.poll() is not None):
+                log(f"{b}: not profiled ({left():.0f} s left)")
+                continue
+            try:
+                await asyncio.to_thread(post, srv.port, "/start_profile")
+                outs, wall = await run_load(client, srv.port, one, min(60.0, left()))
+                await asyncio.to_thread(post, srv.port, "/stop_profile")
+            except OSError as exc:
+                log(f"{b}: profiling failed: {exc}")
+                continue
+            if not all(o.ok for o in outs):
+                log(f"{b}: the profiled request failed: {outs[0].error[:200]}")
+            traces = sorted(profile_dir(args, b).glob("**/*.pt.trace.json*"),
+                            key=lambda t: t.stat().st_mtime)  # fmt: skip
+            if not traces:
+                log(f"{b}: no trace under {profile_dir(args, b)} ({wall:.1f} s)")
+                continue
+            events = trace_steps.load_events(traces[-1])
+            summary = trace_steps.summarize(trace_steps.replays(events))
+            summary["trace"] = str(traces[-1])
+            srv.profile = summary
+            log(f"{b}: profiled {summary['replays']} replays ({traces[-1].name}): span "
+                f"{summary.get('span_us')} us, busy {summary.get('busy_us')} us, period "
+                f"{summary.get('period_us')} us")  # fmt: skip
 
 
 def _log_size(path: Path) -> int:
@@ -1478,6 +1542,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "first dropped: it covers time before the load), so a load needs at least two "
         "(one of 2 s had none at 2 s)",
     )
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after the loads, profile this many engine steps of one c1 request on each "
+        "server with vLLM's torch profiler (configured in every server alike) and report "
+        "each server's FULL graph replays (span, busy, period, kernels; trace_steps.py); "
+        "the traces stay under profile-<backend>/ in --log-dir",
+    )
     p.add_argument("--log-dir", type=Path, default=Path(os.environ.get("OUT", "/tmp/ple-out")))
     p.add_argument("--markdown", type=Path)
     p.add_argument("--json", type=Path)
@@ -1604,13 +1677,19 @@ def report(
         last = [r for r in rows if r["backend"] == b]
         res = server_resources(s, tables) if s.proc is not None and s.proc.poll() is None else {}
         per_server[b] = {
-            "ready_s": s.ready_s, "error": s.error, "facts": s.facts,
+            "ready_s": s.ready_s, "error": s.error, "facts": s.facts, "profile": s.profile,
             "rss_gib": res.get("rss_gib") or (last[-1]["rss_gib"] if last else None),
             "gpu_mib": res.get("gpu_mib") if res else (last[-1].get("gpu_mib") if last else None),
             "page_cache_gib": page_cache(tables) if tables else None,
         }  # fmt: skip
     md = markdown(summary, per_server, meta)
     md += "\n\n" + breakdown_markdown(rows, summary, args.ref)
+    profiled = {b: s.profile for b, s in servers.items() if s.profile and s.profile["replays"]}
+    if profiled:
+        first = args.ref if args.ref in profiled else next(iter(profiled))
+        named = {first: profiled[first]} | profiled
+        md += "\n\nOne c1 request profiled on each server (the FULL graphs' replays; "
+        md += "benchmarks/trace_steps.py):\n\n" + trace_steps.markdown(named, top=8)
     v = verdict(summary, "uva" if family(args) == "qwen4exp" else "offload")
     print("\n" + md + "\n\n" + v + "\n", flush=True)
     if args.markdown:
@@ -1832,6 +1911,8 @@ def main(argv: list[str] | None = None) -> int:
             s.facts = log_facts(s.log_path)
         meta["gpu_used_mib_all_servers"] = gpu_used_total()
         asyncio.run(measure(args, servers, tables, int(cfg["vocab_size"]), rows))
+        if args.profile_steps:
+            asyncio.run(profile(args, servers, int(cfg["vocab_size"])))
     except KeyboardInterrupt:
         log("interrupted: reporting what was measured")
     finally:
@@ -1867,7 +1948,15 @@ class _Fake(threading.Thread):
                 self.end_headers()
 
             def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length)
+                if self.path in ("/start_profile", "/stop_profile") and not outer.fail:
+                    if self.path == "/stop_profile" and outer.trace_dir is not None:
+                        outer.write_trace()
+                    self.send_response(200)
+                    self.end_headers()
+                    return
+                body = json.loads(raw)
                 if outer.fail:
                     self.send_response(500)
                     self.end_headers()
@@ -1886,6 +1975,7 @@ class _Fake(threading.Thread):
 
         self.fail = fail
         self.step_s = step_s
+        self.trace_dir: Path | None = None
         ThreadingHTTPServer.request_queue_size = 256  # no SYN retries at concurrency 64
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
         self.httpd.daemon_threads = True
@@ -1893,6 +1983,23 @@ class _Fake(threading.Thread):
 
     def run(self) -> None:
         self.httpd.serve_forever()
+
+    def write_trace(self, replays: int = 6) -> None:
+        """A profiler trace as CUPTI lays one out: per step a graph launch and its kernels
+        (each carrying the launch's correlation id), ``step_s`` apart."""
+        assert self.trace_dir is not None
+        ev: list[dict[str, Any]] = []
+        step = self.step_s * 1e6
+        for i in range(replays):
+            t = i * step
+            for name, at, dur in (("cudaGraphLaunch", 0.0, 20.0), ("gemm", 30.0, step / 2),
+                                  ("norm", 40.0 + step / 2, 10.0)):  # fmt: skip
+                cat = "cuda_runtime" if name.startswith("cuda") else "kernel"
+                ev.append({"ph": "X", "cat": cat, "name": name, "ts": t + at, "dur": dur,
+                           "args": {"correlation": i}})  # fmt: skip
+        self.trace_dir.mkdir(parents=True, exist_ok=True)
+        out = self.trace_dir / f"fake.{time.time_ns()}.pt.trace.json"
+        out.write_text(json.dumps({"traceEvents": ev}))
 
 
 def dry_run(args: argparse.Namespace) -> int:
@@ -1937,6 +2044,10 @@ def dry_run(args: argparse.Namespace) -> int:
                 log(f"vLLM's CPU loader (mmap={mm}) FAILED: {type(exc).__name__}: {exc}")
                 traceback.print_exc()
         ok &= check_serve_args(args, ckpt)
+        if dtype == "bf16":  # the profiler's settings as vLLM parses them, once
+            args.profile_steps = 8
+            ok &= check_serve_args(args, ckpt)
+            args.profile_steps = 0
         ok &= check_delivery_stats(ckpt)
     ok &= check_gemma(args, work)
     ok &= check_stuck_server(work)
@@ -1960,6 +2071,17 @@ def dry_run(args: argparse.Namespace) -> int:
     DEADLINE = time.monotonic() + 20
     rows: list[dict[str, Any]] = []
     asyncio.run(measure(args, servers, tables, 512, rows))
+    # The profile phase: every server profiled in turn (the failing one refuses).
+    args.profile_steps = 4
+    for b, f in fakes.items():
+        f.trace_dir = profile_dir(args, b)
+    DEADLINE = time.monotonic() + 60
+    asyncio.run(profile(args, servers, 512))
+    got = {b: (s.profile or {}).get("replays") for b, s in servers.items()}
+    if got != {"gpu": 6, "uva": 6, "mmap": 6, "bad": None}:
+        ok = False
+        log(f"profile phase FAILED: {got}")
+    args.profile_steps = 0
     args.markdown, args.json = work / "bench.md", work / "bench.json"
     meta = {"model": describe(cfg, ckpt), "setup": "DRY RUN against fake servers",
             "command": "bench_vllm.py --dry-run"}  # fmt: skip
@@ -2108,6 +2230,10 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
                 raise AssertionError(f"{b}: engram {engram}, offload {ea.cpu_offload_gb} GB")
             if ea.tensor_parallel_size != args.tensor_parallel_size:
                 raise AssertionError(f"{b}: tensor parallel size {ea.tensor_parallel_size}")
+            prof = ea.profiler_config
+            want = str(profile_dir(args, b)) if args.profile_steps else ""
+            if prof.torch_profiler_dir != want or (prof.profiler == "torch") != bool(want):
+                raise AssertionError(f"{b}: profiler {prof}")
             log(f"serve args ({fam} {b}): parsed; engram {ea.engram_config}, offload "
                 f"{ea.cpu_offload_gb} GiB, ple-memops {ours}, "
                 f"cudagraph_mode {ea.compilation_config.cudagraph_mode}, kv "

@@ -19,7 +19,8 @@
 #                    checkpoint, server start, warm-up, loads); the whole script stays
 #                    under DEADLINE + 90 s
 #   SMOKE=1          the tiny model, one repeat: checks the plumbing in ~3 minutes
-#   BENCH_ARGS=...   more arguments, e.g. "--cold" (evict the tables before the servers
+#   BENCH_ARGS=...   more arguments, e.g. "--profile-steps 40" (each server's FULL graphs
+#                    profiled with vLLM's torch profiler after the loads), "--cold" (evict the tables before the servers
 #                    start and before each repeat; a live mmap server's mapped pages
 #                    stay, so a cold mmap start is "--backends mmap --cold --no-warmup"),
 #                    "--attention-every 4" (dense full
@@ -75,5 +76,16 @@ logs=$(cd "$OUT" && ls server-*.log cli-*.log cli-*.json 2>/dev/null)
 if [ -n "$logs" ]; then
     # shellcheck disable=SC2086  # one name a word
     tar -C "$OUT" -czf "$OUT/bench_logs_$TAG.tgz" $logs && (cd "$OUT" && rm -f $logs)
+fi
+# --profile-steps: the profiler's traces (summarised in the report) in one archive when they
+# are small enough to come back, else left on the host.
+if ls -d "$OUT"/profile-* >/dev/null 2>&1; then
+    size=$(du -sm "$OUT"/profile-* | awk '{s += $1} END {print s}')
+    if [ "${size:-0}" -le 48 ]; then
+        (cd "$OUT" && tar -czf "bench_traces_$TAG.tgz" profile-* && rm -rf profile-*)
+    else
+        mkdir -p /tmp/ple-traces && mv "$OUT"/profile-* /tmp/ple-traces/
+        echo "== traces (${size} MB) left in /tmp/ple-traces"
+    fi
 fi
 exit $rc
