@@ -846,8 +846,13 @@ impl Shared {
                 driver::write_u32(stream, flag.arrived_device_ptr(), 1, dev)?;
             }
             match self.cfg.copy.resolve(bytes) {
-                CopyPath::Kernel if bytes <= KERNEL_MAX_BYTES => {
+                CopyPath::Kernel => {
                     let k = self.kernel.expect("deferred mode loads the kernel");
+                    // Above the fused kernel's size, the grid copy and its block counter.
+                    let grid = (bytes > KERNEL_MAX_BYTES).then(|| {
+                        let done = self.copy_done.as_ref();
+                        done.expect("deferred mode has a counter").ptr
+                    });
                     k.wait_copy_reset(
                         stream,
                         self.slot_dptr,
@@ -855,22 +860,7 @@ impl Shared {
                         bytes,
                         flag.gate_device_ptr(),
                         HostFlag::WAIT_MASK,
-                    )?;
-                }
-                CopyPath::Kernel => {
-                    let k = self.kernel.expect("deferred mode loads the kernel");
-                    let done = self
-                        .copy_done
-                        .as_ref()
-                        .expect("deferred mode has a counter");
-                    k.wait_then_copy_reset(
-                        stream,
-                        self.slot_dptr,
-                        staging,
-                        bytes,
-                        flag.gate_device_ptr(),
-                        HostFlag::WAIT_MASK,
-                        done.ptr,
+                        grid,
                     )?;
                 }
                 _ => {

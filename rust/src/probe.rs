@@ -206,7 +206,15 @@ impl Rig {
             let (src, gate) = (self.slot.device_ptr(), self.flag.gate_device_ptr());
             // SAFETY: as below; the slot's device address and the buffer hold PROBE_BYTES.
             return unsafe {
-                k.wait_copy_reset(s, src, self.dst.ptr, PROBE_BYTES, gate, HostFlag::WAIT_MASK)
+                k.wait_copy_reset(
+                    s,
+                    src,
+                    self.dst.ptr,
+                    PROBE_BYTES,
+                    gate,
+                    HostFlag::WAIT_MASK,
+                    None,
+                )
             };
         }
         // SAFETY: the rig's stream, flag, slot and buffer outlive every use: the rig

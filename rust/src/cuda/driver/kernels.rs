@@ -89,31 +89,23 @@ impl Kernels {
         Ok(k)
     }
 
+    /// Launch `f` as `blocks` blocks of `threads` with `args`, one 8-byte value per kernel
+    /// parameter, in order (every kernel of `rows.cu` takes 8-byte parameters only).
+    ///
     /// # Safety
-    /// `params` point at values matching the kernel's parameters; the caller's contract of
-    /// the public launch functions holds.
-    unsafe fn launch(
-        &self,
-        f: sys::CUfunction,
-        threads: u32,
-        stream: RawStream,
-        params: &mut [*mut c_void],
-    ) -> Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.launch_grid(f, 1, threads, stream, params) }
-    }
-
-    /// # Safety
-    /// As [`Self::launch`].
-    unsafe fn launch_grid(
+    /// `args` match the kernel's parameters in number and meaning; the caller's contract
+    /// of the public launch functions holds.
+    unsafe fn launch<const N: usize>(
         &self,
         f: sys::CUfunction,
         blocks: u32,
         threads: u32,
         stream: RawStream,
-        params: &mut [*mut c_void],
+        args: &mut [u64; N],
     ) -> Result<()> {
-        // SAFETY: the caller's contract; the driver copies the parameter values.
+        let mut params: [*mut c_void; N] = args.each_mut().map(|a| (a as *mut u64).cast());
+        // SAFETY: the caller's contract; `params` points at `args`, alive through the call
+        // (the driver copies the parameter values).
         check("cuLaunchKernel", Some(self.ordinal), unsafe {
             sys::cuLaunchKernel(
                 f,
@@ -132,12 +124,17 @@ impl Kernels {
     }
 
     /// Enqueue `wait until (gate & mask) != 0 ; copy n bytes src -> dst ; filled = EMPTY`
-    /// as one single-block kernel on `stream`.
+    /// on `stream`: with `grid_done` `None`, as one single-block kernel (lowest latency);
+    /// with `Some(done)`, as one warp that polls and then a grid of `grid_for(n)` blocks
+    /// that copy, the last of which resets the flag and puts the device counter `done`
+    /// back to zero (for steps above one block's bandwidth).
     ///
     /// # Safety
     /// `src` (the slot's device address) and `dst` hold `n` bytes and are 16-byte aligned;
-    /// `gate` is the flag line's device address; all outlive every execution of the launch
-    /// (graph replays included); `stream` is live.
+    /// `gate` is the flag line's device address; `done` is a zeroed device `u32` no other
+    /// launch uses while this one runs (one per flag: a flag's steps never overlap); all
+    /// outlive every execution of the launch (graph replays included); `stream` is live.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn wait_copy_reset(
         &self,
         stream: RawStream,
@@ -146,60 +143,21 @@ impl Kernels {
         n: usize,
         gate: DevicePtr,
         mask: u64,
+        grid_done: Option<DevicePtr>,
     ) -> Result<()> {
-        let (mut a, mut b, mut c, mut d, mut e) = (src, dst, n as u64, gate, mask);
-        let mut params: [*mut c_void; 5] = [
-            (&mut a as *mut u64).cast(),
-            (&mut b as *mut u64).cast(),
-            (&mut c as *mut u64).cast(),
-            (&mut d as *mut u64).cast(),
-            (&mut e as *mut u64).cast(),
-        ];
-        // SAFETY: five 8-byte parameters, as the kernel declares; the rest is the caller's.
+        let n64 = n as u64;
+        // SAFETY: (all) the parameters as the kernels declare them; the rest is the caller's.
         unsafe {
-            self.launch(
-                self.wait_copy_reset,
-                block_for(n.div_ceil(16)),
-                stream,
-                &mut params,
-            )
+            let Some(done) = grid_done else {
+                let threads = block_for(n.div_ceil(16));
+                let mut args = [src, dst, n64, gate, mask];
+                return self.launch(self.wait_copy_reset, 1, threads, stream, &mut args);
+            };
+            self.launch(self.wait_gate, 1, 32, stream, &mut [gate, mask])?;
+            let (blocks, threads) = grid_for(n);
+            let mut args = [src, dst, n64, gate, done];
+            self.launch(self.copy_reset, blocks, threads, stream, &mut args)
         }
-    }
-
-    /// Enqueue `wait until (gate & mask) != 0` (one warp polls), then `copy n bytes src ->
-    /// dst` by a grid of `grid_for(n)` blocks, the last of which sets `filled = EMPTY` (and
-    /// puts the device counter `done` back to zero): the kernel path for steps above one
-    /// block's bandwidth.
-    ///
-    /// # Safety
-    /// As [`Self::wait_copy_reset`]; `done` is a zeroed device `u32` used by no other
-    /// launch while this one runs (one per flag: a flag's steps never overlap).
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn wait_then_copy_reset(
-        &self,
-        stream: RawStream,
-        src: DevicePtr,
-        dst: DevicePtr,
-        n: usize,
-        gate: DevicePtr,
-        mask: u64,
-        done: DevicePtr,
-    ) -> Result<()> {
-        let (mut g, mut m) = (gate, mask);
-        let mut wait: [*mut c_void; 2] = [(&mut g as *mut u64).cast(), (&mut m as *mut u64).cast()];
-        // SAFETY: two 8-byte parameters, as the kernel declares; the rest is the caller's.
-        unsafe { self.launch(self.wait_gate, 32, stream, &mut wait)? };
-        let (mut a, mut b, mut c, mut d, mut e) = (src, dst, n as u64, gate, done);
-        let mut params: [*mut c_void; 5] = [
-            (&mut a as *mut u64).cast(),
-            (&mut b as *mut u64).cast(),
-            (&mut c as *mut u64).cast(),
-            (&mut d as *mut u64).cast(),
-            (&mut e as *mut u64).cast(),
-        ];
-        let (blocks, threads) = grid_for(n);
-        // SAFETY: five 8-byte parameters, as the kernel declares; the rest is the caller's.
-        unsafe { self.launch_grid(self.copy_reset, blocks, threads, stream, &mut params) }
     }
 
     /// Enqueue `copy count ids (elem bytes each) -> mailbox ; store count ; ready = 1`, where
@@ -221,30 +179,13 @@ impl Kernels {
         mailbox_count: DevicePtr,
         ready: DevicePtr,
     ) -> Result<()> {
-        let (mut a, mut b, mut c, mut d) = (ids, max_ids as u64, count_dev, elem as u64);
-        let (mut e, mut f, mut g) = (mailbox_ids, mailbox_count, ready);
-        let mut params: [*mut c_void; 7] = [
-            (&mut a as *mut u64).cast(),
-            (&mut b as *mut u64).cast(),
-            (&mut c as *mut u64).cast(),
-            (&mut d as *mut u64).cast(),
-            (&mut e as *mut u64).cast(),
-            (&mut f as *mut u64).cast(),
-            (&mut g as *mut u64).cast(),
-        ];
-        // SAFETY: seven 8-byte parameters, as the kernel declares; the rest is the caller's.
-        unsafe {
-            self.launch(
-                self.publish_ids,
-                block_for(max_ids * elem / 4),
-                stream,
-                &mut params,
-            )
-        }
+        let threads = block_for(max_ids * elem / 4);
+        let (m, e) = (max_ids as u64, elem as u64);
+        let mut args = [ids, m, count_dev, e, mailbox_ids, mailbox_count, ready];
+        // SAFETY: the parameters as the kernel declares them; the rest is the caller's.
+        unsafe { self.launch(self.publish_ids, 1, threads, stream, &mut args) }
     }
-}
 
-impl Kernels {
     /// Enqueue `ring[2 + 2 * (k % cap) + which] = globaltimer ; counters[which] = k + 1 ;
     /// ring[which] = k + 1` where `k = counters[which]` (see `kernels/rows.cu`).
     ///
@@ -260,14 +201,8 @@ impl Kernels {
         which: u64,
         cap: u64,
     ) -> Result<()> {
-        let (mut a, mut b, mut c, mut d) = (counters, ring, which, cap);
-        let mut params: [*mut c_void; 4] = [
-            (&mut a as *mut u64).cast(),
-            (&mut b as *mut u64).cast(),
-            (&mut c as *mut u64).cast(),
-            (&mut d as *mut u64).cast(),
-        ];
-        // SAFETY: four 8-byte parameters, as the kernel declares; the rest is the caller's.
-        unsafe { self.launch(self.stamp, 32, stream, &mut params) }
+        let mut args = [counters, ring, which, cap];
+        // SAFETY: the parameters as the kernel declares them; the rest is the caller's.
+        unsafe { self.launch(self.stamp, 1, 32, stream, &mut args) }
     }
 }
