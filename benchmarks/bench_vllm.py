@@ -1020,13 +1020,24 @@ async def profile(args: argparse.Namespace, servers: dict[str, Server], vocab: i
                 continue
             if not all(o.ok for o in outs):
                 log(f"{b}: the profiled request failed: {outs[0].error[:200]}")
-            traces = sorted(profile_dir(args, b).glob("**/*.pt.trace.json*"),
-                            key=lambda t: t.stat().st_mtime)  # fmt: skip
+            # The trace is written when the profiler stops (after --profile-steps steps).
+            until = time.monotonic() + min(30.0, max(left(), 1.0))
+            traces: list[Path] = []
+            while not traces and time.monotonic() < until:
+                traces = sorted(profile_dir(args, b).glob("**/*.pt.trace.json*"),
+                                key=lambda t: t.stat().st_mtime)  # fmt: skip
+                if not traces:
+                    await asyncio.sleep(0.5)
             if not traces:
                 log(f"{b}: no trace under {profile_dir(args, b)} ({wall:.1f} s)")
                 continue
-            events = trace_steps.load_events(traces[-1])
-            summary = trace_steps.summarize(trace_steps.replays(events))
+            try:
+                await asyncio.sleep(1.0)  # a trace still being written is read whole
+                events = trace_steps.load_events(traces[-1])
+                summary = trace_steps.summarize(trace_steps.replays(events))
+            except (OSError, ValueError, EOFError) as exc:
+                log(f"{b}: the trace {traces[-1]} could not be read: {exc!r}")
+                continue
             summary["trace"] = str(traces[-1])
             srv.profile = summary
             log(f"{b}: profiled {summary['replays']} replays ({traces[-1].name}): span "
