@@ -98,7 +98,7 @@ from typing import Any
 # The harness modules beside this script (on sys.path when it is run as a script).
 import trace_steps
 import vllm_bench_model as vbm
-from proc_cpu import CLK_TCK, OUR_THREADS, thread_cpu
+from proc_cpu import CLK_TCK, OUR_THREADS, cpu_topology, thread_cpu, thread_last_cpu
 
 # The offline bundle leaves CuTe DSL out: the model then takes its unfused hyper-connection
 # path in every vLLM process (a vLLM general plugin on PYTHONPATH).
@@ -534,6 +534,21 @@ def cpu_use(
     }
 
 
+def busy_thread_cpus(
+    before: dict[tuple[int, int], tuple[str, int]],
+    after: dict[tuple[int, int], tuple[str, int]],
+    last_cpu: dict[tuple[int, int], int],
+) -> dict[str, list[int]]:
+    """Where the threads that ran during a load last ran, by name (the CPUs of all threads
+    of one name, sorted): which CPUs, SMT siblings included, the engine's thread and ours
+    shared."""
+    out: dict[str, set[int]] = {}
+    for key, (name, ticks) in after.items():
+        if ticks - before.get(key, (name, 0))[1] > 0 and key in last_cpu:
+            out.setdefault(name, set()).add(last_cpu[key])
+    return {n: sorted(c) for n, c in sorted(out.items())}
+
+
 def host_rss(pids: list[int]) -> dict[str, float]:
     """GiB of RssAnon / RssFile / RssShmem summed over the processes (shared pages count
     once per process that maps them)."""
@@ -967,7 +982,10 @@ async def measure(
                     tree = _proc_tree(srv.proc.pid) if srv.proc is not None else []
                     cpu0 = thread_cpu(tree)
                     outs, wall = await run_load(client, srv.port, load, timeout)
-                    cpu = cpu_use(cpu0, thread_cpu(tree), wall) if tree else {}
+                    cpu1 = thread_cpu(tree)
+                    cpu = cpu_use(cpu0, cpu1, wall) if tree else {}
+                    if tree:
+                        cpu["thread_cpus"] = busy_thread_cpus(cpu0, cpu1, thread_last_cpu(tree))
                     busy = util.stop()
                     m = metrics(outs, wall) | delivery_stats(_log_since(srv.log_path, log_at))
                     m |= cpu
@@ -1886,6 +1904,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "checkpoint": str(ckpt),
         "config": cfg,
+        "cpu_topology": cpu_topology(),
     }
     log(meta["model"])
     plugin_dir = write_plugin(Path(tempfile.mkdtemp(prefix="ple-bench-plugin-")))

@@ -38,9 +38,12 @@ def test_our_threads_cpu_time_is_counted_apart() -> None:
         assert burned.wait(30)
         wall = time.monotonic() - w0
         after = proc_cpu.thread_cpu([os.getpid()])
+        where = bench_vllm.busy_thread_cpus(before, after, proc_cpu.thread_last_cpu([os.getpid()]))
     finally:
         release.set()
         t.join()
+    # The burning thread ran during the sample: where it last ran is one of the CPUs.
+    assert where["ple-test-burn"] and set(where["ple-test-burn"]) <= os.sched_getaffinity(0)
     names = {name for name, _ in after.values()}
     assert "ple-test-burn" in names, names
     use = bench_vllm.cpu_use(before, after, wall)
@@ -61,3 +64,16 @@ def test_cpu_use_of_a_thread_that_ended_or_began() -> None:
     assert use["cpu_ours"] == pytest.approx(40 / tick / 2.0)  # a thread gone adds nothing
     assert use["cpu_top"] == ("EngineCore", pytest.approx(200 / tick / 2.0))
     assert bench_vllm.cpu_use(before, after, 0.0) == {}
+
+
+def test_thread_places_and_the_machines_topology() -> None:
+    before = {(1, 10): ("EngineCore", 100), (1, 11): ("ple-gather-0", 50), (1, 12): ("idle", 5)}
+    after = {(1, 10): ("EngineCore", 300), (1, 11): ("ple-gather-0", 60), (1, 12): ("idle", 5),
+             (1, 13): ("ple-gather-1", 1)}  # fmt: skip
+    last = {(1, 10): 3, (1, 11): 7, (1, 12): 0, (1, 13): 2}
+    assert bench_vllm.busy_thread_cpus(before, after, last) == {
+        "EngineCore": [3], "ple-gather-0": [7], "ple-gather-1": [2]}  # fmt: skip
+    topo = proc_cpu.cpu_topology()
+    groups = [str(g) for g in topo["smt_siblings"]]
+    cpus = {int(c) for g in groups for part in g.split(",") for c in part.split("-")}
+    assert cpus and max(cpus) < (os.cpu_count() or 1)
