@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::cuda::driver::{
-    self, DeviceBuffer, DevicePtr, Event, Kernels, OwnedStream, PrimaryContext, RawStream,
+    self, DeviceBuffer, DevicePtr, Event, Kernels, OwnedStream, PrimaryContext, RawStream, Stream,
 };
 use crate::cuda::pinned::{HostFlag, PinnedBuf};
 use crate::cuda::stall::{StallClock, StallSamples, Stamp};
@@ -473,22 +473,19 @@ impl DeferredRows {
     /// Fill the pending step with `k` rows written by `write` into a `k * row_bytes` view
     /// of the slot, zero the padding rows up to the step's extent, and publish. If `write`
     /// fails, nothing is published and the step stays pending. `stream` is required in the
-    /// sync fallback (the consumer's stream); `busy_wait` bounds how long to wait for the
+    /// sync fallback (the consumer's stream: the copy to staging is enqueued on it; the
+    /// deferred and host modes do not use it); `busy_wait` bounds how long to wait for the
     /// GPU to release the slot before refusing with `SlotBusy`.
-    ///
-    /// # Safety
-    /// `stream`, when given, is a live stream of this object's device (e.g. torch's current
-    /// stream), or null for the legacy default stream: in the synchronous fallback the copy
-    /// to staging is enqueued on it. The deferred and host modes do not use it.
-    pub unsafe fn fill_with_stream(
+    pub fn fill_with_stream(
         &self,
         k: usize,
-        stream: Option<RawStream>,
+        stream: Option<Stream>,
         busy_wait: Duration,
         write: impl FnOnce(&mut [u8]) -> Result<()>,
     ) -> Result<()> {
+        let raw = stream.map(Stream::raw);
         self.shared
-            .fill_impl(Op::Fill, k, stream, busy_wait, Some(write))
+            .fill_impl(Op::Fill, k, raw, busy_wait, Some(write))
     }
 
     /// [`Self::fill_with_stream`] without a stream: sound in every mode (the synchronous
@@ -503,16 +500,9 @@ impl DeferredRows {
             .fill_impl(Op::Fill, k, None, busy_wait, Some(write))
     }
 
-    /// Fill from contiguous rows (`rows.len()` a multiple of `row_bytes`).
-    ///
-    /// # Safety
-    /// As for [`Self::fill_with_stream`].
-    pub unsafe fn fill(
-        &self,
-        rows: &[u8],
-        stream: Option<RawStream>,
-        busy_wait: Duration,
-    ) -> Result<()> {
+    /// Fill from contiguous rows (`rows.len()` a multiple of `row_bytes`); `stream` as for
+    /// [`Self::fill_with_stream`].
+    pub fn fill(&self, rows: &[u8], stream: Option<Stream>, busy_wait: Duration) -> Result<()> {
         let rb = self.shared.cfg.row_bytes;
         if rows.len() % rb != 0 {
             return Err(Error::rows(format!(
@@ -520,29 +510,19 @@ impl DeferredRows {
                 rows.len()
             )));
         }
-        // SAFETY: the caller's contract, passed on.
-        unsafe {
-            self.fill_with_stream(rows.len() / rb, stream, busy_wait, |dst| {
-                dst.copy_from_slice(rows);
-                Ok(())
-            })
-        }
+        self.fill_with_stream(rows.len() / rb, stream, busy_wait, |dst| {
+            dst.copy_from_slice(rows);
+            Ok(())
+        })
     }
 
     /// Publish the pending step without real data (warm-up, profiling, capture passes):
-    /// the consumer sees whatever the slot held.
-    ///
-    /// # Safety
-    /// As for [`Self::fill_with_stream`].
-    pub unsafe fn prepare_dummy(
-        &self,
-        stream: Option<RawStream>,
-        busy_wait: Duration,
-    ) -> Result<()> {
+    /// the consumer sees whatever the slot held. `stream` as for [`Self::fill_with_stream`].
+    pub fn prepare_dummy(&self, stream: Option<Stream>, busy_wait: Duration) -> Result<()> {
         self.shared.fill_impl(
             Op::PrepareDummy,
             0,
-            stream,
+            stream.map(Stream::raw),
             busy_wait,
             None::<fn(&mut [u8]) -> Result<()>>,
         )
@@ -550,26 +530,19 @@ impl DeferredRows {
 
     /// Put the consumer's side on `stream`: under capture, record it (`rows`: the
     /// captured extent, default `max_rows`); eagerly, issue it for the filled step.
-    ///
-    /// # Safety
-    /// `stream` is a live stream of this object's device (e.g. torch's current stream), or
-    /// null for the legacy default stream.
-    pub unsafe fn enqueue(&self, stream: RawStream, rows: Option<usize>) -> Result<Enqueued> {
-        // SAFETY: the caller's contract.
-        unsafe { self.enqueue_for(stream, rows, Consumer::Inline) }
+    pub fn enqueue(&self, stream: Stream, rows: Option<usize>) -> Result<Enqueued> {
+        self.enqueue_for(stream, rows, Consumer::Inline)
     }
 
     /// [`Self::enqueue`], saying where the consumer runs (see [`Consumer`]): with stall
     /// timing, a consumer on another stream stamps its arrival at its join.
-    ///
-    /// # Safety
-    /// As for [`Self::enqueue`].
-    pub unsafe fn enqueue_for(
+    pub fn enqueue_for(
         &self,
-        stream: RawStream,
+        stream: Stream,
         rows: Option<usize>,
         consumer: Consumer,
     ) -> Result<Enqueued> {
+        let stream = stream.raw();
         let s = &self.shared;
         let mut inner = s.lock();
         inner.phase.check_live()?;
@@ -581,7 +554,7 @@ impl DeferredRows {
         };
         let _g = ctx.bind()?;
         let dev = ctx.ordinal();
-        // SAFETY: the caller's contract on `stream`.
+        // SAFETY: `stream` is live (`Stream::from_raw`'s contract).
         let capture = unsafe { driver::capture_id(stream, dev)? };
         if let Some(r) = rows {
             if r == 0 || r > s.cfg.max_rows {
@@ -603,7 +576,7 @@ impl DeferredRows {
                 // Captured addresses live as long as the graph: from now on this object's
                 // pinned memory is retained, never freed (see cuda::pinned).
                 inner.captured_ids.push(id);
-                // SAFETY: stream is live (caller); the flag and slot are retained forever
+                // SAFETY: stream is live (`Stream::from_raw`); the flag and slot are retained forever
                 // once captured, and the staging buffer outlives the graphs (new()'s contract).
                 unsafe { s.issue(stream, n, dev, consumer)? };
                 inner.stats.captured_enqueues += 1;
@@ -620,7 +593,7 @@ impl DeferredRows {
                         )));
                     }
                 }
-                // SAFETY: stream is live (caller); memory stays alive until the event
+                // SAFETY: stream is live (`Stream::from_raw`); memory stays alive until the event
                 // recorded below has completed (Drop waits for it).
                 unsafe { s.issue(stream, n, dev, consumer)? };
                 // SAFETY: live, non-capturing stream (capture was ruled out above).
@@ -645,17 +618,17 @@ impl DeferredRows {
     /// [`Consumer::Joins`] reached its join on `stream` (eagerly or under capture); call it
     /// once per such enqueue, right before the join. Nothing without stall timing.
     ///
-    /// # Safety
-    /// `stream` is a live stream of this object's device.
-    pub unsafe fn stamp_arrival(&self, stream: RawStream) -> Result<()> {
+    pub fn stamp_arrival(&self, stream: Stream) -> Result<()> {
+        let stream = stream.raw();
         let s = &self.shared;
         let (Some(clock), Some(ctx)) = (&s.stall, &s.ctx) else {
             return Ok(());
         };
         self.shared.lock().phase.check_live()?;
         let _g = ctx.bind()?;
-        // SAFETY: the caller's contract; a captured stamp is retained with the object's
-        // other captured memory (an enqueue under the same capture came first).
+        // SAFETY: `stream` is live (`Stream::from_raw`'s contract); a captured stamp is
+        // retained with the object's other captured memory (an enqueue under the same
+        // capture came first).
         unsafe { clock.stamp(stream, Stamp::Arrived) }
     }
 

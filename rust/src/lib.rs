@@ -27,20 +27,17 @@
 //!   `Send`/`Sync` for driver handles, raw-pointer views of pinned memory
 //!   (`cuda::pinned`), the stall clock's launches (`cuda::stall`).
 //! * The edges of the safe types, where the caller vouches for what Rust cannot check:
-//!   [`DeferredRows::new`] (a raw staging buffer), [`DeferredRows::enqueue`],
-//!   [`DeferredRows::enqueue_for`], [`DeferredRows::stamp_arrival`],
-//!   [`DeferredRows::fill`], [`DeferredRows::fill_with_stream`],
-//!   [`DeferredRows::prepare_dummy`] and [`GatherWorker::publish`] (a raw stream; device
-//!   addresses of ids), and the driver calls and staging writes behind them (`deferred`,
-//!   which also declares its shared state `Send`/`Sync`, and `worker`'s `mailbox.rs`); the
-//!   probe's live run on its own stream (`probe`). [`DeferredRows::fill_with`] takes no
-//!   stream and is safe.
+//!   [`Stream::from_raw`] (a raw stream handle, vouched for once: every method taking a
+//!   [`Stream`] is then safe), [`DeferredRows::new`] (a raw staging buffer) and
+//!   [`GatherWorker::publish`] (device addresses of ids), and the driver calls and staging
+//!   writes behind them (`deferred`, which also declares its shared state `Send`/`Sync`,
+//!   and `worker`'s `mailbox.rs`); the probe's live run on its own stream (`probe`).
 //! * `table`: mapping the file (`discover`), page-cache system calls (`pagecache`), the
 //!   SIGBUS handler (`sigbus`), io_uring submissions (`coldread`; `floor`'s benchmark
 //!   instruments, with `posix_fadvise`), cache prefetch hints (`gather`).
 //! * `os`: `sysconf` and `prctl`.
-//! * `python`: the calls of those `unsafe fn`s with the pointers and stream handles torch
-//!   hands over.
+//! * `python`: the streams and pointers torch hands over, made [`Stream`]s (`stream_of`)
+//!   and passed to those `unsafe fn`s.
 //!
 //! None in `state`, `watchdog`, `wait`, `error`, `table`'s `mod.rs` and `residency`, or
 //! `worker` outside `mailbox.rs` (and its tests' host buffers).
@@ -61,6 +58,7 @@ pub mod worker;
 #[cfg(feature = "python")]
 mod python;
 
+pub use cuda::driver::Stream;
 pub use cuda::stall::StallSamples;
 pub use deferred::{
     Config, Consumer, CopyPath, DeferredRows, Enqueued, Mode, Stats, Target, KERNEL_MAX_BYTES,

@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyType};
 
-use crate::cuda::driver::{self, RawStream};
+use crate::cuda::driver::{self, RawStream, Stream};
 use crate::deferred::{Config, Consumer, CopyPath, DeferredRows, Enqueued, Target};
 use crate::error::{Error, ErrorKind};
 
@@ -42,8 +42,14 @@ impl<T> IntoPy<T> for crate::error::Result<T> {
     }
 }
 
-pub(crate) fn stream_of(raw: Option<u64>) -> Option<RawStream> {
-    raw.map(|s| s as usize as RawStream)
+/// The stream a Python caller passed as a raw handle (torch's `cuda_stream`).
+///
+/// # Safety
+/// As [`Stream::from_raw`]: the Python wrappers pass torch's stream of the object's device
+/// (or 0, the legacy default stream), which torch keeps alive while work on it can run.
+pub(crate) unsafe fn stream_of(raw: u64) -> Stream {
+    // SAFETY: the caller's contract.
+    unsafe { Stream::from_raw(raw as usize as RawStream) }
 }
 
 pub(crate) fn secs(s: f64, what: &str) -> crate::error::Result<Duration> {
@@ -245,8 +251,8 @@ impl PyDeferredRows {
         let inner = &self.inner;
         // SAFETY: `stream` is a handle torch gave the caller for this object's device (the
         // same contract as `enqueue`'s), or none.
-        py.detach(|| unsafe { inner.fill(data, stream_of(stream), wait) })
-            .py(py)
+        let stream = stream.map(|s| unsafe { stream_of(s) });
+        py.detach(|| inner.fill(data, stream, wait)).py(py)
     }
 
     /// Gather `ids` (numpy int64/int32) from `table` straight into the slot and publish.
@@ -273,12 +279,11 @@ impl PyDeferredRows {
         }
         let ids = table::extract_ids(ids).py(py)?;
         let inner = &self.inner;
+        // SAFETY: as in `fill`.
+        let stream = stream.map(|s| unsafe { stream_of(s) });
         ids.with_row_ids(|ids| {
-            // SAFETY: as in `fill`.
-            py.detach(|| unsafe {
-                inner.fill_with_stream(ids.len(), stream_of(stream), wait, |dst| {
-                    table.gather_into(ids, dst)
-                })
+            py.detach(|| {
+                inner.fill_with_stream(ids.len(), stream, wait, |dst| table.gather_into(ids, dst))
             })
         })
         .py(py)
@@ -289,8 +294,8 @@ impl PyDeferredRows {
         let wait = secs(busy_wait_s, "busy_wait").py(py)?;
         let inner = &self.inner;
         // SAFETY: as in `fill`.
-        py.detach(|| unsafe { inner.prepare_dummy(stream_of(stream), wait) })
-            .py(py)
+        let stream = stream.map(|s| unsafe { stream_of(s) });
+        py.detach(|| inner.prepare_dummy(stream, wait)).py(py)
     }
 
     /// Returns "captured", "eager" or "nothing". `joins`: the consumer runs on another
@@ -309,12 +314,9 @@ impl PyDeferredRows {
             Consumer::Inline
         };
         // SAFETY: the wrapper passes torch's current stream handle for this device (or 0,
-        // the legacy stream); torch keeps it alive for the duration of the call.
-        let r = unsafe {
-            self.inner
-                .enqueue_for(stream as usize as RawStream, rows, consumer)
-        }
-        .py(py)?;
+        // the legacy stream), which torch keeps alive while work on it can run.
+        let stream = unsafe { stream_of(stream) };
+        let r = self.inner.enqueue_for(stream, rows, consumer).py(py)?;
         Ok(match r {
             Enqueued::Captured(_) => "captured",
             Enqueued::Eager => "eager",
@@ -325,7 +327,8 @@ impl PyDeferredRows {
     /// Stamp a joining consumer's arrival on `stream` (stall timing; see `enqueue`).
     fn stamp_arrival(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
         // SAFETY: as for `enqueue`.
-        unsafe { self.inner.stamp_arrival(stream as usize as RawStream) }.py(py)
+        let stream = unsafe { stream_of(stream) };
+        self.inner.stamp_arrival(stream).py(py)
     }
 
     #[getter]

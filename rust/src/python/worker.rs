@@ -125,11 +125,14 @@ impl PyGatherWorker {
         n_ids: usize,
         count_ptr: u64,
     ) -> PyResult<()> {
-        let s = stream_of(Some(stream)).expect("a stream was given");
         // SAFETY: the wrapper passes torch's current stream of the rows' device and the
         // data pointers of CUDA tensors it checked (dtype, shape, device); their owners keep
         // them alive for as long as the graphs that capture the publish (documented).
-        unsafe { self.inner.publish(s, ids_ptr, n_ids, count_ptr) }.py(py)
+        unsafe {
+            self.inner
+                .publish(stream_of(stream), ids_ptr, n_ids, count_ptr)
+        }
+        .py(py)
     }
 
     fn publish_from_host(

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use super::gather_worker::GatherWorker;
 use super::options::PublishPath;
 use super::pace::{pause, NAP};
-use crate::cuda::driver::{self, DevicePtr, RawStream};
+use crate::cuda::driver::{self, DevicePtr, Stream};
 use crate::error::{Error, Op, Result};
 
 impl GatherWorker {
@@ -15,11 +15,11 @@ impl GatherWorker {
     /// device address of an int32 count) on `stream`, eagerly or under capture.
     ///
     /// # Safety
-    /// `stream` is a live stream of the rows' device; `ids` and `count_dev` stay valid for
-    /// every execution (graph replays included).
+    /// `ids` and `count_dev` are device addresses on the rows' device (`stream`'s) that stay
+    /// valid for every execution (graph replays included).
     pub unsafe fn publish(
         &self,
-        stream: RawStream,
+        stream: Stream,
         ids: DevicePtr,
         n_ids: usize,
         count_dev: DevicePtr,
@@ -54,7 +54,8 @@ impl GatherWorker {
         }
         let dev = ctx.ordinal();
         let _g = ctx.bind()?;
-        // SAFETY: the caller's contract on `stream`.
+        let stream = stream.raw();
+        // SAFETY: `stream` is live (`Stream::from_raw`'s contract).
         let capture = unsafe { driver::capture_id(stream, dev)? };
         let mut ctl = sh.ctl();
         match capture {
@@ -73,7 +74,7 @@ impl GatherWorker {
             _ => {}
         }
         // SAFETY: the mailbox is retained forever once anything was published (see drop),
-        // the caller vouches for `ids`, `count_dev` and `stream`.
+        // the caller vouches for `ids` and `count_dev`, `Stream` for `stream`.
         unsafe {
             match sh.opts.path {
                 PublishPath::Kernel => kernels

@@ -27,7 +27,7 @@ pub use handles::{CtxGuard, PrimaryContext};
 pub(crate) use handles::{DeviceBuffer, Event, OwnedStream};
 pub(crate) use kernels::Kernels;
 pub use loader::{driver, fmt_version, DriverInfo, MIN_DRIVER_VERSION};
-pub use result::{attribute, is_unsupported_code, Attr, DevicePtr, RawStream};
+pub use result::{attribute, is_unsupported_code, Attr, DevicePtr, RawStream, Stream};
 pub(crate) use result::{
     capture_id, copy_d2h_async, copy_h2d_async, host_alloc_mapped, host_device_pointer, host_free,
     wait_any_bit64, write_u32,

@@ -13,6 +13,36 @@ use crate::error::{Error, Result};
 pub use sys::CUstream as RawStream;
 pub type DevicePtr = sys::CUdeviceptr;
 
+/// A CUDA stream its holder vouches for: built once, unsafely, from a raw handle (torch's
+/// stream, say), so that the methods taking it ([`crate::DeferredRows::enqueue`],
+/// [`crate::DeferredRows::fill`], ...) are safe. Copy it freely; it owns nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stream(RawStream);
+
+// SAFETY: a stream handle is an opaque driver handle that any thread of its context may
+// use (the driver synchronises its own state); `Stream` owns nothing and never frees it.
+unsafe impl Send for Stream {}
+// SAFETY: as above; the handle is never written through.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// The legacy default stream (a null handle): always live.
+    pub const LEGACY_DEFAULT: Stream = Stream(ptr::null_mut());
+
+    /// # Safety
+    /// `raw` is a live stream (or null, the legacy default stream) of the device of every
+    /// object it is passed to, and stays live while work enqueued on it through them can
+    /// still run (a graph captured on it: for the graph's life).
+    pub unsafe fn from_raw(raw: RawStream) -> Self {
+        Self(raw)
+    }
+
+    /// The raw handle.
+    pub fn raw(self) -> RawStream {
+        self.0
+    }
+}
+
 pub(super) fn check(call: &'static str, device: Option<i32>, r: sys::CUresult) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
