@@ -4,6 +4,7 @@ tell our threads' CPU use (the Rust core names them ``ple-*``) from everything e
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -12,10 +13,9 @@ OUR_THREADS = ("ple-",)
 """Our threads' name prefixes (Linux keeps 15 characters of a name)."""
 
 
-def thread_cpu(pids: list[int]) -> dict[tuple[int, int], tuple[str, int]]:
-    """CPU time (user + system, clock ticks) of every thread of the processes, by (pid,
-    tid), with the thread's name."""
-    out: dict[tuple[int, int], tuple[str, int]] = {}
+def _thread_stats(pids: list[int]) -> Iterator[tuple[int, int, str, list[str]]]:
+    """(pid, tid, name, fields) of every thread of the processes, where ``fields[0]`` is
+    ``/proc/<pid>/task/<tid>/stat`` field 3 (the state); threads gone meanwhile skipped."""
     for p in pids:
         try:
             tids = os.listdir(f"/proc/{p}/task")
@@ -27,10 +27,14 @@ def thread_cpu(pids: list[int]) -> dict[tuple[int, int], tuple[str, int]]:
             except OSError:
                 continue
             head, rest = stat.rsplit(")", 1)
-            fields = rest.split()
-            # fields[0] is the state (stat field 3): utime, stime are fields 14 and 15.
-            out[(p, int(t))] = (head.split("(", 1)[1], int(fields[11]) + int(fields[12]))
-    return out
+            yield p, int(t), head.split("(", 1)[1], rest.split()
+
+
+def thread_cpu(pids: list[int]) -> dict[tuple[int, int], tuple[str, int]]:
+    """CPU time (user + system, clock ticks) of every thread of the processes, by (pid,
+    tid), with the thread's name."""
+    # utime, stime are stat fields 14 and 15.
+    return {(p, t): (name, int(f[11]) + int(f[12])) for p, t, name, f in _thread_stats(pids)}
 
 
 def ours(sample: dict[tuple[int, int], tuple[str, int]]) -> int:
@@ -41,20 +45,7 @@ def ours(sample: dict[tuple[int, int], tuple[str, int]]) -> int:
 def thread_last_cpu(pids: list[int]) -> dict[tuple[int, int], int]:
     """The CPU each thread of the processes last ran on (``/proc/.../stat`` field 39), by
     (pid, tid): a snapshot of where the scheduler keeps them."""
-    out: dict[tuple[int, int], int] = {}
-    for p in pids:
-        try:
-            tids = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tids:
-            try:
-                rest = Path(f"/proc/{p}/task/{t}/stat").read_text().rsplit(")", 1)[1]
-            except (OSError, IndexError):
-                continue
-            # fields[0] is stat field 3 (the state): field 39 (processor) is fields[36].
-            out[(p, int(t))] = int(rest.split()[36])
-    return out
+    return {(p, t): int(f[36]) for p, t, _, f in _thread_stats(pids)}
 
 
 def cpu_topology() -> dict[str, object]:
