@@ -127,12 +127,12 @@ class HostTime:
         steps = self.take()
         if not steps:
             return "host us per engine step: no steps"
-        parts = []
-        for kind in ("total", *_KINDS):
-            us = sorted(
-                (sum(s[k] for k in HOST_KINDS) if kind == "total" else s[kind]) / 1e3 for s in steps
-            )
-            name = "; graph launch" if kind == "launch" else kind
-            parts.append(f"{name} p50 {percentile(us, 50):.1f} p99 {percentile(us, 99):.1f}")
-        text = ", ".join(parts).replace(", ; ", "; ")
-        return f"host us per engine step over {len(steps)}: {text}"
+
+        def pct(name: str, ns: list[int]) -> str:
+            us = sorted(x / 1e3 for x in ns)
+            return f"{name} p50 {percentile(us, 50):.1f} p99 {percentile(us, 99):.1f}"
+
+        ours = [pct("total", [sum(s[k] for k in HOST_KINDS) for s in steps])]
+        ours += [pct(k, [s[k] for s in steps]) for k in HOST_KINDS]
+        launch = pct("graph launch", [s["launch"] for s in steps])
+        return f"host us per engine step over {len(steps)}: {', '.join(ours)}; {launch}"

@@ -204,8 +204,9 @@ struct Shared {
     flag: Option<HostFlag>,
     /// Stall timing (deferred mode with `time_stalls`).
     stall: Option<StallClock>,
-    /// The grid copy's count of finished blocks (deferred mode; see
-    /// `Kernels::wait_then_copy_reset`): device memory, zero between steps.
+    /// The grid copy's count of finished blocks (deferred mode with a forced kernel path,
+    /// the only one that copies with a grid; see `Kernels::wait_copy_reset`): device
+    /// memory, zero between steps.
     copy_done: Option<DeviceBuffer>,
     inner: Mutex<Inner>,
     /// A dedicated stream for staged consumers (created on first use).
@@ -319,7 +320,7 @@ impl DeferredRows {
             _ => None,
         };
         let copy_done = match (&kernel, &ctx) {
-            (Some(_), Some(ctx)) => {
+            (Some(_), Some(ctx)) if cfg.copy == CopyPath::Kernel => {
                 let _g = ctx.bind()?;
                 let buf = DeviceBuffer::new(16, ctx.ordinal())?;
                 buf.zero(16, ctx.ordinal())?;
@@ -576,8 +577,9 @@ impl DeferredRows {
                 // Captured addresses live as long as the graph: from now on this object's
                 // pinned memory is retained, never freed (see cuda::pinned).
                 inner.captured_ids.push(id);
-                // SAFETY: stream is live (`Stream::from_raw`); the flag and slot are retained forever
-                // once captured, and the staging buffer outlives the graphs (new()'s contract).
+                // SAFETY: stream is live (`Stream::from_raw`); the flag and slot are retained
+                // forever once captured, and the staging buffer outlives the graphs (new()'s
+                // contract).
                 unsafe { s.issue(stream, n, dev, consumer)? };
                 inner.stats.captured_enqueues += 1;
                 Ok(Enqueued::Captured(id))
@@ -593,8 +595,8 @@ impl DeferredRows {
                         )));
                     }
                 }
-                // SAFETY: stream is live (`Stream::from_raw`); memory stays alive until the event
-                // recorded below has completed (Drop waits for it).
+                // SAFETY: stream is live (`Stream::from_raw`); memory stays alive until the
+                // event recorded below has completed (Drop waits for it).
                 unsafe { s.issue(stream, n, dev, consumer)? };
                 // SAFETY: live, non-capturing stream (capture was ruled out above).
                 unsafe { inner.record_copy(stream, dev)? };
@@ -824,7 +826,7 @@ impl Shared {
                     // Above the fused kernel's size, the grid copy and its block counter.
                     let grid = (bytes > KERNEL_MAX_BYTES).then(|| {
                         let done = self.copy_done.as_ref();
-                        done.expect("deferred mode has a counter").ptr
+                        done.expect("a forced kernel path has a counter").ptr
                     });
                     k.wait_copy_reset(
                         stream,
