@@ -181,8 +181,15 @@ MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     "mmap-predict": {"predict_ready": True},
     # Without the instruments (no stall timing, no stats lines): what measuring costs.
     "mmap-bare": {"bare": True},
-    # The stats lines (host times) without the stall timing's two stamps a step.
+    # The GPU stall timing on (two stamps a step; off in the other mmap servers unless
+    # --time-stalls): the stall column's source, and what the instrument costs.
+    "mmap-stalls": {"stalls": True},
+    # The stats lines (host times) without the stall timing, even with --time-stalls.
     "mmap-nostall": {"stalls": False},
+    # The stall timing without the stats lines; and a second server without either
+    # (which of the two instruments, if either, a fast or slow server owes its speed to).
+    "mmap-nostats": {"stats": False, "stalls": True},
+    "mmap-bare-b": {"bare": True},
     # A second mmap server (A against A among the mmap rungs).
     "mmap-b": {},
     # Diagnostics: the protocol (publish, waits, copies) without the host's gather; the
@@ -698,9 +705,9 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
         for key in ("spin", "first_layer_threads", "diag_skip_gather", "predict_ready"):
             if key in variant:
                 ours[key] = variant[key]
-        if args.stats_every and not variant.get("bare"):
+        if args.stats_every and not variant.get("bare") and variant.get("stats", True):
             ours["stats_every"] = args.stats_every
-        if args.time_stalls and not variant.get("bare") and variant.get("stalls", True):
+        if variant.get("stalls", args.time_stalls) and not variant.get("bare"):
             ours["time_stalls"] = True
         extra["ple_memops"] = ours
     elif STOCK_VARIANTS.get(backend, {}).get("plugin"):
@@ -1061,6 +1068,60 @@ async def profile(args: argparse.Namespace, servers: dict[str, Server], vocab: i
             log(f"{b}: profiled {summary['replays']} replays ({traces[-1].name}): span "
                 f"{summary.get('span_us')} us, busy {summary.get('busy_us')} us, period "
                 f"{summary.get('period_us')} us")  # fmt: skip
+
+
+def engine_core_pid(root: int) -> int | None:
+    """The engine core process of the server whose process is ``root`` (vLLM names it
+    ``VLLM::EngineCore``), or ``None``."""
+    for pid in _proc_tree(root):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::EngineCor"):
+                return pid
+    return None
+
+
+async def sample_stacks(args: argparse.Namespace, servers: dict[str, Server], vocab: int) -> None:
+    """After the loads, each live server in turn under each concurrency of ``--concurrency``
+    (requests long enough to outlast the window): ``py-spy record`` of its engine core
+    process for ``--py-spy`` seconds (every thread, idle ones included, without pausing the
+    process), the collapsed stacks into ``py-spy-<backend>-c<N>.txt`` in ``--log-dir``
+    (``stacks_diff.py`` compares two)."""
+    # Outlasts the lead and the window at ~5 ms a token; awaited, never left running.
+    steps = int((args.py_spy + 1.5) * 200) + 50
+    loads = [
+        Load(
+            f"py-spy {ld.name}",
+            ld.concurrency,
+            [Req(r.prompt, steps) for r in ld.requests[: ld.concurrency]],  # one wave
+        )
+        for ld in make_loads(args, vocab, 98)
+        if ld.name.startswith("c")
+    ]
+    async with Client(args.request_timeout) as client:
+        for b in [b for b in args.backends if servers[b].healthy]:
+            srv = servers[b]
+            pid = None if srv.proc is None else engine_core_pid(srv.proc.pid)
+            for load in loads:
+                if pid is None or left() < args.py_spy + 20:
+                    log(f"{b} {load.name}: not sampled ({left():.0f} s left, engine pid {pid})")
+                    continue
+                out = args.log_dir / f"py-spy-{b}-c{load.concurrency}.txt"
+                task = asyncio.ensure_future(
+                    run_load(client, srv.port, load, args.py_spy + 10 + 0.02 * steps)
+                )
+                await asyncio.sleep(1.5)  # past the prefills
+                proc = await asyncio.create_subprocess_exec(
+                    args.py_spy_bin, "record", "--pid", str(pid), "--duration",
+                    f"{args.py_spy:g}", "--rate", "400", "--idle", "--threads",
+                    "--nonblocking", "--format", "raw", "--output", str(out),
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                )  # fmt: skip
+                said, _ = await proc.communicate()
+                outs, _wall = await task
+                tail = said.decode(errors="replace").strip().splitlines()[-1:] or [""]
+                failed = sum(not o.ok for o in outs)
+                log(f"{b} {load.name}: py-spy exit {proc.returncode} -> {out.name} "
+                    f"({failed} requests failed): {tail[0][:200]}")  # fmt: skip
 
 
 def _log_size(path: Path) -> int:
@@ -1506,9 +1567,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--time-stalls",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="mmap servers time each PLE layer's GPU stall for rows (two tiny kernels a "
-        "layer a step) and report it in their stats lines",
+        default=False,
+        help="every mmap server times each PLE layer's GPU stall for rows (two tiny "
+        "kernels a layer a step) and reports it in its stats lines; off by default: in "
+        "the engine the stamps cost ~0.4 ms a step at c1 (BENCHMARKS.md), so the stalls "
+        "come from the mmap-stalls rung and the mmap server runs without them",
     )
     p.add_argument("--concurrency", type=ints, default=[1, 8, 64])
     p.add_argument("--requests", type=int, help="requests per decode load (default max(8, 6c))")
@@ -1580,6 +1643,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "each server's FULL graph replays (span, busy, period, kernels; trace_steps.py); "
         "the traces stay under profile-<backend>/ in --log-dir",
     )
+    p.add_argument(
+        "--py-spy",
+        type=float,
+        default=0,
+        help="after the loads (and the profile), sample each server's engine core process "
+        "with py-spy for this many seconds under each --concurrency (collapsed stacks in "
+        "--log-dir; benchmarks/stacks_diff.py compares two)",
+    )
+    p.add_argument("--py-spy-bin", default="py-spy", help="the py-spy executable")
     p.add_argument("--log-dir", type=Path, default=Path(os.environ.get("OUT", "/tmp/ple-out")))
     p.add_argument("--markdown", type=Path)
     p.add_argument("--json", type=Path)
@@ -1943,6 +2015,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(measure(args, servers, tables, int(cfg["vocab_size"]), rows))
         if args.profile_steps:
             asyncio.run(profile(args, servers, int(cfg["vocab_size"])))
+        if args.py_spy:
+            asyncio.run(sample_stacks(args, servers, int(cfg["vocab_size"])))
     except KeyboardInterrupt:
         log("interrupted: reporting what was measured")
     finally:
@@ -2236,9 +2310,13 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
             if ours.diag_skip_gather != (b == "mmap-nogather"):
                 raise AssertionError(f"{b}: diag_skip_gather {ours.diag_skip_gather}")
             variant = MMAP_VARIANTS.get(b, {})
-            timed = b in MMAP_VARIANTS and args.time_stalls and not variant.get("bare")
-            if ours.time_stalls != (timed and variant.get("stalls", True)):
+            timed = b in MMAP_VARIANTS and not variant.get("bare")
+            if ours.time_stalls != bool(timed and variant.get("stalls", args.time_stalls)):
                 raise AssertionError(f"{b}: time_stalls {ours.time_stalls}")
+            logged = (b in MMAP_VARIANTS and bool(args.stats_every) and not variant.get("bare")
+                      and variant.get("stats", True))  # fmt: skip
+            if (ours.stats_every is not None) != logged:
+                raise AssertionError(f"{b}: stats_every {ours.stats_every}")
             if ours.predict_ready != (b == "mmap-predict"):
                 raise AssertionError(f"{b}: predict_ready {ours.predict_ready}")
             engram = ea.engram_config

@@ -20,7 +20,9 @@
 #                    under DEADLINE + 90 s
 #   SMOKE=1          the tiny model, one repeat: checks the plumbing in ~3 minutes
 #   BENCH_ARGS=...   more arguments, e.g. "--profile-steps 40" (each server's FULL graphs
-#                    profiled with vLLM's torch profiler after the loads), "--cold" (evict the tables before the servers
+#                    profiled with vLLM's torch profiler after the loads), "--py-spy 3
+#                    --py-spy-bin /tmp/pyspy/bin/py-spy" (each engine core process's stacks
+#                    sampled under each concurrency, bench_stacks_<tag>.tgz), "--cold" (evict the tables before the servers
 #                    start and before each repeat; a live mmap server's mapped pages
 #                    stay, so a cold mmap start is "--backends mmap --cold --no-warmup"),
 #                    "--attention-every 4" (dense full
@@ -87,5 +89,9 @@ if ls -d "$OUT"/profile-* >/dev/null 2>&1; then
         mkdir -p /tmp/ple-traces && mv "$OUT"/profile-* /tmp/ple-traces/
         echo "== traces (${size} MB) left in /tmp/ple-traces"
     fi
+fi
+# --py-spy: the engine core processes' collapsed stacks in one archive.
+if ls "$OUT"/py-spy-*.txt >/dev/null 2>&1; then
+    (cd "$OUT" && tar -czf "bench_stacks_$TAG.tgz" py-spy-*.txt && rm -f py-spy-*.txt)
 fi
 exit $rc
