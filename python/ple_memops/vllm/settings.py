@@ -166,8 +166,9 @@ class Settings:
     time_stalls: bool = False
     """Time on the GPU how long each step's first consumer of every PLE layer waited for
     its rows (two one-thread kernels a layer a step, stamping the GPU's clock); the stats
-    line then gives each layer's stall percentiles. Off by default: it adds two tiny
-    kernels a layer to every graph."""
+    line then gives each layer's stall percentiles. Off by default, for a diagnosis only:
+    the two kernels a layer cost Gemma 3n E2B ~0.4 ms a step (+8%) at c1 in vLLM on an
+    H200 (BENCHMARKS.md)."""
     diag_skip_gather: bool = False
     """Diagnostics only, never for serving: the gather workers fill every step without
     reading the tables, so the consumers read stale rows and the tokens are wrong. Times
