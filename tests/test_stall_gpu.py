@@ -200,3 +200,51 @@ def test_a_plans_replays_and_eager_steps_are_timed(torch, table: pm.MmapTable) -
         assert len(ns) == 200 and max(ns) < 1_000_000_000, ns
     finally:
         plan.close()
+
+
+def test_the_graph_clock_tells_a_graphs_span_from_the_gpu_idle_between(torch) -> None:  # type: ignore[no-untyped-def]
+    """``GraphClock`` on real replays of a captured ~1 ms graph: the span is the graph's
+    time (as one eager pair of events measures it); launched back to back (the host ahead)
+    the device is busy between graphs (outside ~0), launched 3 ms apart with the host
+    asleep in between it is idle ~2 ms."""
+    from ple_memops.step_costs import GraphClock
+
+    cycles = cycles_for(torch, 1.0)
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(cycles)  # warm-up outside the capture
+        with torch.cuda.graph(graph, stream=stream):
+            torch.cuda._sleep(cycles)
+    stream.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record()
+        graph.replay()
+        end.record()
+    assert done(end)
+    alone_us = start.elapsed_time(end) * 1e3
+
+    clock = GraphClock()
+    with torch.cuda.stream(stream):
+        for _ in range(20):  # back to back: the host queues all 20 within ~1 ms
+            clock.around(graph.replay)
+    last = torch.cuda.Event()
+    last.record(stream)
+    assert done(last)
+    busy = clock.summary()
+    with torch.cuda.stream(stream):
+        for _ in range(10):  # each launch after the last finished, then 2 ms of idle
+            clock.around(graph.replay)
+            stream.synchronize()
+            time.sleep(0.002)
+    last.record(stream)
+    assert done(last)
+    idle = clock.summary()
+    assert busy is not None and idle is not None
+    assert busy.launches == 20 and idle.launches == 10
+    for t in (busy, idle):
+        assert abs(t.span_p50_us - alone_us) < 0.1 * alone_us, (t, alone_us)
+    assert busy.outside_p50_us is not None and busy.outside_p50_us < 50, busy
+    assert idle.outside_p50_us is not None and idle.outside_p50_us > 1_800, idle
+    assert idle.period_p50_us is not None and idle.period_p50_us > alone_us + 1_800

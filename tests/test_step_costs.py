@@ -1,6 +1,7 @@
 """What a step costs, on the host: the stall summaries and host-time counters the stats
-lines print, stall timing's refusal to pretend off a GPU, and the gather-free diagnostic
-fill (its GPU side runs in ``test_stall_gpu.py``)."""
+lines print, stall timing's refusal to pretend off a GPU, the gather-free diagnostic
+fill (its GPU side runs in ``test_stall_gpu.py``), and the graph clock's arithmetic over
+events a fake GPU stamps (its CUDA side runs in ``test_stall_gpu.py`` too)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import pytest
 from safetensors.numpy import save_file
 
 import ple_memops as pm
-from ple_memops.step_costs import ENGINE_KINDS, HOST_KINDS, HostTime, StallSummary, percentile
+from ple_memops.step_costs import (
+    ENGINE_KINDS,
+    HOST_KINDS,
+    GraphClock,
+    HostTime,
+    StallSummary,
+    percentile,
+)
 
 ROWS, WIDTH = 1000, 32
 
@@ -114,3 +122,93 @@ def test_skip_gather_fills_without_reading_the_table(table: pm.MmapTable) -> Non
         w.publish_from_host(np.arange(4))
         w.complete()
         np.testing.assert_array_equal(rows2.staging[:4], table.gather(np.arange(4)))
+
+
+class _Gpu:
+    """A stream whose queue stamps events at ``now`` (us) and finishes up to ``done``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.done = float("inf")
+
+
+class _Event:
+    made = 0
+
+    def __init__(self, gpu: _Gpu) -> None:
+        self.gpu, self.at = gpu, None
+        _Event.made += 1
+
+    def record(self, stream: object = None) -> None:
+        self.at = self.gpu.now
+
+    def query(self) -> bool:
+        return self.at is not None and self.at <= self.gpu.done
+
+    def elapsed_time(self, end: _Event) -> float:
+        assert self.at is not None and end.at is not None
+        return (end.at - self.at) / 1e3  # ms, as CUDA's
+
+
+def _launch(clock: GraphClock, gpu: _Gpu, span: float, after: float) -> None:
+    """A graph that runs ``span`` us on the GPU, then ``after`` us before the next."""
+
+    def run() -> None:
+        gpu.now += span
+
+    clock.around(run)
+    gpu.now += after
+
+
+def test_graph_clock_spans_periods_and_time_outside() -> None:
+    gpu = _Gpu()
+    clock = GraphClock(event=lambda: _Event(gpu))
+    for span in (100.0, 110.0, 120.0):
+        _launch(clock, gpu, span, after=30.0)
+    got = clock.take()
+    assert got == [
+        (pytest.approx(100.0), None),
+        (pytest.approx(110.0), pytest.approx(130.0)),
+        (pytest.approx(120.0), pytest.approx(140.0)),
+    ]
+    assert clock.take() == []  # read once
+    # The next launch's period reaches back to the last one read.
+    _launch(clock, gpu, 50.0, after=0.0)
+    s = clock.summary()
+    assert s is not None and s.launches == 1 and s.span_p50_us == pytest.approx(50.0)
+    assert s.period_p50_us == pytest.approx(150.0)
+    assert s.outside_p50_us == pytest.approx(30.0)  # 150 less the previous launch's 120
+    assert "1 graphs on the GPU: span us p50 50.0" in s.text()
+    assert "outside the graph p50 30.0" in s.text()
+    assert clock.summary() is None
+
+
+def test_graph_clock_reads_only_what_the_gpu_finished_and_recycles_events() -> None:
+    gpu = _Gpu()
+    _Event.made = 0
+    clock = GraphClock(event=lambda: _Event(gpu))
+    _launch(clock, gpu, 100.0, after=10.0)
+    gpu.done = gpu.now  # the GPU has finished the first launch only
+    _launch(clock, gpu, 100.0, after=10.0)
+    assert [s for s, _ in clock.take()] == [pytest.approx(100.0)]
+    gpu.done = float("inf")
+    assert clock.take() == [(pytest.approx(100.0), pytest.approx(110.0))]
+    made = _Event.made
+    for _ in range(50):  # steady state: read events come back for new launches
+        _launch(clock, gpu, 100.0, after=10.0)
+        clock.take()
+    assert _Event.made - made <= 2
+
+
+def test_graph_clock_drops_the_oldest_beyond_its_window() -> None:
+    gpu = _Gpu()
+    gpu.done = -1.0  # nothing finishes
+    clock = GraphClock(window=3, event=lambda: _Event(gpu))
+    for _ in range(5):
+        _launch(clock, gpu, 10.0, after=1.0)
+    gpu.done = float("inf")
+    s = clock.summary()
+    assert s is not None and s.launches == 3 and s.dropped == 2
+    assert "2 dropped" in s.text()
+    with pytest.raises(ValueError, match="at least 2"):
+        GraphClock(window=1)

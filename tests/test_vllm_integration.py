@@ -1023,6 +1023,18 @@ def test_settings_stall_timing_and_the_gather_free_diagnostic() -> None:
         S.for_engine({"ple_memops": {"diag_skip_gather": [1]}}, {})
 
 
+def test_settings_graph_timing() -> None:
+    S = settings.Settings
+    assert not S.from_env({}).time_graphs and not S().time_graphs
+    env = {"PLE_MEMOPS_TIME_GRAPHS": "1"}
+    assert S.from_env(env).time_graphs and not S.from_env(env).mmap  # any backend
+    assert not S.for_engine({"ple_memops": {"time_graphs": False}}, env).time_graphs
+    assert S.for_engine({"ple_memops": {"time_graphs": True}}, {}).time_graphs
+    assert "time_graphs" in settings.KEYS
+    with pytest.raises(InvalidArgumentError, match="PLE_MEMOPS_TIME_GRAPHS must be 1 or 0"):
+        S.from_env({"PLE_MEMOPS_TIME_GRAPHS": "always"})
+
+
 def test_cli_check_without_vllm(capsys: pytest.CaptureFixture[str]) -> None:
     try:
         import vllm  # noqa: F401

@@ -231,6 +231,74 @@ def test_an_incompatible_vllm_is_refused_with_nothing_installed(
         plugin.install()
 
 
+class _FakeGpu:
+    """A stream whose queue stamps events at ``now`` (us); everything finishes."""
+
+    now = 0.0
+
+    class Event:
+        def __init__(self, gpu: _FakeGpu) -> None:
+            self.gpu, self.at = gpu, 0.0
+
+        def record(self, stream: object = None) -> None:
+            self.at = self.gpu.now
+
+        def query(self) -> bool:
+            return True
+
+        def elapsed_time(self, end: Any) -> float:
+            return float(end.at - self.at) / 1e3
+
+
+def test_time_graphs_times_every_full_replay_armed_or_not(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With ``time_graphs`` the plugin's graph manager runs vLLM's replay between the
+    clock's two events, inside the hooks' arming when the engine has hooks; without hooks
+    (a ``default`` engine) it still times, and logs a ``ple-memops graphs`` line."""
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    from ple_memops.step_costs import GraphClock
+    from ple_memops.vllm.runner import GraphTimesLog, PleCudaGraphManager
+
+    gpu = _FakeGpu()
+    replays: list[Any] = []
+
+    def replay(self: Any, desc: Any) -> str:
+        replays.append(desc)
+        gpu.now += 100.0  # the graph runs 100 us
+        return f"out-{desc}"
+
+    # vLLM's replay (ModelCudaGraphManager's, which the plugin's class extends).
+    monkeypatch.setattr(cudagraph_utils.ModelCudaGraphManager, "run_fullgraph", replay)
+    manager = object.__new__(PleCudaGraphManager)
+    manager.ple_rows = None
+    manager.ple_clock = GraphTimesLog(3600.0, GraphClock(event=lambda: _FakeGpu.Event(gpu)))
+    for d in ("a", "b", "c"):
+        assert manager.run_fullgraph(d) == f"out-{d}"
+        gpu.now += 20.0  # the engine's eager work between graphs
+    assert replays == ["a", "b", "c"]
+    with caplog.at_level(logging.INFO, logger="ple_memops"):
+        line = manager.ple_clock.log()
+    assert line is not None and "3 graphs on the GPU: span us p50 100.0" in line
+    assert "period p50 120.0; outside the graph p50 20.0" in line
+    assert any("ple-memops graphs, last" in r.getMessage() for r in caplog.records)
+
+    class Hooks:  # the rows hooks: arm, then launch what they are given
+        def __init__(self) -> None:
+            self.armed: list[Any] = []
+
+        def replay(self, desc: Any, launch: Any) -> Any:
+            self.armed.append(desc)
+            return launch()
+
+    hooks = Hooks()
+    manager.ple_rows = hooks
+    assert manager.run_fullgraph("d") == "out-d" and hooks.armed == ["d"]
+    times = manager.ple_clock.clock.summary()
+    assert times is not None and times.launches == 1 and times.span_p50_us == 100.0
+
+
 def test_forcing_the_fallback_on_some_ranks() -> None:
     """The test switch that makes a plan synchronous: on every rank, or only on the
     listed world ranks (the one-rank fault of a tensor-parallel engine)."""

@@ -3,7 +3,9 @@ waited for its rows (:class:`StallSummary`, from the GPU's own clock; see
 :meth:`~ple_memops.DeferredRows.stall_samples`) and how long the host spent in the
 integration's own code (:class:`HostTime`, per engine step, by hook). Both are immune
 to the end-to-end noise of a shared host: a stall is a difference of two GPU timestamps,
-a host time a sum of ``perf_counter_ns`` spans around our code alone."""
+a host time a sum of ``perf_counter_ns`` spans around our code alone. :class:`GraphClock`
+times whole graph launches on the GPU the same way (two events a launch, no kernel): how
+long each graph ran on the device and how long the device spent between graphs."""
 
 from __future__ import annotations
 
@@ -11,11 +13,22 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-__all__ = ["ENGINE_KINDS", "HOST_KINDS", "HostTime", "StallSummary", "percentile"]
+__all__ = [
+    "ENGINE_KINDS",
+    "HOST_KINDS",
+    "GraphClock",
+    "GraphTimes",
+    "HostTime",
+    "StallSummary",
+    "percentile",
+]
+
+T = TypeVar("T")
 
 STALLED_NS = 1_000
 """A step counts as stalled when its consumer waited more than this (1 us: below it the
@@ -136,3 +149,134 @@ class HostTime:
         ours += [pct(k, [s[k] for s in steps]) for k in HOST_KINDS]
         launch = pct("graph launch", [s["launch"] for s in steps])
         return f"host us per engine step over {len(steps)}: {', '.join(ours)}; {launch}"
+
+
+@dataclass(frozen=True)
+class GraphTimes:
+    """Timed launches over an interval, in microseconds of the GPU's clock (see
+    :class:`GraphClock`)."""
+
+    launches: int
+    span_p50_us: float
+    span_p99_us: float
+    period_p50_us: float | None
+    """A launch's start to the next timed launch's start, over consecutive pairs (``None``
+    with fewer than two)."""
+    outside_p50_us: float | None
+    """``period - span`` per pair: the device's time between a graph's end and the next
+    graph's start (the engine's eager work there, or the device idle, waiting for the
+    host's next launch)."""
+    dropped: int = 0
+    """Launches recorded but not read before the clock's window filled."""
+
+    def text(self) -> str:
+        """``N graphs on the GPU: span us p50 a p99 b; period p50 c; outside the graph p50
+        d`` (the line :class:`GraphClock` users log)."""
+        out = (
+            f"{self.launches} graphs on the GPU: span us p50 {self.span_p50_us:.1f} "
+            f"p99 {self.span_p99_us:.1f}"
+        )
+        if self.period_p50_us is not None and self.outside_p50_us is not None:
+            out += (
+                f"; period p50 {self.period_p50_us:.1f}; outside the graph p50 "
+                f"{self.outside_p50_us:.1f}"
+            )
+        return out + (f"; {self.dropped} dropped" if self.dropped else "")
+
+
+class GraphClock:
+    """How long each timed launch (a CUDA graph's replay) ran on the GPU, and what the GPU
+    did between launches, from two timing events recorded on the launch's stream around
+    it: no kernel, no fence, nothing captured (an event record is a command of the
+    stream's queue, stamped when the queue reaches it).
+
+    :meth:`around` runs one launch between its events, from the launching thread;
+    :meth:`take` reads the launches the GPU has finished, oldest first, and recycles their
+    events (never blocks). At most ``window`` launches wait unread; beyond it the oldest
+    are dropped and counted. ``event`` makes one timing event (default: torch's CUDA
+    event; tests pass their own)."""
+
+    def __init__(self, window: int = 4096, event: Callable[[], Any] | None = None) -> None:
+        if window < 2:
+            raise ValueError(f"window must be at least 2 launches, got {window}")
+        self._window = int(window)
+        self._event = event or _cuda_timing_event
+        self._lock = threading.Lock()
+        self._pending: deque[tuple[Any, Any]] = deque()
+        self._spare: list[Any] = []
+        self._dropped = 0
+        self._last_start: Any = None
+        """The start event of the last launch read (the next period's other end)."""
+        self._last_span = 0.0
+
+    def _new(self) -> Any:
+        return self._spare.pop() if self._spare else self._event()
+
+    def around(self, launch: Callable[[], T], stream: Any = None) -> T:
+        """``launch()``, with an event recorded on ``stream`` (default: the current
+        stream) before and after it."""
+        with self._lock:
+            start, end = self._new(), self._new()
+            if len(self._pending) >= self._window:
+                self._pending.popleft()  # its events are abandoned, not recycled
+                self._dropped += 1
+                self._last_start = None
+        start.record(stream) if stream is not None else start.record()
+        out = launch()
+        end.record(stream) if stream is not None else end.record()
+        with self._lock:
+            self._pending.append((start, end))
+        return out
+
+    def take(self) -> list[tuple[float, float | None]]:
+        """``(span_us, period_us)`` of every launch the GPU has finished since the last
+        call, oldest first. ``period_us`` runs from the previous launch's start to this
+        one's; ``None`` when the previous launch is unknown (the first, or after a drop)."""
+        return [(span, period) for span, period, _ in self._take()]
+
+    def _take(self) -> list[tuple[float, float | None, float | None]]:
+        # (span, period, outside): outside = this period less the previous launch's span.
+        out: list[tuple[float, float | None, float | None]] = []
+        with self._lock:
+            while self._pending and self._pending[0][1].query():
+                start, end = self._pending.popleft()
+                span = float(start.elapsed_time(end)) * 1e3
+                prev = self._last_start
+                period = outside = None
+                if prev is not None:
+                    period = float(prev.elapsed_time(start)) * 1e3
+                    outside = period - self._last_span
+                    self._spare.append(prev)
+                out.append((span, period, outside))
+                self._spare.append(end)
+                self._last_start, self._last_span = start, span
+        return out
+
+    def summary(self) -> GraphTimes | None:
+        """The launches :meth:`take` would return, as percentiles (``None`` if none
+        finished)."""
+        got = self._take()
+        with self._lock:
+            dropped, self._dropped = self._dropped, 0
+        if not got:
+            return None
+        spans = sorted(s for s, _, _ in got)
+        periods = sorted(p for _, p, _ in got if p is not None)
+        outside = sorted(o for _, _, o in got if o is not None)
+        return GraphTimes(
+            launches=len(spans),
+            span_p50_us=percentile(spans, 50),
+            span_p99_us=percentile(spans, 99),
+            period_p50_us=percentile(periods, 50) if periods else None,
+            outside_p50_us=percentile(outside, 50) if outside else None,
+            dropped=dropped,
+        )
+
+
+def _cuda_timing_event() -> Any:
+    from ._common import optional_torch
+
+    torch = optional_torch()
+    if torch is None:
+        raise RuntimeError("GraphClock needs torch with CUDA (or an event factory)")
+    return torch.cuda.Event(enable_timing=True)

@@ -24,6 +24,7 @@ from .settings import (
     SKIP_GATHER_ENV,
     SPIN_ENV,
     STATS_ENV,
+    TIME_GRAPHS_ENV,
     TIME_STALLS_ENV,
     TIMEOUT_ENV,
     Settings,
@@ -75,7 +76,8 @@ def check() -> int:
         f"{stats} ({STATS_ENV}), the first PLE layer's gathers on {lead_text} "
         f"({FIRST_LAYER_THREADS_ENV}), stall timing {'on' if settings.time_stalls else 'off'} "
         f"({TIME_STALLS_ENV}), predicted READY {'on' if settings.predict_ready else 'off'} "
-        f"({PREDICT_READY_ENV}); an engine's additional_config['ple_memops'] overrides them"
+        f"({PREDICT_READY_ENV}), graph timing {'on' if settings.time_graphs else 'off'} "
+        f"({TIME_GRAPHS_ENV}); an engine's additional_config['ple_memops'] overrides them"
     )
     if settings.diag_skip_gather:
         print(

@@ -3,7 +3,9 @@ installs, and the load-time plan.
 
 Imported only once the plugin is switched on (it subclasses vLLM's classes). For an
 engine whose settings do not say ``mmap`` (or a model without mmap PLE tables) both
-classes are vLLM's own, unchanged: every override first asks whether rows hooks exist.
+classes are vLLM's own, unchanged: every override first asks whether rows hooks exist
+(with ``time_graphs`` the graph manager still times its FULL replays, see
+:class:`GraphTimesLog`).
 
 What each override adds (see :class:`~ple_memops.vllm.hooks.PleRunnerHooks`):
 
@@ -18,7 +20,8 @@ What each override adds (see :class:`~ple_memops.vllm.hooks.PleRunnerHooks`):
 ``GPUModelRunner.shutdown``            drain, synchronise the device, close the plan
 ``CudaGraphManager.capture``           each descriptor's warm-up without data, its capture
                                        recorded when the graph waits for rows
-``CudaGraphManager.run_fullgraph``     armed first when the graph waits for rows
+``CudaGraphManager.run_fullgraph``     armed first when the graph waits for rows; timed
+                                       on the GPU with ``time_graphs``
 ``CudaGraphManager.release_graphs``    pending steps completed, the record dropped
 =====================================  ==================================================
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +41,7 @@ from vllm.v1.worker.gpu import model_runner as vllm_model_runner
 
 from .._common import plan_device
 from ..errors import InvalidArgumentError, UnsupportedError
+from ..step_costs import GraphClock
 from ..table import MmapTable
 from .hooks import PleRunnerHooks, build_hooks
 from .layer import find_tables
@@ -45,6 +50,7 @@ from .tables import checkpoint_tensor_names, open_layer_table
 
 __all__ = [
     "FORCE_SYNC_ENV",
+    "GraphTimesLog",
     "PleCudaGraphManager",
     "PleGPUModelRunner",
     "agree_on_deferral",
@@ -287,15 +293,53 @@ class _CaptureScopes(cudagraph_utils.CudaGraphManager):
         return super().capture(scoped_factory, *args, **kwargs)  # type: ignore[no-any-return]
 
 
+class GraphTimesLog:
+    """A :class:`~ple_memops.step_costs.GraphClock` around every FULL replay, and its
+    ``ple-memops graphs`` log line every ``every`` seconds (the ``time_graphs`` setting)."""
+
+    def __init__(self, every: float, clock: GraphClock | None = None) -> None:
+        self.every = float(every)
+        self.clock = clock or GraphClock()
+        self._at = time.monotonic()
+
+    def around(self, launch: Callable[[], Any]) -> Any:
+        out = self.clock.around(launch)
+        now = time.monotonic()
+        if now - self._at >= self.every:
+            self.log(now)
+        return out
+
+    def log(self, now: float | None = None) -> str | None:
+        """Log (and return) the line about the replays the GPU finished since the last;
+        ``None`` if none did."""
+        now = time.monotonic() if now is None else now
+        times = self.clock.summary()
+        last, self._at = self._at, now
+        if times is None:
+            return None
+        line = f"ple-memops graphs, last {now - last:.1f} s: {times.text()}"
+        logger.info("%s", line)
+        return line
+
+
 class PleCudaGraphManager(_BaseManager, _CaptureScopes):
     """vLLM's ``ModelCudaGraphManager`` that arms the replays of graphs waiting for
-    rows (``ple_rows``: the runner hooks, ``None`` for an engine without them)."""
+    rows (``ple_rows``: the runner hooks, ``None`` for an engine without them) and times
+    every replay on the GPU (``ple_clock``: with ``time_graphs``, else ``None``)."""
+
+    ple_rows: PleRunnerHooks | None = None
+    ple_clock: GraphTimesLog | None = None
 
     def run_fullgraph(self, desc: Any) -> Any:
-        hooks = self.ple_rows
+        hooks, clock = self.ple_rows, self.ple_clock
+
+        def launch() -> Any:
+            return super(PleCudaGraphManager, self).run_fullgraph(desc)
+
+        timed = launch if clock is None else (lambda: clock.around(launch))
         if hooks is None:
-            return super().run_fullgraph(desc)
-        return hooks.replay(desc, lambda: super(PleCudaGraphManager, self).run_fullgraph(desc))
+            return timed()
+        return hooks.replay(desc, timed)
 
     def release_graphs(self) -> None:
         if self.ple_rows is not None:
@@ -316,18 +360,24 @@ class PleGPUModelRunner(_BaseRunner):
     def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
         super().initialize_kv_cache(*args, **kwargs)
         manager: Any = getattr(self, "cudagraph_manager", None)
-        if self.ple_rows is None or manager is None:
+        settings = engine_settings(self.vllm_config)
+        if manager is None or (self.ple_rows is None and not settings.time_graphs):
             return
         if type(manager) is not _BaseManager:
             raise UnsupportedError(
                 f"ple-memops: the runner built a {type(manager).__qualname__}, not vLLM's "
                 f"{_BaseManager.__qualname__}; the plugin arms only the latter's replays"
             )
-        # A new manager (the profiling one is dropped): forget what the last one captured.
-        self.ple_rows.release_graphs()
-        # Same layout, one class more in its MRO: the graphs it captures are armed.
+        if self.ple_rows is not None:
+            # A new manager (the profiling one is dropped): forget what the last captured.
+            self.ple_rows.release_graphs()
+        # Same layout, one class more in its MRO: the graphs it captures are armed (and
+        # with time_graphs, timed).
         manager.__class__ = PleCudaGraphManager
         manager.ple_rows = self.ple_rows
+        manager.ple_clock = (
+            GraphTimesLog(settings.stats_every or 10.0) if settings.time_graphs else None
+        )
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
         hooks = self.ple_rows

@@ -6,8 +6,9 @@ Two sources, the second overriding the first field by field:
 * the environment, read by every vLLM process (workers inherit it):
   ``PLE_MEMOPS_TABLE_BACKEND=mmap`` (``default`` or unset: off), ``PLE_MEMOPS_TIMEOUT``
   (seconds, default 30), ``PLE_MEMOPS_COPY``, ``PLE_MEMOPS_SPIN``,
-  ``PLE_MEMOPS_STATS_EVERY``, ``PLE_MEMOPS_FIRST_LAYER_THREADS``, ``PLE_MEMOPS_TIME_STALLS``
-  and the diagnostic ``PLE_MEMOPS_DIAG_SKIP_GATHER`` (see :class:`Settings`);
+  ``PLE_MEMOPS_STATS_EVERY``, ``PLE_MEMOPS_FIRST_LAYER_THREADS``, ``PLE_MEMOPS_TIME_STALLS``,
+  ``PLE_MEMOPS_PREDICT_READY``, ``PLE_MEMOPS_TIME_GRAPHS`` and the diagnostic
+  ``PLE_MEMOPS_DIAG_SKIP_GATHER`` (see :class:`Settings`);
 * an engine's ``additional_config={"ple_memops": {"table_backend": "mmap", "timeout": 60}}``
   (``--additional-config`` on the command line), which is part of vLLM's config hash.
 
@@ -42,6 +43,7 @@ __all__ = [
     "SPIN_ENV",
     "STATS_ENV",
     "TIMEOUT_ENV",
+    "TIME_GRAPHS_ENV",
     "TIME_STALLS_ENV",
     "Settings",
     "engine_settings",
@@ -58,6 +60,7 @@ FIRST_LAYER_THREADS_ENV = "PLE_MEMOPS_FIRST_LAYER_THREADS"
 TIME_STALLS_ENV = "PLE_MEMOPS_TIME_STALLS"
 SKIP_GATHER_ENV = "PLE_MEMOPS_DIAG_SKIP_GATHER"
 PREDICT_READY_ENV = "PLE_MEMOPS_PREDICT_READY"
+TIME_GRAPHS_ENV = "PLE_MEMOPS_TIME_GRAPHS"
 CONFIG_KEY = "ple_memops"
 """The key of ``additional_config`` that holds these settings."""
 BACKENDS = ("default", "mmap")
@@ -178,6 +181,13 @@ class Settings:
     steps (an armed step's wait is a whole step under async scheduling) and is hot only
     then, instead of hot from arming (:class:`~ple_memops.GatherWorker`'s
     ``predict_ready``). Off by default: not yet measured in the engine."""
+    time_graphs: bool = False
+    """Time every FULL graph replay on the GPU with two CUDA events around its launch (no
+    kernel, nothing captured): a ``ple-memops graphs`` log line every ``stats_every``
+    seconds (10 s without it) gives the graphs' span on the device, the period from one
+    launch to the next and the device's time outside the graphs. Applies with
+    ``table_backend`` ``default`` too (the plugin installed, its tables off), so an engine
+    with its tables in GPU memory is timed alike."""
 
     @property
     def mmap(self) -> bool:
@@ -201,6 +211,7 @@ class Settings:
             _switch(env.get(TIME_STALLS_ENV), TIME_STALLS_ENV),
             _switch(env.get(SKIP_GATHER_ENV), SKIP_GATHER_ENV),
             _switch(env.get(PREDICT_READY_ENV), PREDICT_READY_ENV),
+            _switch(env.get(TIME_GRAPHS_ENV), TIME_GRAPHS_ENV),
         )
 
     @classmethod
@@ -231,7 +242,7 @@ class Settings:
                 changes[key] = _copy(value, where)
             elif key == "first_layer_threads":
                 changes[key] = _threads_or_off(value, where)
-            elif key in ("time_stalls", "diag_skip_gather", "predict_ready"):
+            elif key in ("time_stalls", "diag_skip_gather", "predict_ready", "time_graphs"):
                 changes[key] = _switch(value, where)
             else:
                 changes[key] = _seconds_or_off(value, where)
@@ -248,6 +259,7 @@ KEYS = (
     "time_stalls",
     "diag_skip_gather",
     "predict_ready",
+    "time_graphs",
 )
 """The keys ``additional_config["ple_memops"]`` may hold (:class:`Settings`' fields)."""
 
