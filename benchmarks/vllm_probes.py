@@ -1,0 +1,204 @@
+"""What ``bench_vllm.py`` reads of the host while the servers run: nvidia-smi's GPU
+utilization (``Utilization``) and memory (``gpu_memory_by_pid``, ``gpu_used_total``), a
+process tree (``proc_tree``), CPU use by thread (``cpu_use``, ``busy_thread_cpus``, over
+``proc_cpu``'s samples), host RSS (``host_rss``), and the table files' page cache
+(``resident_bytes``, ``page_cache``, ``evict``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+from proc_cpu import CLK_TCK, OUR_THREADS
+
+
+class Utilization:
+    """nvidia-smi's utilization.gpu every 100 ms while a load runs (None without it)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[str] | None = None
+        self.samples: list[int] = []
+        if shutil.which("nvidia-smi"):
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                 "-i", os.environ.get("BENCH_GPU_INDEX", "0"), "-lms", "100"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )  # fmt: skip
+            threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with contextlib.suppress(ValueError):
+                self.samples.append(int(line.strip()))
+
+    def stop(self) -> float | None:
+        if self.proc is None:
+            return None
+        self.proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        s = self.samples[1:] or self.samples
+        return statistics.fmean(s) if s else None
+
+
+def proc_tree(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def cpu_use(
+    before: dict[tuple[int, int], tuple[str, int]],
+    after: dict[tuple[int, int], tuple[str, int]],
+    wall_s: float,
+) -> dict[str, Any]:
+    """Cores busy over ``wall_s`` between two :func:`thread_cpu` samples: the whole tree,
+    our threads (named ``ple-*``), and the busiest thread by name."""
+    if wall_s <= 0:
+        return {}
+    used: dict[str, float] = {}
+    for key, (name, ticks) in after.items():
+        d = ticks - before.get(key, (name, 0))[1]
+        if d > 0:
+            used[name] = used.get(name, 0.0) + d / CLK_TCK / wall_s
+    if not used:
+        return {"cpu_cores": 0.0, "cpu_ours": 0.0, "cpu_top": None}
+    ours = sum(v for n, v in used.items() if n.startswith(OUR_THREADS))
+    top = max((n for n in used if not n.startswith(OUR_THREADS)), key=used.get, default=None)
+    return {
+        "cpu_cores": sum(used.values()),
+        "cpu_ours": ours,
+        "cpu_top": None if top is None else (top, used[top]),
+    }
+
+
+def busy_thread_cpus(
+    before: dict[tuple[int, int], tuple[str, int]],
+    after: dict[tuple[int, int], tuple[str, int]],
+    last_cpu: dict[tuple[int, int], int],
+) -> dict[str, list[int]]:
+    """Where the threads that ran during a load last ran, by name (the CPUs of all threads
+    of one name, sorted): which CPUs, SMT siblings included, the engine's thread and ours
+    shared."""
+    out: dict[str, set[int]] = {}
+    for key, (name, ticks) in after.items():
+        if ticks - before.get(key, (name, 0))[1] > 0 and key in last_cpu:
+            out.setdefault(name, set()).add(last_cpu[key])
+    return {n: sorted(c) for n, c in sorted(out.items())}
+
+
+def host_rss(pids: list[int]) -> dict[str, float]:
+    """GiB of RssAnon / RssFile / RssShmem summed over the processes (shared pages count
+    once per process that maps them)."""
+    tot = {"anon": 0, "file": 0, "shmem": 0}
+    for p in pids:
+        try:
+            text = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            for k, key in (("RssAnon:", "anon"), ("RssFile:", "file"), ("RssShmem:", "shmem")):
+                if line.startswith(k):
+                    tot[key] += int(line.split()[1]) * 1024
+    return {k: v / 2**30 for k, v in tot.items()}
+
+
+def gpu_memory_by_pid() -> dict[int, float] | None:
+    """MiB per process from nvidia-smi (None without it; empty where it cannot see them)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        text = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=15, check=False,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    got = {}
+    for line in text.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        with contextlib.suppress(ValueError, IndexError):
+            got[int(parts[0])] = float(parts[1])
+    return got
+
+
+def gpu_used_total() -> float | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        text = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+             "-i", os.environ.get("BENCH_GPU_INDEX", "0")],
+            capture_output=True, text=True, timeout=15, check=False,
+        ).stdout  # fmt: skip
+        return float(text.split()[0])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]  # fmt: skip
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def resident_bytes(path: Path) -> int:
+    """Bytes of ``path`` in the page cache now (``mincore`` over a mapping nobody touches)."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    page = mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap {path}")
+        try:
+            vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+            if _libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore {path}")
+            return sum(b & 1 for b in bytes(vec)) * page
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def evict(paths: list[Path]) -> None:
+    """Drop the files' clean pages from the page cache (dirty ones are written first)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def page_cache(paths: list[Path]) -> float:
+    return sum(resident_bytes(p) for p in paths) / 2**30

@@ -1,0 +1,489 @@
+"""The report of ``bench_vllm.py``: what an mmap server's ``ple-memops stats`` lines say
+about a load (``delivery_stats``, ``cost_stats``), the medians over repeats
+(``summarize``), each backend paired against the reference round by round (``paired``),
+the markdown tables (``markdown``, ``breakdown_markdown``, ``cli_markdown``), the
+``verdict`` line, and ``report``, which prints them and writes ``--markdown`` and
+``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from pathlib import Path
+from typing import Any
+
+import trace_steps
+from vllm_probes import page_cache
+from vllm_servers import Server, family, server_resources
+
+# -- stats lines ------------------------------------------------------------------------------
+
+
+_STATS = re.compile(
+    r"ple-memops stats, last ([\d.]+) s: (\d+) deferred steps \((\d+) replays, (\d+) eager\), "
+    r"(\d+) synchronous replays; per layer, fills, mean READY -> FILLED[^:]*: (.*)$"
+)
+# "layers.0 120 fills, 160.7 us (110 replays 35.2 us, 10 eager 1375.0 us), 0.0% rows cold,
+# 3 completes waited 41.0 us"; lines of older wheels lack the parenthesis and the completes.
+_LAYER_STATS = re.compile(
+    r"(\S+) (\d+) fills(?:, ([\d.]+) us)?"
+    r"(?: \((\d+) replays(?: ([\d.]+) us)?, (\d+) eager(?: ([\d.]+) us)?\))?"
+    r"(?:, ([\d.]+)% rows cold)?(?:, (\d+) completes waited ([\d.]+) us)?"
+)
+
+
+# "host us per engine step over 812: total p50 41.2 p99 95.0, step p50 6.1 p99 9.0, arm p50
+# 20.3 p99 40.2, wait p50 0.4 p99 30.1, check p50 3.0 p99 5.2, stats p50 0.2 p99 0.5; graph
+# launch p50 12.0 p99 20.1" (older wheels: no launch)
+_HOST = re.compile(
+    r"host us per engine step over (\d+): total p50 ([\d.]+) p99 ([\d.]+), "
+    r"step p50 ([\d.]+) p99 [\d.]+, arm p50 ([\d.]+) p99 [\d.]+, "
+    r"wait p50 ([\d.]+) p99 ([\d.]+), check p50 ([\d.]+) p99 [\d.]+, stats p50 ([\d.]+)"
+    r"(?: p99 [\d.]+; graph launch p50 ([\d.]+))?"
+)
+# "GPU stall per step: layers.0 812 steps, 40 stalled; us p50 0.0 p90 2.1 p99 61.0 max 90.2
+# mean 1.20; layers.6 ..."
+_STALL = re.compile(
+    r"(\S+) (\d+) steps, (\d+) stalled(?:, \d+ dropped)?; us p50 ([\d.]+) p90 [\d.]+ "
+    r"p99 ([\d.]+) max ([\d.]+) mean ([\d.]+)"
+)
+HOST_FIELDS = (
+    "total_p50", "total_p99", "step", "arm", "wait", "wait_p99", "check", "stats", "launch"
+)  # fmt: skip
+
+
+def cost_stats(lines: list[str]) -> dict[str, Any]:
+    """What the stats lines say of a step's costs: our host time per engine step (p50s by
+    hook, step-weighted over the lines) and each layer's GPU stall (steps, share stalled,
+    step-weighted p50 / p99 / mean, the worst max)."""
+    out: dict[str, Any] = {}
+    host = [(int(m.group(1)), [float(x or "nan") for x in m.groups()[1:]]) for ln in lines
+            if (m := _HOST.search(ln))]  # fmt: skip
+    n = sum(k for k, _ in host)
+    if n:
+        out["host_us"] = {f: sum(k * v[i] for k, v in host) / n for i, f in enumerate(HOST_FIELDS)}
+    stall: dict[str, list[tuple[int, int, float, float, float, float]]] = {}
+    for ln in lines:
+        _, sep, tail = ln.partition("GPU stall per step: ")
+        if not sep:
+            continue
+        for name, steps, stalled, p50, p99, top, mean in _STALL.findall(tail):
+            stall.setdefault(name, []).append(
+                (int(steps), int(stalled), float(p50), float(p99), float(top), float(mean))
+            )
+    if stall:
+        out["stall"] = {}
+        for name, v in stall.items():
+            k = sum(x[0] for x in v) or 1
+            out["stall"][name] = {
+                "steps": sum(x[0] for x in v),
+                "stalled_pct": 100 * sum(x[1] for x in v) / k,
+                "p50_us": sum(x[0] * x[2] for x in v) / k,
+                "p99_us": sum(x[0] * x[3] for x in v) / k,
+                "max_us": max(x[4] for x in v),
+                "mean_us": sum(x[0] * x[5] for x in v) / k,
+            }
+    return out
+
+
+def delivery_stats(text: str) -> dict[str, Any]:
+    """What an mmap server's ``ple-memops stats`` lines (``--stats-every``) say about one
+    load: deferred steps, replays, eager steps, synchronous replays, and each layer's
+    fill-weighted mean READY -> FILLED (the host gather of a step's rows), over all fills
+    and over replays' and eager steps' apart. The first line after a load starts covers
+    the end of the server's previous load, so it is dropped."""
+    raw = [ln for ln in text.splitlines() if _STATS.search(ln)][1:]
+    lines = [m for ln in raw if (m := _STATS.search(ln))]
+    if not lines:
+        return {}
+    out: dict[str, Any] = {
+        "ple_steps": sum(int(m.group(2)) for m in lines),
+        "ple_replays": sum(int(m.group(3)) for m in lines),
+        "ple_eager": sum(int(m.group(4)) for m in lines),
+        "ple_sync_replays": sum(int(m.group(5)) for m in lines),
+    }
+    fills: dict[str, list[tuple[int, float]]] = {}
+    replay: dict[str, list[tuple[int, float]]] = {}
+    eager: dict[str, list[tuple[int, float]]] = {}
+    cold: dict[str, list[tuple[int, float]]] = {}
+    late: dict[str, list[tuple[int, float]]] = {}
+    for m in lines:
+        for name, n, us, nr, rus, ne, eus, pct, nl, lus in _LAYER_STATS.findall(m.group(6)):
+            if nl:
+                late.setdefault(name, []).append((int(nl), float(lus)))
+            for d, count, x in (
+                (fills, n, us),
+                (replay, nr, rus),
+                (eager, ne, eus),
+                (cold, n, pct),
+            ):
+                if x:
+                    d.setdefault(name, []).append((int(count), float(x)))
+
+    def weighted(d: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
+        return {k: sum(n * x for n, x in v) / max(1, sum(n for n, _ in v)) for k, v in d.items()}
+
+    out["fill_us"], out["cold_pct"] = weighted(fills), weighted(cold)
+    # Host completions that found their step unfilled: how many, and their mean wait.
+    out["late_completes"] = {k: sum(n for n, _ in v) for k, v in late.items()}
+    out["late_complete_us"] = weighted(late)
+    if replay or eager:
+        out["replay_fill_us"], out["eager_fill_us"] = weighted(replay), weighted(eager)
+    return out | cost_stats(raw)
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+def _med(rows: list[dict[str, Any]], key: str) -> float | None:
+    xs = [r[key] for r in rows if r.get(key) is not None and r.get("ok")]
+    return statistics.median(xs) if xs else None
+
+
+def summarize(
+    rows: list[dict[str, Any]], backends: list[str]
+) -> dict[tuple[str, str], dict[str, Any]]:
+    out = {}
+    loads = list(dict.fromkeys(r["load"] for r in rows))
+    for load in loads:
+        for b in backends:
+            rs = [r for r in rows if r["load"] == load and r["backend"] == b]
+            if not rs:
+                continue
+            good = [r for r in rs if r.get("ok")]
+            s: dict[str, Any] = {"n": len(good), "failed_runs": len(rs) - len(good)}
+            for k in ("tok_s", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms",
+                      "ttft_p50_ms", "ttft_p99_ms", "gpu_busy_pct"):  # fmt: skip
+                s[k] = _med(rs, k)
+            toks = [r["tok_s"] for r in good]
+            s["tok_s_range"] = (min(toks), max(toks)) if toks else None
+            s["ttft_of"] = rs[0].get("ttft_of", "all")
+            s["failed_requests"] = sum(r.get("failed", 0) for r in rs)
+            for k in ("ple_steps", "ple_replays", "ple_eager", "ple_sync_replays"):
+                s[k] = _med(rs, k)
+            for key in ("fill_us", "replay_fill_us", "eager_fill_us"):
+                layers = list(dict.fromkeys(n for r in good for n in r.get(key, {})))
+                s[key] = {
+                    n: statistics.median(r[key][n] for r in good if n in r.get(key, {}))
+                    for n in layers
+                }
+            hosts = [r["host_us"] for r in good if r.get("host_us")]
+            if hosts:
+                s["host_us"] = {f: statistics.median(h[f] for h in hosts) for f in HOST_FIELDS}
+            stalls = [r["stall"] for r in good if r.get("stall")]
+            if stalls:
+                names = list(dict.fromkeys(n for st in stalls for n in st))
+                s["stall"] = {
+                    n: {
+                        k: statistics.median(st[n][k] for st in stalls if n in st)
+                        for k in ("steps", "stalled_pct", "p50_us", "p99_us", "max_us", "mean_us")
+                    }
+                    for n in names
+                }
+            for k in ("cpu_cores", "cpu_ours"):
+                s[k] = _med(rs, k)
+            tops = [r["cpu_top"] for r in good if r.get("cpu_top")]
+            if tops:
+                name = statistics.mode(t[0] for t in tops)
+                s["cpu_top"] = (name, statistics.median(t[1] for t in tops if t[0] == name))
+            colds = [r["cold_pct"] for r in good if r.get("cold_pct")]
+            s["cold_pct"] = (
+                statistics.median(statistics.mean(c.values()) for c in colds) if colds else None
+            )
+            out[(load, b)] = s
+    return out
+
+
+def paired(rows: list[dict[str, Any]], ref: str, key: str) -> dict[tuple[str, str], list[float]]:
+    """Each backend's ``key`` against ``ref``'s of the same load and repeat, in percent
+    (``+2.0``: 2% higher): a pair shares the round's host and GPU conditions, which drift
+    between rounds more than the servers differ."""
+    by = {(r["load"], r["repeat"], r["backend"]): r[key] for r in rows
+          if r.get("ok") and r.get(key) is not None}  # fmt: skip
+    out: dict[tuple[str, str], list[float]] = {}
+    for (load, rep_, b), x in by.items():
+        base = by.get((load, rep_, ref))
+        if b != ref and base:
+            out.setdefault((load, b), []).append((x / base - 1) * 100)
+    return out
+
+
+def breakdown_markdown(
+    rows: list[dict[str, Any]], summary: dict[tuple[str, str], dict[str, Any]], ref: str
+) -> str:
+    """Where a step's time goes, per load and backend: ITL p50 and tok/s paired against
+    ``ref`` round by round (median and range over the repeats), GPU busy, the first PLE
+    layer's GPU stall and our host time per engine step (mmap servers' stats lines)."""
+    itl, tok = paired(rows, ref, "itl_p50_ms"), paired(rows, ref, "tok_s")
+    lines = [
+        f"Paired against `{ref}` (each repeat's server against `{ref}` in the same round; "
+        "median [min, max] over the repeats). GPU stall: the first PLE layer's consumer "
+        "waiting for its rows, from the GPU's clock (steps stalled > 1 us, p50 / p99 / "
+        "mean us). Host: our code per engine step, p50 us (total / arm / wait / check). "
+        "CPU: cores the server's threads kept busy over the load (/proc: all of them, ours "
+        "(`ple-*`), the busiest other thread).",
+        "",
+        f"| load | backend | runs | ITL p50 ms | ITL p50 vs {ref} | tok/s vs {ref} | GPU busy "
+        "| GPU stall: stalled, p50 / p99 / mean us | host us: total p50 / p99; arm, wait, "
+        "check; graph launch | CPU cores: all / ours; busiest other thread |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def spread(xs: list[float] | None) -> str:
+        if not xs:
+            return "-"
+        return f"{statistics.median(xs):+.2f}% [{min(xs):+.1f}, {max(xs):+.1f}]"
+
+    for (load, b), s in summary.items():
+        st = s.get("stall") or {}
+        first = min(st, key=_layer_index) if st else None
+        stall = "-"
+        if first is not None:
+            x = st[first]
+            stall = (
+                f"{first}: {x['stalled_pct']:.0f}%, {x['p50_us']:.1f} / {x['p99_us']:.1f} / "
+                f"{x['mean_us']:.1f}"
+            )
+        h = s.get("host_us")
+        host = "-"
+        if h:
+            host = (
+                f"{h['total_p50']:.0f} / {h['total_p99']:.0f}; {h['arm']:.0f}, {h['wait']:.0f}, "
+                f"{h['check']:.0f}; {_f(_num(h.get('launch')), 0)}"
+            )
+        cpu = "-"
+        if s.get("cpu_cores") is not None:
+            top = s.get("cpu_top")
+            cpu = f"{s['cpu_cores']:.2f} / {_f(s.get('cpu_ours'), 2)}"
+            if top:
+                cpu += f"; {top[0]} {top[1]:.2f}"
+        lines.append(
+            f"| {load} | {b} | {s['n']} | {_f(s['itl_p50_ms'], 2)} "
+            f"| {'(ref)' if b == ref else spread(itl.get((load, b)))} "
+            f"| {'(ref)' if b == ref else spread(tok.get((load, b)))} "
+            f"| {_f(s['gpu_busy_pct'], 0)}% | {stall} | {host} | {cpu} |"
+        )
+    return "\n".join(lines)
+
+
+def _layer_index(name: str) -> int:
+    m = re.search(r"layers\.(\d+)", name)
+    return int(m.group(1)) if m else 1 << 30
+
+
+def _num(x: float | None) -> float | None:
+    """``x``, or ``None`` for a missing or NaN value (an older wheel's stats line)."""
+    return None if x is None or x != x else x
+
+
+def _f(x: float | None, nd: int = 1) -> str:
+    return "-" if x is None else f"{x:,.{nd}f}"
+
+
+def verdict(summary: dict[tuple[str, str], dict[str, Any]], slow: str = "uva") -> str:
+    """The targets against the GPU table and against ``slow``, vLLM's own way to keep the
+    table's bytes off the GPU (``uva``: Qwen4Exp's pinned tables; ``offload``:
+    ``--cpu-offload-gb``)."""
+    notes, misses = [], []
+
+    def get(load: str, b: str, k: str) -> float | None:
+        s = summary.get((load, b))
+        return None if s is None else s.get(k)
+
+    loads = list(dict.fromkeys(load for load, _ in summary))
+    for load in loads:
+        m, g, u = (get(load, b, "tok_s") for b in ("mmap", "gpu", slow))
+        for b, x in (("mmap", m), ("gpu", g), (slow, u)):
+            if x is None:
+                misses.append(f"{load}: no {b} result")
+        if m is None:
+            continue
+        if g:
+            d = (m / g - 1) * 100
+            notes.append(f"{load} tok/s {d:+.2f}% vs gpu")
+            if d < -1:
+                misses.append(f"{load}: throughput {d:+.2f}% vs gpu (target >= -1%)")
+            mi, gi = get(load, "mmap", "itl_p50_ms"), get(load, "gpu", "itl_p50_ms")
+            if mi and gi and load != "mixed":
+                di = (mi / gi - 1) * 100
+                notes.append(f"ITL {di:+.2f}%")
+                if di > 1:
+                    misses.append(f"{load}: ITL p50 {di:+.2f}% vs gpu (target <= +1%)")
+        if u and m < u:
+            misses.append(f"{load}: throughput below {slow} ({(m / u - 1) * 100:+.2f}%)")
+    mt, ut = get("mixed", "mmap", "ttft_p50_ms"), get("mixed", slow, "ttft_p50_ms")
+    if mt is not None and ut is not None:
+        notes.append(f"mixed TTFT p50 {mt:.0f} vs {slow} {ut:.0f} ms")
+        if mt > ut:
+            misses.append(f"mixed: TTFT p50 {mt:.0f} ms > {slow} {ut:.0f} ms")
+    if not summary:
+        return "VERDICT (reported, not asserted): nothing was measured."
+    head = "all targets met" if not misses else "targets missed: " + "; ".join(misses)
+    return f"VERDICT (reported, not asserted): {head}. [{'; '.join(notes)}]"
+
+
+def markdown(
+    summary: dict[tuple[str, str], dict[str, Any]],
+    servers: dict[str, dict[str, Any]],
+    meta: dict[str, Any],
+) -> str:
+    lines = [
+        f"Random weights, {meta.get('model', '')}; {meta.get('setup', '')}",
+        "",
+        "| load | backend | runs | output tok/s (range) | TPOT p50 / p99 ms | ITL p50 / p99 ms "
+        "| TTFT p50 / p99 ms | GPU busy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (load, b), s in summary.items():
+        rng = s.get("tok_s_range")
+        rs = f" ({_f(rng[0], 0)}-{_f(rng[1], 0)})" if rng else ""
+        ttft_note = " (long)" if s.get("ttft_of") == "long prompts" else ""
+        fail = f", {s['failed_requests']} failed" if s.get("failed_requests") else ""
+        lines.append(
+            f"| {load} | {b} | {s['n']}{fail} | {_f(s['tok_s'])}{rs} "
+            f"| {_f(s['tpot_p50_ms'], 2)} / {_f(s['tpot_p99_ms'], 2)} "
+            f"| {_f(s['itl_p50_ms'], 2)} / {_f(s['itl_p99_ms'], 2)} "
+            f"| {_f(s['ttft_p50_ms'], 0)} / {_f(s['ttft_p99_ms'], 0)}{ttft_note} "
+            f"| {_f(s['gpu_busy_pct'], 0)}% |"
+        )
+    delivery = [(k, s) for k, s in summary.items() if s.get("ple_steps") is not None]
+    if delivery:
+        lines += [
+            "",
+            "ple-memops stats of the mmap servers during each load (medians over the runs): "
+            "steps, and each PLE layer's mean READY -> FILLED, the host gather from the GPU's "
+            "publish being seen to the rows being ready",
+            "",
+            "| load | backend | steps (replays / eager / synchronous replays) | READY -> FILLED "
+            "mean us, per layer: all fills | replays' | eager steps' | rows read cold |",
+            "|---|---|---|---|---|---|---|",
+        ]
+
+        def per_layer(d: dict[str, float]) -> str:
+            return ", ".join(f"{n} {us:.1f}" for n, us in d.items()) or "-"
+
+        for (load, b), s in delivery:
+            cold = "-" if s.get("cold_pct") is None else f"{s['cold_pct']:.1f}%"
+            lines.append(
+                f"| {load} | {b} | {_f(s['ple_steps'], 0)} ({_f(s['ple_replays'], 0)} / "
+                f"{_f(s['ple_eager'], 0)} / {_f(s['ple_sync_replays'], 0)}) "
+                f"| {per_layer(s['fill_us'])} | {per_layer(s['replay_fill_us'])} "
+                f"| {per_layer(s['eager_fill_us'])} | {cold} |"
+            )
+    lines += [
+        "",
+        "| backend | ready after | weights (vLLM log) | GPU memory (nvidia-smi) | host RSS anon / "
+        "file / shmem | table page cache | notes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for b, s in servers.items():
+        rss = s.get("rss_gib") or {}
+        notes = s.get("error") or ""
+        facts = s.get("facts", {})
+        if facts.get("skipped_files"):
+            notes += f" table files skipped at load: {facts['skipped_files']}"
+        if facts.get("mmap_fallback"):
+            notes += f" FELL BACK: {facts['mmap_fallback']}"
+        if facts.get("log_markers"):
+            notes += f" log mentions {facts['log_markers']}"
+        gpu = s.get("gpu_mib")
+        lines.append(
+            f"| {b} | {_f(s.get('ready_s'), 0)} s | {_f(facts.get('weights_gib'), 2)} GiB "
+            f"| {'-' if gpu is None else f'{gpu / 1024:,.2f} GiB'} "
+            f"| {_f(rss.get('anon'), 2)} / {_f(rss.get('file'), 2)} / "
+            f"{_f(rss.get('shmem'), 2)} GiB "
+            f"| {_f(s.get('page_cache_gib'), 2)} GiB | {notes.strip()} |"
+        )
+    w = {b: s.get("facts", {}).get("weights_gib") for b, s in servers.items()}
+    if w.get("gpu") is not None:
+        freed = [f"{b} {w['gpu'] - w[b]:.2f} GiB" for b in w if b != "gpu" and w[b] is not None]
+        if freed:
+            lines += ["", f"GPU memory freed against the GPU table (weights): {', '.join(freed)}"]
+    return "\n".join(lines)
+
+
+def report(
+    args: argparse.Namespace,
+    rows: list[dict[str, Any]],
+    servers: dict[str, Server],
+    meta: dict[str, Any],
+    tables: list[Path],
+) -> None:
+    summary = summarize(rows, args.backends)
+    left_after = [
+        r["cache_after_evict_gib"] for r in rows if r.get("cache_after_evict_gib") is not None
+    ]
+    if left_after:
+        meta = dict(meta, setup=meta.get("setup", "") + (
+            f"; after each eviction {min(left_after):.2f}-{max(left_after):.2f} GiB of the "
+            "tables stayed in the page cache (a live mmap server's mapped pages cannot be "
+            "evicted from outside)"))  # fmt: skip
+    per_server: dict[str, dict[str, Any]] = {}
+    for b, s in servers.items():
+        last = [r for r in rows if r["backend"] == b]
+        res = server_resources(s, tables) if s.proc is not None and s.proc.poll() is None else {}
+        per_server[b] = {
+            "ready_s": s.ready_s, "error": s.error, "facts": s.facts, "profile": s.profile,
+            "rss_gib": res.get("rss_gib") or (last[-1]["rss_gib"] if last else None),
+            "gpu_mib": res.get("gpu_mib") if res else (last[-1].get("gpu_mib") if last else None),
+            "page_cache_gib": page_cache(tables) if tables else None,
+        }  # fmt: skip
+    md = markdown(summary, per_server, meta)
+    md += "\n\n" + breakdown_markdown(rows, summary, args.ref)
+    profiled = {b: s.profile for b, s in servers.items() if s.profile and s.profile["replays"]}
+    if profiled:
+        first = args.ref if args.ref in profiled else next(iter(profiled))
+        named = {first: profiled[first]} | profiled
+        md += "\n\nOne c1 request profiled on each server (the FULL graphs' replays; "
+        md += "benchmarks/trace_steps.py):\n\n" + trace_steps.markdown(named, top=8)
+    v = verdict(summary, "uva" if family(args) == "qwen4exp" else "offload")
+    print("\n" + md + "\n\n" + v + "\n", flush=True)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(md + "\n\n" + v + "\n\n" + f"command: `{meta['command']}`\n")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps(
+                {"meta": meta, "servers": per_server, "runs": rows, "verdict": v,
+                 "ref": args.ref,
+                 "paired_itl_p50_pct": [{"load": k[0], "backend": k[1], "pct": x} for k, x in
+                                        paired(rows, args.ref, "itl_p50_ms").items()],
+                 "summary": [{"load": k[0], "backend": k[1], **s} for k, s in summary.items()]},
+                indent=1, default=str,
+            )
+        )  # fmt: skip
+
+
+def cli_markdown(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"vLLM's own `vllm bench latency` (batch {args.latency_batch}, {args.input_len} in / "
+        f"{args.output_len} out, {args.latency_iters} iterations after {args.latency_warmup} "
+        f"warm-up) and "
+        f"`vllm bench throughput` ({args.throughput_prompts} random prompts, "
+        f"{args.input_len} in / {args.output_len} out), one engine a run, medians over runs",
+        "",
+        "| command | backend | runs | latency avg / p50 / p99 s | requests/s | total tok/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for kind in args.vllm_bench:
+        for b in args.backends:
+            rs = [x for x in rows if x["kind"] == kind and x["backend"] == b]
+            good = [x for x in rs if x["rc"] == 0]
+
+            def med(k: str, good: list[dict[str, Any]] = good) -> float | None:
+                xs = [x[k] for x in good if x.get(k) is not None]
+                return statistics.median(xs) if xs else None
+
+            bad = f", {len(rs) - len(good)} failed" if len(rs) > len(good) else ""
+            lat = (f"{_f(med('avg_s'), 3)} / {_f(med('p50_s'), 3)} / {_f(med('p99_s'), 3)}"
+                   if kind == "latency" else "-")  # fmt: skip
+            lines.append(
+                f"| {kind} | {b} | {len(good)}{bad} | {lat} | "
+                f"{_f(med('req_s'), 2) if kind == 'throughput' else '-'} | "
+                f"{_f(med('tok_s'), 0) if kind == 'throughput' else '-'} |"
+            )
+    return "\n".join(lines)
