@@ -431,6 +431,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the engine the stamps cost ~0.4 ms a step at c1 (BENCHMARKS.md), so the stalls "
         "come from the mmap-stalls rung and the mmap server runs without them",
     )
+    p.add_argument(
+        "--time-graphs",
+        action="store_true",
+        help="the mmap servers and gpu-plugin (the plugin installed, its tables on the GPU) "
+        "time every FULL replay on the GPU with two CUDA events (time_graphs): the breakdown "
+        "table gets the graphs' span and the device's time between them",
+    )
     p.add_argument("--concurrency", type=ints, default=[1, 8, 64])
     p.add_argument("--requests", type=int, help="requests per decode load (default max(8, 6c))")
     p.add_argument("--input-len", type=int, default=128)

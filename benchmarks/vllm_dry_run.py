@@ -28,9 +28,10 @@ import vllm_bench_model as vbm
 import vllm_clock
 from vllm_clock import log
 from vllm_probes import evict, page_cache
-from vllm_report import delivery_stats, report, summarize, verdict
+from vllm_report import delivery_stats, graph_stats, report, summarize, verdict
 from vllm_servers import (
     MMAP_VARIANTS,
+    STOCK_VARIANTS,
     Server,
     cli_argv,
     cpu_offload,
@@ -169,10 +170,10 @@ def dry_run(args: argparse.Namespace, measure: Phase, profile: Phase) -> int:
                 log(f"vLLM's CPU loader (mmap={mm}) FAILED: {type(exc).__name__}: {exc}")
                 traceback.print_exc()
         ok &= check_serve_args(args, ckpt)
-        if dtype == "bf16":  # the profiler's settings as vLLM parses them, once
-            args.profile_steps = 8
+        if dtype == "bf16":  # the profiler's and graph timing's settings, once
+            args.profile_steps, args.time_graphs = 8, True
             ok &= check_serve_args(args, ckpt)
-            args.profile_steps = 0
+            args.profile_steps, args.time_graphs = 0, False
         ok &= check_delivery_stats(ckpt)
     ok &= check_gemma(args, work)
     ok &= check_stuck_server(work)
@@ -336,8 +337,13 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
                 raise AssertionError(f"{b}: time_stalls {ours.time_stalls}")
             logged = (b in MMAP_VARIANTS and bool(args.stats_every) and not variant.get("bare")
                       and variant.get("stats", True))  # fmt: skip
-            if (ours.stats_every is not None) != logged:
+            # gpu-plugin logs its graph times at the stats interval with --time-graphs.
+            stock_plugin = bool(STOCK_VARIANTS.get(b, {}).get("plugin"))
+            if (ours.stats_every is not None) != (logged or (stock_plugin and args.time_graphs)):
                 raise AssertionError(f"{b}: stats_every {ours.stats_every}")
+            plugin = b in MMAP_VARIANTS or stock_plugin
+            if ours.time_graphs != bool(plugin and args.time_graphs and not variant.get("bare")):
+                raise AssertionError(f"{b}: time_graphs {ours.time_graphs}")
             if ours.predict_ready != (b == "mmap-predict"):
                 raise AssertionError(f"{b}: predict_ready {ours.predict_ready}")
             engram = ea.engram_config
@@ -437,4 +443,51 @@ def check_delivery_stats(ckpt: Path) -> bool:
     ) == {"steps": 800, "stalled_pct": 10.0, "p50_us": 0.0, "p99_us": 61.0, "max_us": 90.2,
           "mean_us": 1.2}  # fmt: skip
     log(f"stats lines: {'parsed' if good else 'NOT parsed'} ({real[0]!r} -> {got}; {two}; {three})")
+    return good & check_graph_lines()
+
+
+class _StampedEvent:
+    """A timing event of a fake stream: stamped at the stream's clock, always finished."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock, self.at = clock, 0.0
+
+    def record(self, stream: object = None) -> None:
+        self.at = self.clock[0]
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: _StampedEvent) -> float:
+        return (end.at - self.at) / 1e3
+
+
+def check_graph_lines() -> bool:
+    """``graph_stats`` reads the ``ple-memops graphs`` lines the plugin's graph manager
+    writes (``GraphTimesLog``, over a fake stream: graphs of 100 then 300 us, 20 us
+    apart), the first line of a load dropped."""
+    from ple_memops.step_costs import GraphClock
+    from ple_memops.vllm.runner import GraphTimesLog
+
+    now = [0.0]
+    timer = GraphTimesLog(3600.0, GraphClock(event=lambda: _StampedEvent(now)))
+    lines = []
+    for span in (100.0, 100.0, 300.0, 300.0):
+        for _ in range(4):
+
+            def graph(span: float = span) -> None:
+                now[0] += span
+
+            timer.around(graph)
+            now[0] += 20.0
+        lines.append(timer.log())
+    got = graph_stats("\n".join(f"INFO x {ln}" for ln in lines))
+    g = got.get("graphs", {})
+    # Lines 2-4: spans 100, 300, 300 (4 launches each); outside 20 us throughout.
+    good = (
+        g.get("launches") == 12
+        and abs(g.get("span_p50_us", 0) - 700 / 3) < 1e-6
+        and abs(g.get("outside_p50_us", 0) - 20.0) < 1e-6
+    )
+    log(f"graph lines: {'parsed' if good else 'NOT parsed'} ({lines[1]!r} -> {got})")
     return good

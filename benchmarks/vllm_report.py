@@ -50,6 +50,13 @@ _STALL = re.compile(
     r"(\S+) (\d+) steps, (\d+) stalled(?:, \d+ dropped)?; us p50 ([\d.]+) p90 [\d.]+ "
     r"p99 ([\d.]+) max ([\d.]+) mean ([\d.]+)"
 )
+# "ple-memops graphs, last 2.0 s: 401 graphs on the GPU: span us p50 4883.2 p99 4901.7; period
+# p50 4935.0; outside the graph p50 52.1" (time_graphs; any engine with the plugin)
+_GRAPHS = re.compile(
+    r"ple-memops graphs, last [\d.]+ s: (\d+) graphs on the GPU: span us p50 ([\d.]+) "
+    r"p99 ([\d.]+)(?:; period p50 ([\d.]+); outside the graph p50 (-?[\d.]+))?"
+)
+GRAPH_FIELDS = ("span_p50_us", "span_p99_us", "period_p50_us", "outside_p50_us")
 HOST_FIELDS = (
     "total_p50", "total_p99", "step", "arm", "wait", "wait_p99", "check", "stats", "launch"
 )  # fmt: skip
@@ -89,16 +96,34 @@ def cost_stats(lines: list[str]) -> dict[str, Any]:
     return out
 
 
+def graph_stats(text: str) -> dict[str, Any]:
+    """What a server's ``ple-memops graphs`` lines (``time_graphs``) say about one load:
+    its FULL replays' span on the GPU, the period between launches and the device's time
+    outside the graphs (launch-weighted means of the lines' p50s; the first line after a
+    load starts covers the end of the previous load, so it is dropped)."""
+    found = [m for ln in text.splitlines() if (m := _GRAPHS.search(ln))][1:]
+    if not found:
+        return {}
+    n = sum(int(m.group(1)) for m in found)
+    out: dict[str, Any] = {"launches": n}
+    for i, f in enumerate(GRAPH_FIELDS, start=2):
+        got = [(int(m.group(1)), float(m.group(i))) for m in found if m.group(i) is not None]
+        k = sum(c for c, _ in got)
+        out[f] = sum(c * x for c, x in got) / k if k else None
+    return {"graphs": out}
+
+
 def delivery_stats(text: str) -> dict[str, Any]:
     """What an mmap server's ``ple-memops stats`` lines (``--stats-every``) say about one
     load: deferred steps, replays, eager steps, synchronous replays, and each layer's
     fill-weighted mean READY -> FILLED (the host gather of a step's rows), over all fills
     and over replays' and eager steps' apart. The first line after a load starts covers
     the end of the server's previous load, so it is dropped."""
+    graphs = graph_stats(text)
     raw = [ln for ln in text.splitlines() if _STATS.search(ln)][1:]
     lines = [m for ln in raw if (m := _STATS.search(ln))]
     if not lines:
-        return {}
+        return graphs
     out: dict[str, Any] = {
         "ple_steps": sum(int(m.group(2)) for m in lines),
         "ple_replays": sum(int(m.group(3)) for m in lines),
@@ -132,7 +157,7 @@ def delivery_stats(text: str) -> dict[str, Any]:
     out["late_complete_us"] = weighted(late)
     if replay or eager:
         out["replay_fill_us"], out["eager_fill_us"] = weighted(replay), weighted(eager)
-    return out | cost_stats(raw)
+    return out | cost_stats(raw) | graphs
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -173,6 +198,11 @@ def summarize(
             hosts = [r["host_us"] for r in good if r.get("host_us")]
             if hosts:
                 s["host_us"] = {f: statistics.median(h[f] for h in hosts) for f in HOST_FIELDS}
+            graphs = [r["graphs"] for r in good if r.get("graphs")]
+            if graphs:
+                s["graphs"] = {
+                    f: _median_of([g.get(f) for g in graphs]) for f in ("launches", *GRAPH_FIELDS)
+                }
             stalls = [r["stall"] for r in good if r.get("stall")]
             if stalls:
                 names = list(dict.fromkeys(n for st in stalls for n in st))
@@ -216,20 +246,25 @@ def breakdown_markdown(
 ) -> str:
     """Where a step's time goes, per load and backend: ITL p50 and tok/s paired against
     ``ref`` round by round (median and range over the repeats), GPU busy, the first PLE
-    layer's GPU stall and our host time per engine step (mmap servers' stats lines)."""
+    layer's GPU stall and our host time per engine step (mmap servers' stats lines), and
+    with ``--time-graphs`` the FULL graphs' span on the GPU and the device's time outside
+    them."""
     itl, tok = paired(rows, ref, "itl_p50_ms"), paired(rows, ref, "tok_s")
     lines = [
         f"Paired against `{ref}` (each repeat's server against `{ref}` in the same round; "
         "median [min, max] over the repeats). GPU stall: the first PLE layer's consumer "
         "waiting for its rows, from the GPU's clock (steps stalled > 1 us, p50 / p99 / "
         "mean us). Host: our code per engine step, p50 us (total / arm / wait / check). "
+        "Graphs (--time-graphs): a FULL replay's span on the GPU and the device's time "
+        "between a graph's end and the next one's start, p50 us (two CUDA events a replay). "
         "CPU: cores the server's threads kept busy over the load (/proc: all of them, ours "
         "(`ple-*`), the busiest other thread).",
         "",
         f"| load | backend | runs | ITL p50 ms | ITL p50 vs {ref} | tok/s vs {ref} | GPU busy "
         "| GPU stall: stalled, p50 / p99 / mean us | host us: total p50 / p99; arm, wait, "
-        "check; graph launch | CPU cores: all / ours; busiest other thread |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "check; graph launch | graphs on the GPU: span p50 / outside p50 us "
+        "| CPU cores: all / ours; busiest other thread |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def spread(xs: list[float] | None) -> str:
@@ -254,6 +289,10 @@ def breakdown_markdown(
                 f"{h['total_p50']:.0f} / {h['total_p99']:.0f}; {h['arm']:.0f}, {h['wait']:.0f}, "
                 f"{h['check']:.0f}; {_f(_num(h.get('launch')), 0)}"
             )
+        g = s.get("graphs")
+        graphs = "-"
+        if g and g.get("span_p50_us") is not None:
+            graphs = f"{g['span_p50_us']:,.1f} / {_f(g.get('outside_p50_us'), 1)}"
         cpu = "-"
         if s.get("cpu_cores") is not None:
             top = s.get("cpu_top")
@@ -264,9 +303,14 @@ def breakdown_markdown(
             f"| {load} | {b} | {s['n']} | {_f(s['itl_p50_ms'], 2)} "
             f"| {'(ref)' if b == ref else spread(itl.get((load, b)))} "
             f"| {'(ref)' if b == ref else spread(tok.get((load, b)))} "
-            f"| {_f(s['gpu_busy_pct'], 0)}% | {stall} | {host} | {cpu} |"
+            f"| {_f(s['gpu_busy_pct'], 0)}% | {stall} | {host} | {graphs} | {cpu} |"
         )
     return "\n".join(lines)
+
+
+def _median_of(xs: list[float | None]) -> float | None:
+    got = [x for x in xs if x is not None]
+    return statistics.median(got) if got else None
 
 
 def _layer_index(name: str) -> int:

@@ -300,9 +300,14 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
             ours["stats_every"] = args.stats_every
         if variant.get("stalls", args.time_stalls) and not variant.get("bare"):
             ours["time_stalls"] = True
+        if args.time_graphs and not variant.get("bare"):
+            ours["time_graphs"] = True
         extra["ple_memops"] = ours
     elif STOCK_VARIANTS.get(backend, {}).get("plugin"):
         extra["ple_memops"] = {"table_backend": "default"}
+        if args.time_graphs:
+            # Its graphs timed like the mmap servers', logged at their stats interval.
+            extra["ple_memops"] |= {"time_graphs": True, "stats_every": args.stats_every or 10.0}
     tables: list[str] = []
     if fam == "gemma4":
         # Gemma 4's full-attention layers have heads of 512: vLLM picks FlashAttention 4
