@@ -221,9 +221,9 @@ class GraphClock:
                 self._pending.popleft()  # its events are abandoned, not recycled
                 self._dropped += 1
                 self._last_start = None
-        start.record(stream) if stream is not None else start.record()
+        start.record(stream)  # None: the current stream
         out = launch()
-        end.record(stream) if stream is not None else end.record()
+        end.record(stream)
         with self._lock:
             self._pending.append((start, end))
         return out
