@@ -22,7 +22,11 @@
 #   BENCH_ARGS=...   more arguments, e.g. "--profile-steps 40" (each server's FULL graphs
 #                    profiled with vLLM's torch profiler after the loads), "--py-spy 3
 #                    --py-spy-bin /tmp/pyspy/bin/py-spy" (each engine core process's stacks
-#                    sampled under each concurrency, bench_stacks_<tag>.tgz), "--cold" (evict the tables before the servers
+#                    sampled under each concurrency, bench_stacks_<tag>.tgz; the device has
+#                    no network: `pip download py-spy --no-deps -d .pyspy` here, carry
+#                    .pyspy, `pip install --no-deps --target /tmp/pyspy .pyspy/*.whl`
+#                    there), "--time-graphs" (the graphs' span on the GPU and the time
+#                    between them, mmap servers and gpu-plugin), "--cold" (evict the tables before the servers
 #                    start and before each repeat; a live mmap server's mapped pages
 #                    stay, so a cold mmap start is "--backends mmap --cold --no-warmup"),
 #                    "--attention-every 4" (dense full
