@@ -91,3 +91,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(marker)
+
+
+class FakeStream:
+    """A stream whose queue stamps timing events at ``now`` (us) and has finished up to
+    ``done``: what ``GraphClock`` reads, without a GPU. ``event()`` makes one event and
+    counts it in ``made``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.done = float("inf")
+        self.made = 0
+
+    def event(self) -> FakeEvent:
+        self.made += 1
+        return FakeEvent(self)
+
+
+class FakeEvent:
+    def __init__(self, stream: FakeStream) -> None:
+        self.stream, self.at = stream, None
+
+    def record(self, stream: object = None) -> None:
+        self.at = self.stream.now
+
+    def query(self) -> bool:
+        return self.at is not None and self.at <= self.stream.done
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert self.at is not None and end.at is not None
+        return (end.at - self.at) / 1e3  # ms, as CUDA's
+
+
+@pytest.fixture
+def fake_stream() -> FakeStream:
+    """A :class:`FakeStream` for a ``GraphClock(event=fake_stream.event)``."""
+    return FakeStream()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -124,33 +125,7 @@ def test_skip_gather_fills_without_reading_the_table(table: pm.MmapTable) -> Non
         np.testing.assert_array_equal(rows2.staging[:4], table.gather(np.arange(4)))
 
 
-class _Gpu:
-    """A stream whose queue stamps events at ``now`` (us) and finishes up to ``done``."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.done = float("inf")
-
-
-class _Event:
-    made = 0
-
-    def __init__(self, gpu: _Gpu) -> None:
-        self.gpu, self.at = gpu, None
-        _Event.made += 1
-
-    def record(self, stream: object = None) -> None:
-        self.at = self.gpu.now
-
-    def query(self) -> bool:
-        return self.at is not None and self.at <= self.gpu.done
-
-    def elapsed_time(self, end: _Event) -> float:
-        assert self.at is not None and end.at is not None
-        return (end.at - self.at) / 1e3  # ms, as CUDA's
-
-
-def _launch(clock: GraphClock, gpu: _Gpu, span: float, after: float) -> None:
+def _launch(clock: GraphClock, gpu: Any, span: float, after: float) -> None:
     """A graph that runs ``span`` us on the GPU, then ``after`` us before the next."""
 
     def run() -> None:
@@ -160,9 +135,9 @@ def _launch(clock: GraphClock, gpu: _Gpu, span: float, after: float) -> None:
     gpu.now += after
 
 
-def test_graph_clock_spans_periods_and_time_outside() -> None:
-    gpu = _Gpu()
-    clock = GraphClock(event=lambda: _Event(gpu))
+def test_graph_clock_spans_periods_and_time_outside(fake_stream: Any) -> None:
+    gpu = fake_stream
+    clock = GraphClock(event=gpu.event)
     for span in (100.0, 110.0, 120.0):
         _launch(clock, gpu, span, after=30.0)
     got = clock.take()
@@ -183,27 +158,28 @@ def test_graph_clock_spans_periods_and_time_outside() -> None:
     assert clock.summary() is None
 
 
-def test_graph_clock_reads_only_what_the_gpu_finished_and_recycles_events() -> None:
-    gpu = _Gpu()
-    _Event.made = 0
-    clock = GraphClock(event=lambda: _Event(gpu))
+def test_graph_clock_reads_only_what_the_gpu_finished_and_recycles_events(
+    fake_stream: Any,
+) -> None:
+    gpu = fake_stream
+    clock = GraphClock(event=gpu.event)
     _launch(clock, gpu, 100.0, after=10.0)
     gpu.done = gpu.now  # the GPU has finished the first launch only
     _launch(clock, gpu, 100.0, after=10.0)
     assert [s for s, _ in clock.take()] == [pytest.approx(100.0)]
     gpu.done = float("inf")
     assert clock.take() == [(pytest.approx(100.0), pytest.approx(110.0))]
-    made = _Event.made
+    made = gpu.made
     for _ in range(50):  # steady state: read events come back for new launches
         _launch(clock, gpu, 100.0, after=10.0)
         clock.take()
-    assert _Event.made - made <= 2
+    assert gpu.made - made <= 2
 
 
-def test_graph_clock_drops_the_oldest_beyond_its_window() -> None:
-    gpu = _Gpu()
+def test_graph_clock_drops_the_oldest_beyond_its_window(fake_stream: Any) -> None:
+    gpu = fake_stream
     gpu.done = -1.0  # nothing finishes
-    clock = GraphClock(window=3, event=lambda: _Event(gpu))
+    clock = GraphClock(window=3, event=gpu.event)
     for _ in range(5):
         _launch(clock, gpu, 10.0, after=1.0)
     gpu.done = float("inf")

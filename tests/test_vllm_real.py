@@ -231,27 +231,8 @@ def test_an_incompatible_vllm_is_refused_with_nothing_installed(
         plugin.install()
 
 
-class _FakeGpu:
-    """A stream whose queue stamps events at ``now`` (us); everything finishes."""
-
-    now = 0.0
-
-    class Event:
-        def __init__(self, gpu: _FakeGpu) -> None:
-            self.gpu, self.at = gpu, 0.0
-
-        def record(self, stream: object = None) -> None:
-            self.at = self.gpu.now
-
-        def query(self) -> bool:
-            return True
-
-        def elapsed_time(self, end: Any) -> float:
-            return float(end.at - self.at) / 1e3
-
-
 def test_time_graphs_times_every_full_replay_armed_or_not(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fake_stream: Any
 ) -> None:
     """With ``time_graphs`` the plugin's graph manager runs vLLM's replay between the
     clock's two events, inside the hooks' arming when the engine has hooks; without hooks
@@ -261,7 +242,7 @@ def test_time_graphs_times_every_full_replay_armed_or_not(
     from ple_memops.step_costs import GraphClock
     from ple_memops.vllm.runner import GraphTimesLog, PleCudaGraphManager
 
-    gpu = _FakeGpu()
+    gpu = fake_stream
     replays: list[Any] = []
 
     def replay(self: Any, desc: Any) -> str:
@@ -273,7 +254,7 @@ def test_time_graphs_times_every_full_replay_armed_or_not(
     monkeypatch.setattr(cudagraph_utils.ModelCudaGraphManager, "run_fullgraph", replay)
     manager = object.__new__(PleCudaGraphManager)
     manager.ple_rows = None
-    manager.ple_clock = GraphTimesLog(3600.0, GraphClock(event=lambda: _FakeGpu.Event(gpu)))
+    manager.ple_clock = GraphTimesLog(3600.0, GraphClock(event=gpu.event))
     for d in ("a", "b", "c"):
         assert manager.run_fullgraph(d) == f"out-{d}"
         gpu.now += 20.0  # the engine's eager work between graphs

@@ -332,6 +332,8 @@ class PleCudaGraphManager(_BaseManager, _CaptureScopes):
 
     def run_fullgraph(self, desc: Any) -> Any:
         hooks, clock = self.ple_rows, self.ple_clock
+        if hooks is None and clock is None:
+            return super().run_fullgraph(desc)
 
         def launch() -> Any:
             return super(PleCudaGraphManager, self).run_fullgraph(desc)
