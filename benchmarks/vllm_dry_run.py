@@ -331,6 +331,8 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
                 raise AssertionError(f"{b}: table backend {ours.table_backend}")
             if ours.diag_skip_gather != (b == "mmap-nogather"):
                 raise AssertionError(f"{b}: diag_skip_gather {ours.diag_skip_gather}")
+            if ours.diag_early_join != (b == "mmap-early"):
+                raise AssertionError(f"{b}: diag_early_join {ours.diag_early_join}")
             variant = MMAP_VARIANTS.get(b, {})
             timed = b in MMAP_VARIANTS and not variant.get("bare")
             if ours.time_stalls != bool(timed and variant.get("stalls", args.time_stalls)):

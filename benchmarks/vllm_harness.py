@@ -674,6 +674,8 @@ def gemma4_engine(ckpt: Path, backend: str, **kw: Any) -> Any:
 def gemma_rows_stats(worker: Any) -> dict[str, Any]:
     """What a Gemma engine's rows hooks did (``llm.collective_rpc(gemma_rows_stats)``):
     ``{"hooks": False}`` for an engine without them."""
+    from ple_memops.vllm.token_table import find_mmap_tables
+
     hooks = worker.model_runner.ple_rows
     if hooks is None:
         return {"hooks": False}
@@ -688,7 +690,19 @@ def gemma_rows_stats(worker: Any) -> dict[str, Any]:
         "watchdog_releases": sum(int(r.watchdog_releases) for r, _ in stats.values()),
         "cudagraph_mode": str(worker.vllm_config.compilation_config.cudagraph_mode),
         "async_scheduling": worker.vllm_config.scheduler_config.async_scheduling,
+        "joins_late": [t.joins_late for t in find_mmap_tables(worker.model_runner.get_model())],
     }
+
+
+def gemma_eager(**kw: Any) -> dict[str, Any]:
+    """:func:`gemma4_engine`'s arguments for vLLM's ``-O0`` (the model run as written, no
+    torch.compile), FULL decode graphs of the Gemma tests' sizes."""
+    compilation = {
+        "mode": "NONE",
+        "cudagraph_mode": "FULL_DECODE_ONLY",
+        "cudagraph_capture_sizes": GEMMA4_GRAPH_SIZES,
+    }
+    return {"compilation_config": compilation} | kw
 
 
 def serve_gemma(llm: Any) -> tuple[Greedy, dict[str, Any]]:

@@ -122,6 +122,9 @@ MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     # Diagnostics: the protocol (publish, waits, copies) without the host's gather; the
     # rows are stale and the tokens wrong, only the timing counts.
     "mmap-nogather": {"diag_skip_gather": True},
+    # A Gemma model's rows joined after the projection at the top of the forward, as before
+    # the late join (which, in a model run eagerly, joins them at decoder layer 0's gate).
+    "mmap-early": {"diag_early_join": True},
     "mmap-sync": {"env": {"PLE_MEMOPS_FORCE_SYNC": "1"}},
     # What the synchronous fallback did before it kept FULL graphs: graphs off.
     "mmap-sync-eager": {"env": {"PLE_MEMOPS_FORCE_SYNC": "1"}, "cudagraph_mode": "NONE"},
@@ -293,7 +296,13 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
     extra: dict[str, Any] = {} if gemma else {"gdn_prefill_backend": "triton"}
     if backend in MMAP_VARIANTS:
         ours = {"table_backend": "mmap", "copy": variant.get("copy", args.copy)}
-        for key in ("spin", "first_layer_threads", "diag_skip_gather", "predict_ready"):
+        for key in (
+            "spin",
+            "first_layer_threads",
+            "diag_skip_gather",
+            "predict_ready",
+            "diag_early_join",
+        ):
             if key in variant:
                 ours[key] = variant[key]
         if args.stats_every and not variant.get("bare") and variant.get("stats", True):

@@ -33,6 +33,7 @@ from vllm_harness import (  # noqa: E402
     assert_gemma_deferred,
     assert_same_greedy,
     gemma4_engine,
+    gemma_eager,
     serve_gemma,
 )
 
@@ -49,3 +50,17 @@ def test_gemma3n_multimodal_class(tmp_path: Path) -> None:
     assert_gemma_deferred(stats)
     assert stats["async_scheduling"] is True, stats
     assert stats["layers"] == ["language_model.model.self_decoder.per_layer_embed_tokens"], stats
+    assert stats["joins_late"] == [False], stats  # compiled: Inductor places the join
+
+
+def test_gemma3n_run_eagerly_its_rows_join_at_layer_0s_gate(tmp_path: Path) -> None:
+    # vLLM's -O0: the rows join right before decoder layer 0's per-layer gate (the host's
+    # gather hides behind the layer), and the tokens are the stock engine's in -O0.
+    ckpt = ckpts.write_gemma3n_checkpoint(tmp_path)
+    reference, stats = serve_gemma(gemma4_engine(ckpt, "default", **gemma_eager()))
+    assert stats == {"hooks": False}
+    got, stats = serve_gemma(gemma4_engine(ckpt, "mmap", **gemma_eager()))
+    print(f"\ngemma3n mmap, -O0: {stats}; tokens identical: {got.tokens == reference.tokens}")
+    assert_same_greedy(reference, got.tokens)
+    assert_gemma_deferred(stats)
+    assert stats["joins_late"] == [True], stats

@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import vllm_checkpoints as ckpts  # noqa: E402
 import vllm_cpu  # noqa: E402
 from vllm.config import (  # noqa: E402
+    CompilationConfig,
     LoadConfig,
     ModelConfig,
     VllmConfig,
@@ -59,7 +60,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ckpts.write_gemma3n_checkpoint(tmp_path_factory.mktemp("gemma3n"))
 
 
-def _config(ckpt: Path, *, mmap: bool) -> VllmConfig:
+def _config(ckpt: Path, *, mmap: bool, eager: bool = False) -> VllmConfig:
     return VllmConfig(
         model_config=ModelConfig(
             model=str(ckpt),
@@ -69,6 +70,8 @@ def _config(ckpt: Path, *, mmap: bool) -> VllmConfig:
         ),
         load_config=LoadConfig(load_format="safetensors"),
         additional_config={"ple_memops": {"table_backend": "mmap" if mmap else "default"}},
+        # eager: vLLM's -O0 (the forward runs as written); else its default, compiled.
+        compilation_config=CompilationConfig(mode=0) if eager else CompilationConfig(),
     )
 
 
@@ -133,6 +136,66 @@ def test_the_model_loads_without_its_table_and_its_inputs_are_the_stock_models(
         got = mmap_inputs(shifted, ours.get_per_layer_inputs)
         want = stock_inputs((shifted + 1) % TABLE_ROWS, theirs.get_per_layer_inputs)
         assert not torch.equal(got, want)
+    finally:
+        hooks.shutdown()
+
+
+def test_run_eagerly_the_rows_join_at_layer_0s_gate_with_the_stock_models_bits(
+    checkpoint: Path, dist: Any, installed: Any
+) -> None:
+    # vLLM's -O0: the per-layer inputs leave the self-decoder's combination still the
+    # projection, and become the stock model's, bit for bit, when decoder layer 0's
+    # per-layer input gate (their first consumer) is called; a forward whose gate never
+    # ran is refused at the next one.
+    mmap_cfg = _config(checkpoint, mmap=True, eager=True)
+    model, _ = vllm_cpu.load_model(mmap_cfg)
+    stock_cfg = _config(checkpoint, mmap=False, eager=True)
+    stock, _ = vllm_cpu.load_model(stock_cfg)
+    ours, theirs = model.language_model.model.self_decoder, stock.language_model.model.self_decoder
+    gate = ours.decoder_layers[0].per_layer_input_gate
+    hooks = _attach(model, mmap_cfg)
+    layers = mmap_cfg.compilation_config.static_forward_context
+    try:
+        for n, seed in ((1, 1), (9, 2), (40, 3)):
+            ids = _ids(n, seed)
+            with set_current_vllm_config(stock_cfg):
+                want = theirs.get_per_layer_inputs(
+                    stock.embed_input_ids(ids), stock.per_layer_embeddings[:n]
+                )
+            with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
+                embeds = model.embed_input_ids(ids)
+                staged = ours.get_per_layer_input_embeddings(model.ple_memops_ids[:n])
+                got = ours.get_per_layer_inputs(embeds, staged)
+                projection = ours.get_per_layer_inputs(embeds, None)
+                assert torch.equal(got, projection)  # not joined yet
+                gate(torch.zeros(n, ckpts.GEMMA3N_CONFIG["hidden_size"], dtype=torch.bfloat16))
+            assert torch.equal(got, want), (n, (got.float() - want.float()).abs().max())
+        with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
+            embeds = model.embed_input_ids(_ids(4, 7))
+            staged = ours.get_per_layer_input_embeddings(model.ple_memops_ids[:4])
+            ours.get_per_layer_inputs(embeds, staged)
+            with pytest.raises(pm.StateError, match="never joined"):
+                ours.get_per_layer_inputs(embeds, staged)
+    finally:
+        hooks.shutdown()
+    # The diagnostic that keeps the join after the projection: joined there, same bits.
+    early_cfg = _config(checkpoint, mmap=True, eager=True)
+    early_cfg.additional_config["ple_memops"]["diag_early_join"] = True
+    early, _ = vllm_cpu.load_model(early_cfg)
+    decoder = early.language_model.model.self_decoder
+    hooks = _attach(early, early_cfg)
+    layers = early_cfg.compilation_config.static_forward_context
+    try:
+        ids = _ids(9, 2)
+        with set_current_vllm_config(stock_cfg):
+            want = theirs.get_per_layer_inputs(
+                stock.embed_input_ids(ids), stock.per_layer_embeddings[:9]
+            )
+        with set_current_vllm_config(early_cfg), hooks.eager(dummy=False), ops.layers(layers):
+            embeds = early.embed_input_ids(ids)
+            staged = decoder.get_per_layer_input_embeddings(early.ple_memops_ids[:9])
+            got = decoder.get_per_layer_inputs(embeds, staged)
+        assert torch.equal(got, want)
     finally:
         hooks.shutdown()
 

@@ -51,6 +51,7 @@ from vllm_harness import (  # noqa: E402
     close,
     gemma4_engine,
     gemma4_engine_workload,
+    gemma_eager,
     gemma_rows_stats,
     generate_greedy,
     serve_gemma,
@@ -104,6 +105,7 @@ def test_text_model_then_its_table_truncated_under_the_engine(
         assert_gemma_deferred(stats)
         assert stats["async_scheduling"] is True, stats
         assert stats["cudagraph_mode"].endswith("FULL_DECODE_ONLY"), stats
+        assert stats["joins_late"] == [False], stats  # compiled: Inductor places the join
         table = ckpt / "model-ple.safetensors"
         elapsed, text = truncate_under_engine(llm, table, 4096, list(range(3, 111)))
         print(f"\nwhat the engine raised after {elapsed:.1f} s:\n{text[:1500]}")
@@ -144,3 +146,16 @@ def test_a_sync_plan_serves_without_graphs(
     assert_same_greedy(reference["text"], got.tokens)
     assert stats["mode"] == "sync" and stats["graphs"] == 0 and stats["armed"] == 0, stats
     assert stats["cudagraph_mode"].endswith("NONE"), stats
+
+
+def test_text_model_run_eagerly_its_rows_join_at_layer_0s_gate(
+    checkpoints: dict[str, Path],
+) -> None:
+    # vLLM's -O0: the rows join right before decoder layer 0's per-layer gate, and the
+    # tokens are the stock engine's in -O0 (its own reference: the module's is compiled).
+    reference, stats = serve_gemma(_engine(checkpoints["text"], "default", **gemma_eager()))
+    got, stats = serve_gemma(_engine(checkpoints["text"], "mmap", **gemma_eager()))
+    print(f"\ntext mmap, -O0: {stats}; tokens identical: {got.tokens == reference.tokens}")
+    assert_same_greedy(reference, got.tokens)
+    assert_gemma_deferred(stats)
+    assert stats["joins_late"] == [True], stats

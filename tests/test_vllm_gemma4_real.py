@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import vllm_checkpoints as ckpts  # noqa: E402
 import vllm_cpu  # noqa: E402
 from vllm.config import (  # noqa: E402
+    CompilationConfig,
     LoadConfig,
     ModelConfig,
     ParallelConfig,
@@ -134,6 +135,44 @@ def test_the_model_loads_without_its_table_and_its_inputs_are_the_stock_models(
                 differs_from_eager |= not torch.equal(want, _per_layer_inputs(stock, ids))
             assert torch.equal(got, want), (n, (got.float() - want.float()).abs().max())
         assert differs_from_eager
+    finally:
+        hooks.shutdown()
+
+
+def test_run_eagerly_the_rows_join_at_layer_0s_gate_with_the_stock_models_bits(
+    checkpoint: Path, dist: Any, installed: Any
+) -> None:
+    # vLLM's -O0 (both classes): the per-layer inputs are still the projection after
+    # project_per_layer_inputs, and become the stock model's, bit for bit, when decoder
+    # layer 0's per-layer input gate (their first consumer) is called; a forward whose
+    # gate never ran is refused at the next one.
+    eager = CompilationConfig(mode=0)
+    mmap_cfg = _config(checkpoint, mmap=True, compilation_config=eager)
+    stock_cfg = _config(checkpoint, mmap=False, compilation_config=CompilationConfig(mode=0))
+    model, _ = vllm_cpu.load_model(mmap_cfg)
+    stock, _ = vllm_cpu.load_model(stock_cfg)
+    lm = _language(model)
+    gate = lm.layers[0].per_layer_input_gate
+    hidden = ckpts.GEMMA4_CONFIG["hidden_size"]
+    hooks = _attach(model, mmap_cfg)
+    layers = mmap_cfg.compilation_config.static_forward_context
+    try:
+        for n, seed in ((1, 1), (9, 2), (40, 3)):
+            ids = _ids(n, seed)
+            with set_current_vllm_config(stock_cfg):
+                want = _per_layer_inputs(stock, ids)
+            with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
+                got = _per_layer_inputs(model, ids)
+                projection = lm.project_per_layer_inputs(
+                    lm.embed_input_ids(ids.clamp(0, 127)), None
+                )
+                assert torch.equal(got, projection)  # not joined yet
+                gate(torch.zeros(n, hidden, dtype=torch.bfloat16))
+            assert torch.equal(got, want), (n, (got.float() - want.float()).abs().max())
+        with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
+            _per_layer_inputs(model, _ids(4, 7))
+            with pytest.raises(pm.StateError, match="never joined"):
+                _per_layer_inputs(model, _ids(4, 7))
     finally:
         hooks.shutdown()
 

@@ -1023,6 +1023,18 @@ def test_settings_stall_timing_and_the_gather_free_diagnostic() -> None:
         S.for_engine({"ple_memops": {"diag_skip_gather": [1]}}, {})
 
 
+def test_settings_the_early_join_diagnostic() -> None:
+    S = settings.Settings
+    assert not S.from_env({}).diag_early_join
+    assert S.from_env({"PLE_MEMOPS_DIAG_EARLY_JOIN": "1"}).diag_early_join
+    assert S.for_engine({"ple_memops": {"diag_early_join": True}}, {}).diag_early_join
+    assert not S.for_engine(
+        {"ple_memops": {"diag_early_join": 0}}, {"PLE_MEMOPS_DIAG_EARLY_JOIN": "1"}
+    ).diag_early_join
+    with pytest.raises(InvalidArgumentError, match="PLE_MEMOPS_DIAG_EARLY_JOIN must be 1 or 0"):
+        S.from_env({"PLE_MEMOPS_DIAG_EARLY_JOIN": "late"})
+
+
 def test_settings_graph_timing() -> None:
     S = settings.Settings
     assert not S.from_env({}).time_graphs and not S().time_graphs

@@ -10,7 +10,7 @@
 # benchmarks/compare_gemma4_engines.py after the tests (stock, mmap and mmap without async
 # scheduling against each other, rows checked on the device; about 3 minutes more).
 # Measured on the H200: the Gemma 4 module 5.5 minutes. GEMMA4=0 skips it, GEMMA3N=0 the
-# Gemma 3n module, SERVE=0 `vllm serve`.
+# Gemma 3n module, SERVE=0 `vllm serve`; K=expr runs only the tests pytest's -k selects.
 set -uo pipefail
 OUT=${OUT:-/tmp/ple-out}
 mkdir -p "$OUT"
@@ -21,7 +21,7 @@ rc=0
 if [ "${GEMMA4:-1}" = 1 ]; then
     start=$(date +%s)
     (cd /tmp && timeout "${ENGINE_LIMIT:-420}" python3 -m pytest \
-        "$R/tests/test_vllm_gemma4_engine_gpu.py" -v -s -rs -p no:cacheprovider \
+        "$R/tests/test_vllm_gemma4_engine_gpu.py" ${K:+-k "$K"} -v -s -rs -p no:cacheprovider \
         -W ignore::DeprecationWarning -W ignore::FutureWarning -W ignore::UserWarning 2>&1) \
         >"$OUT/gemma4_pytest.log"
     rc=$?
@@ -42,7 +42,8 @@ if [ "${GEMMA3N:-1}" = 1 ]; then
     fi
     start=$(date +%s)
     (cd /tmp && PYTHONPATH=$PYTHONPATH${extra:+:$extra} timeout "${GEMMA3N_LIMIT:-300}" \
-        python3 -m pytest "$R/tests/test_vllm_gemma3n_engine_gpu.py" -v -s -rs -p no:cacheprovider \
+        python3 -m pytest "$R/tests/test_vllm_gemma3n_engine_gpu.py" ${K:+-k "$K"} -v -s -rs \
+        -p no:cacheprovider \
         -W ignore::DeprecationWarning -W ignore::FutureWarning -W ignore::UserWarning 2>&1) \
         >"$OUT/gemma3n_pytest.log"
     g3=$?

@@ -19,6 +19,7 @@ from . import _compat
 from .settings import (
     BACKEND_ENV,
     COPY_ENV,
+    EARLY_JOIN_ENV,
     FIRST_LAYER_THREADS_ENV,
     PREDICT_READY_ENV,
     SKIP_GATHER_ENV,
@@ -83,6 +84,11 @@ def check() -> int:
         print(
             f"diagnostics: {SKIP_GATHER_ENV} is set: rows are NOT gathered (wrong tokens); "
             "for timing the protocol only"
+        )
+    if settings.diag_early_join:
+        print(
+            f"diagnostics: {EARLY_JOIN_ENV} is set: a Gemma model run eagerly joins its rows "
+            "after the projection, not at decoder layer 0's gate"
         )
     vllm_seen, problems = _compat.check()
     if problems:

@@ -18,10 +18,14 @@ and each decoder layer reads its slice at its end. With ``mmap`` settings:
   loader's rows dropped; shared with Gemma 4), and vLLM's rows buffer is not allocated;
 * ``embed_input_ids`` only records the step's ids (graph-static, like vLLM's buffer), and
   the forward stages them inside the graph, where vLLM read its buffer;
-* the self-decoder computes the projection first, then waits for the rows and runs
-  vLLM's arithmetic on them (the scale, then the add and the scale; multiplying BF16 by
-  16 is exact, so scaling inside the compiled graph instead of eagerly gives the same
-  bits): the host's gather overlaps the token embedding and the projection.
+* the self-decoder computes the projection, then vLLM's arithmetic on the rows (the
+  scale, then the add and the scale; multiplying BF16 by 16 is exact, so scaling inside
+  the graph instead of eagerly gives the same bits). Where the rows join: in a model run
+  eagerly (``-O0``), right before decoder layer 0's per-layer input gate, their first
+  consumer (the combination then completes the projection in place there), so the
+  host's gather overlaps all of layer 0's attention and MLP; in a compiled model, after
+  the projection, where Inductor places it within the first of vLLM's graph pieces
+  (the token embedding, the projection and layer 0 up to its attention).
 
 Refusals and the graph mode are Gemma 4's (:func:`~.token_table.verify_and_update_config`).
 The text-only ``Gemma3nForCausalLM`` is left as vLLM has it: in vLLM 0.33.0 its forward is
@@ -46,6 +50,7 @@ from .token_table import (
     RecordsRowIds,
     find_mmap_tables,
     replace_rows_buffer,
+    runs_eagerly,
     table_class,
     verify_and_update_config,
 )
@@ -81,16 +86,11 @@ class _MmapSelfDecoder(Gemma3nSelfDecoder):
         if per_layer_inputs is None:
             return projection
         table: PerLayerTokenTable = self.embed_tokens_per_layer
-        rows = table.join(per_layer_inputs)
-        # vLLM's, in the multimodal class's embed_input_ids: scaled after the lookup,
-        # then shaped [T, L, d]; then its combination.
-        rows = rows * self.embed_scale_per_layer
-        rows = rows.reshape(
-            -1, self.config.num_hidden_layers, self.config.hidden_size_per_layer_input
+        # vLLM's, in the multimodal class's embed_input_ids: scaled after the lookup, then
+        # shaped [T, L, d]; then its combination (joined here, or at layer 0's gate).
+        return table.combine(
+            projection, per_layer_inputs, self.embed_scale_per_layer, self.per_layer_input_scale
         )
-        combined: torch.Tensor = projection + rows
-        combined *= self.per_layer_input_scale
-        return combined
 
 
 class Gemma3nMmapForConditionalGeneration(RecordsRowIds, Gemma3nForConditionalGeneration):
@@ -120,6 +120,10 @@ class Gemma3nMmapForConditionalGeneration(RecordsRowIds, Gemma3nForConditionalGe
                 f"vLLM's {Gemma3nSelfDecoder.__qualname__}"
             )
         decoder.__class__ = _MmapSelfDecoder
+        if runs_eagerly(vllm_config) and not engine_settings(vllm_config).diag_early_join:
+            decoder.embed_tokens_per_layer.join_before(
+                decoder.decoder_layers[0].per_layer_input_gate
+            )
         self.ple_memops_ids = replace_rows_buffer(self)
 
     def ple_memops_per_layer_inputs(

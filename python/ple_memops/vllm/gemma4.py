@@ -19,10 +19,13 @@ checkpoint's files:
   rows dropped), registered under its name for the custom ops of :mod:`.ops`;
 * the model's ``get_per_layer_inputs`` stages the rows of the (masked) ids with
   ``stage_ids`` instead of looking them up, and ``project_per_layer_inputs`` computes
-  the projection first, then ``read_rows``, then the stock arithmetic on the rows, the
-  same operations in the same order (compiled alike by Inductor: the functional ops of
-  :mod:`.ops`, since vLLM compiles Gemma 4): the host gather overlaps the token
-  embedding and the projection, and the tokens are the stock engine's;
+  the projection first, then the stock arithmetic on the rows, the same operations in
+  the same order (compiled alike by Inductor: the functional ops of :mod:`.ops`, since
+  vLLM compiles Gemma 4), so the tokens are the stock engine's. Where the rows join: in
+  a model run eagerly (``-O0``), right before decoder layer 0's per-layer input gate,
+  their first consumer (:meth:`~.token_table.PerLayerTokenTable.join_before`: the host's
+  gather hides behind layer 0's attention and MLP); compiled, where Inductor places
+  ``read_rows`` (right before its first consumer in the first of vLLM's graph pieces);
 * :class:`Gemma4MmapForCausalLM` and :class:`Gemma4MmapForConditionalGeneration`,
   registered under vLLM's own architecture names, build that for an engine whose
   settings say ``mmap`` and are vLLM's classes unchanged otherwise. The multimodal
@@ -54,6 +57,7 @@ from .token_table import (
     RecordsRowIds,
     find_mmap_tables,
     replace_rows_buffer,
+    runs_eagerly,
     table_class,
     verify_and_update_config,
 )
@@ -88,22 +92,20 @@ class _MmapSelfDecoderLayers(Gemma4SelfDecoderLayers):
         projection: torch.Tensor | None = super().project_per_layer_inputs(inputs_embeds, None)
         if per_layer_inputs is None or projection is None:
             return projection  # a profiling pass without ids, as vLLM's
-        rows: torch.Tensor = self.embed_tokens_per_layer.join(per_layer_inputs)
-        # vLLM's get_per_layer_inputs after its lookup, then its combination.
-        rows = rows * self.embed_scale_per_layer
-        rows = rows.reshape(
-            *inputs_embeds.shape[:-1],
-            self.config.num_hidden_layers,
-            self.hidden_size_per_layer_input,
+        table: PerLayerTokenTable = self.embed_tokens_per_layer
+        # vLLM's get_per_layer_inputs after its lookup, then its combination (joined
+        # here, or at layer 0's gate).
+        return table.combine(
+            projection, per_layer_inputs, self.embed_scale_per_layer, self.per_layer_input_scale
         )
-        combined: torch.Tensor = (projection + rows) * self.per_layer_input_scale
-        return combined
 
 
-def _finish_mmap_model(model: Any) -> bool:
-    """Switch the built ``Gemma4Model``'s self-decoder to the staging one; whether the
-    model has an mmap table (a Gemma 4 without per-layer inputs has none)."""
-    if not isinstance(getattr(model, "embed_tokens_per_layer", None), PerLayerTokenTable):
+def _finish_mmap_model(model: Any, eager: bool) -> bool:
+    """Switch the built ``Gemma4Model``'s self-decoder to the staging one (``eager``: the
+    rows join at decoder layer 0's per-layer gate); whether the model has an mmap table
+    (a Gemma 4 without per-layer inputs has none)."""
+    table = getattr(model, "embed_tokens_per_layer", None)
+    if not isinstance(table, PerLayerTokenTable):
         return False
     decoder = model.self_decoder
     if type(decoder) is not Gemma4SelfDecoderLayers:
@@ -112,6 +114,14 @@ def _finish_mmap_model(model: Any) -> bool:
             f"vLLM's {Gemma4SelfDecoderLayers.__qualname__}"
         )
     decoder.__class__ = _MmapSelfDecoderLayers
+    if eager:
+        gate = getattr(model.layers[model.start_layer], "per_layer_input_gate", None)
+        if gate is None:
+            raise UnsupportedError(
+                "ple-memops: Gemma 4's first decoder layer has no per-layer input gate, "
+                "though the model has a per-layer table"
+            )
+        table.join_before(gate)
     return True
 
 
@@ -123,7 +133,8 @@ class Gemma4MmapForCausalLM(Gemma4ForCausalLM):
         mmap = engine_settings(vllm_config).mmap
         with table_class(vllm_gemma4, _TABLE_SUFFIX) if mmap else contextlib.nullcontext():
             super().__init__(vllm_config=vllm_config, prefix=prefix)
-        if mmap and _finish_mmap_model(self.model):
+        late = runs_eagerly(vllm_config) and not engine_settings(vllm_config).diag_early_join
+        if mmap and _finish_mmap_model(self.model, late):
             self.is_unused_checkpoint_weight = is_per_layer_table_weight
 
 

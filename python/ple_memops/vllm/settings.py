@@ -36,6 +36,7 @@ __all__ = [
     "COPY_ENV",
     "DEFAULT_TIMEOUT",
     "DEPTH",
+    "EARLY_JOIN_ENV",
     "FIRST_LAYER_THREADS_ENV",
     "KEYS",
     "PREDICT_READY_ENV",
@@ -61,6 +62,7 @@ TIME_STALLS_ENV = "PLE_MEMOPS_TIME_STALLS"
 SKIP_GATHER_ENV = "PLE_MEMOPS_DIAG_SKIP_GATHER"
 PREDICT_READY_ENV = "PLE_MEMOPS_PREDICT_READY"
 TIME_GRAPHS_ENV = "PLE_MEMOPS_TIME_GRAPHS"
+EARLY_JOIN_ENV = "PLE_MEMOPS_DIAG_EARLY_JOIN"
 CONFIG_KEY = "ple_memops"
 """The key of ``additional_config`` that holds these settings."""
 BACKENDS = ("default", "mmap")
@@ -188,6 +190,10 @@ class Settings:
     launch to the next and the device's time outside the graphs. Applies with
     ``table_backend`` ``default`` too (the plugin installed, its tables off), so an engine
     with its tables in GPU memory is timed alike."""
+    diag_early_join: bool = False
+    """Diagnostics only: a Gemma model run eagerly joins its rows after the projection
+    at the top of the forward, as a compiled one does, instead of at decoder layer 0's
+    per-layer gate (the same tokens; measures what the late join saves)."""
 
     @property
     def mmap(self) -> bool:
@@ -212,6 +218,7 @@ class Settings:
             _switch(env.get(SKIP_GATHER_ENV), SKIP_GATHER_ENV),
             _switch(env.get(PREDICT_READY_ENV), PREDICT_READY_ENV),
             _switch(env.get(TIME_GRAPHS_ENV), TIME_GRAPHS_ENV),
+            _switch(env.get(EARLY_JOIN_ENV), EARLY_JOIN_ENV),
         )
 
     @classmethod
@@ -242,7 +249,13 @@ class Settings:
                 changes[key] = _copy(value, where)
             elif key == "first_layer_threads":
                 changes[key] = _threads_or_off(value, where)
-            elif key in ("time_stalls", "diag_skip_gather", "predict_ready", "time_graphs"):
+            elif key in (
+                "time_stalls",
+                "diag_skip_gather",
+                "predict_ready",
+                "time_graphs",
+                "diag_early_join",
+            ):
                 changes[key] = _switch(value, where)
             else:
                 changes[key] = _seconds_or_off(value, where)
@@ -260,6 +273,7 @@ KEYS = (
     "diag_skip_gather",
     "predict_ready",
     "time_graphs",
+    "diag_early_join",
 )
 """The keys ``additional_config["ple_memops"]`` may hold (:class:`Settings`' fields)."""
 

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import nn
 
-from ..errors import UnsupportedError
+from ..errors import StateError, UnsupportedError
 from . import ops
 from .layer import MmapTableLayer, TableExpectations, find_tables
 from .settings import engine_settings, parallel_refusals, raise_refusals
@@ -34,6 +34,7 @@ __all__ = [
     "RecordsRowIds",
     "find_mmap_tables",
     "replace_rows_buffer",
+    "runs_eagerly",
     "table_class",
     "verify_and_update_config",
 ]
@@ -108,6 +109,9 @@ class PerLayerTokenTable(nn.Module, MmapTableLayer):
         self.register_buffer("weight", torch.empty(0, embedding_dim, dtype=dtype), persistent=False)
         self.ple_memops_name = prefix
         self.ple_memops_hooks = None
+        self._joins_late = False  # see join_before
+        self._deferred: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+        self._deferred = None
         from vllm.config import get_current_vllm_config
 
         layers = get_current_vllm_config().compilation_config.static_forward_context
@@ -118,6 +122,12 @@ class PerLayerTokenTable(nn.Module, MmapTableLayer):
     @property
     def row_bytes(self) -> int:
         return self.embedding_dim * self.dtype.itemsize
+
+    @property
+    def joins_late(self) -> bool:
+        """Whether the rows join at their first consumer (:meth:`join_before`) rather than
+        after the projection."""
+        return self._joins_late
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """vLLM's loader hands the table here when its file also holds other weights
@@ -153,7 +163,7 @@ class PerLayerTokenTable(nn.Module, MmapTableLayer):
         if hooks is not None:
             hooks.ids_buffer(self.ple_memops_name)  # now, outside any capture
 
-    # -- the model's two calls ----------------------------------------------------------
+    # -- the model's calls --------------------------------------------------------------
 
     def stage(self, ids: torch.Tensor) -> torch.Tensor:
         """Stage the rows of ``ids`` (``[T]``, already masked into the table) with the
@@ -164,6 +174,55 @@ class PerLayerTokenTable(nn.Module, MmapTableLayer):
         """The rows :meth:`stage` staged, ready: ``[T, embedding_dim]`` in the table's
         dtype."""
         return ops.read_rows(staged, self.row_bytes, self.ple_memops_name).view(self.dtype)
+
+    def combine(
+        self,
+        projection: torch.Tensor,
+        staged: torch.Tensor,
+        rows_scale: torch.Tensor,
+        inputs_scale: torch.Tensor,
+    ) -> torch.Tensor:
+        """Both families' per-layer inputs, as vLLM computes them from the projection of
+        the token embedding (``[T, L, d]``) and the rows :meth:`stage` staged::
+
+            (projection + (rows * rows_scale).reshape(projection.shape)) * inputs_scale
+
+        Joined here, unless :meth:`join_before` named a first consumer: then
+        ``projection`` itself is returned and completed in place, the same operations in
+        the same order (eager, so the same bits), right before that consumer runs."""
+        if self._joins_late:
+            if self._deferred is not None:
+                raise StateError(
+                    f"ple-memops: {self.ple_memops_name}: the previous forward's rows were "
+                    "never joined (decoder layer 0's per-layer gate did not run)"
+                )
+            self._deferred = (projection, staged, rows_scale, inputs_scale)
+            return projection
+        rows = self.join(staged) * rows_scale
+        combined: torch.Tensor = (projection + rows.reshape(projection.shape)) * inputs_scale
+        return combined
+
+    def join_before(self, consumer: nn.Module) -> None:
+        """Join the rows :meth:`combine` deferred right before ``consumer`` runs (decoder
+        layer 0's per-layer input gate: the first module whose output meets the rows),
+        instead of after the projection at the top of the forward. For a model that runs
+        eagerly (``-O0``, graphs captured from eager code): there the order of the calls
+        is the order of the kernels, and the host's gather then hides behind all of layer
+        0 but its last matmuls. A compiled model keeps the join in :meth:`combine`
+        (Inductor places it; moving the arithmetic across vLLM's graph pieces would
+        change its fusion, so its bits)."""
+        # (A flag, not the module: a module attribute would make it the table's child.)
+        self._joins_late = True
+        consumer.register_forward_pre_hook(self._join_deferred)
+
+    def _join_deferred(self, module: nn.Module, args: Any) -> None:
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return  # a profiling pass, without rows
+        projection, staged, rows_scale, inputs_scale = deferred
+        rows = self.join(staged) * rows_scale
+        projection.add_(rows.reshape(projection.shape))
+        projection.mul_(inputs_scale)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(
@@ -294,6 +353,14 @@ class RecordsRowIds:
             inputs_embeds=inputs_embeds,
             **kwargs,
         )
+
+
+def runs_eagerly(vllm_config: Any) -> bool:
+    """Whether vLLM runs the model's forward as written (``-O0``: compilation mode
+    ``NONE``), so the order of its calls is the order of its kernels."""
+    from vllm.config.compilation import CompilationMode
+
+    return bool(vllm_config.compilation_config.mode == CompilationMode.NONE)
 
 
 def find_mmap_tables(model: nn.Module) -> list[PerLayerTokenTable]:
