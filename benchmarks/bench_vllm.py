@@ -231,8 +231,9 @@ async def measure(
 
 
 async def profile(args: argparse.Namespace, servers: dict[str, Server], vocab: int) -> None:
-    """After the loads, each live server in turn: ``/start_profile``, one c1 request long
-    enough for the profiler's 16 skipped and ``--profile-steps`` profiled iterations,
+    """After the loads, each live server in turn: ``/start_profile``, ``--profile-concurrency``
+    requests at once (1: one), each long enough for the profiler's 16 skipped and
+    ``--profile-steps`` profiled iterations,
     ``/stop_profile``; its newest trace summarized (``trace_steps``: the FULL graphs'
     replays, span, busy, queued, period, the kernels) into ``servers[b].profile``."""
 
@@ -243,7 +244,9 @@ async def profile(args: argparse.Namespace, servers: dict[str, Server], vocab: i
 
     steps = args.profile_steps + 16 + 8
     load = make_loads(args, vocab, 99)[0]
-    one = Load("profile", 1, [Req(load.requests[0].prompt, steps)])
+    n = args.profile_concurrency
+    prompts = [load.requests[i % len(load.requests)].prompt for i in range(n)]
+    one = Load("profile", n, [Req(p, steps) for p in prompts])
     async with Client(args.request_timeout) as client:
         for b in [b for b in args.backends if servers[b].healthy]:
             srv = servers[b]
@@ -503,10 +506,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile-steps",
         type=int,
         default=0,
-        help="after the loads, profile this many engine steps of one c1 request on each "
+        help="after the loads, profile this many engine steps of one c1 request (see "
+        "--profile-concurrency) on each "
         "server with vLLM's torch profiler (configured in every server alike) and report "
         "each server's FULL graph replays (span, busy, period, kernels; trace_steps.py); "
         "the traces stay under profile-<backend>/ in --log-dir",
+    )
+    p.add_argument(
+        "--profile-concurrency",
+        type=int,
+        default=1,
+        help="the profiled load's requests at once (--profile-steps): 64 profiles the FULL "
+        "graphs of a 64-token decode step",
     )
     p.add_argument(
         "--py-spy",
