@@ -156,6 +156,8 @@ def test_text_model_run_eagerly_its_rows_join_at_layer_0s_gate(
     reference, stats = serve_gemma(_engine(checkpoints["text"], "default", **gemma_eager()))
     got, stats = serve_gemma(_engine(checkpoints["text"], "mmap", **gemma_eager()))
     print(f"\ntext mmap, -O0: {stats}; tokens identical: {got.tokens == reference.tokens}")
-    assert_same_greedy(reference, got.tokens)
+    # Not compiled: both engines run the same kernels in the same order but ours, so
+    # the same bits, and every token equal (not only up to a near tie).
+    assert got.tokens == reference.tokens
     assert_gemma_deferred(stats)
     assert stats["joins_late"] == [True], stats
