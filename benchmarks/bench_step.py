@@ -26,6 +26,12 @@ step), and with --track how often the GPU had to wait for the worker. Every vari
 token stream must equal `gpu`'s (same bytes in, same tokens out).
 
     python benchmarks/bench_step.py [--batches 1,16,64] [--steps 150] [--rounds 4] [--json f]
+
+At a Gemma E2B step's shapes (one 15 KiB row a token, a 30-layer step, rows consumed at the
+end of layer 0), on either device path:
+
+    python benchmarks/bench_step.py --heads 1 --row-bytes 15360 --table-rows 262144 \
+        --layers 30 --hidden 2048 --inter 8192 --consumer 1 --batches 1,8,64 --copy memop
 """
 
 from __future__ import annotations
@@ -47,8 +53,11 @@ from safetensors.numpy import save_file
 import ple_memops as pm
 from ple_memops.plan import RowsPlan
 
+# Rows a token (n-gram heads) and bytes a row: Qwen4Exp-like by default; --heads 1
+# --row-bytes 15360 is a Gemma E2B token's one row of 30 x 256 BF16 values.
 HEADS, ROW_BYTES = 16, 160
 VOCAB = 32768
+COPY = "auto"
 
 
 def make_table(tmp: Path, rows: int) -> pm.MmapTable:
@@ -122,7 +131,7 @@ class Variant:
         elif name.startswith(("worker", "staged")):
             depth = 1 if name == "staged-depth1" else 2
             self.plan = RowsPlan.build(
-                {"ple": table}, max_rows=n, device=0, depth=depth, track_arrival=track
+                {"ple": table}, max_rows=n, device=0, depth=depth, track_arrival=track, copy=COPY
             )
             assert self.plan.mode == "deferred", self.plan.reason
             self.track = self.plan.layers["ple"].rows
@@ -304,6 +313,7 @@ VARIANTS = [
 
 
 def main() -> None:
+    global HEADS, ROW_BYTES, COPY
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--steps", type=int, default=150)
@@ -319,8 +329,19 @@ def main() -> None:
         action="store_true",
         help="count steps where the GPU waited for the worker (one more stream write a step)",
     )
+    ap.add_argument("--heads", type=int, default=HEADS, help="rows a token")
+    ap.add_argument("--row-bytes", type=int, default=ROW_BYTES, help="bytes a row (even)")
+    ap.add_argument(
+        "--copy",
+        choices=["auto", "kernel", "memop"],
+        default=COPY,
+        help="the deferred step's device side (DeferredRows' copy)",
+    )
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
+    if a.heads < 1 or a.row_bytes < 2 or a.row_bytes % 2:
+        ap.error("--heads must be >= 1 and --row-bytes a positive even number")
+    HEADS, ROW_BYTES, COPY = a.heads, a.row_bytes, a.copy
     variants = a.variants.split(",")
     torch.cuda.init()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
