@@ -177,6 +177,42 @@ def test_run_eagerly_the_rows_join_at_layer_0s_gate_with_the_stock_models_bits(
         hooks.shutdown()
 
 
+def test_compiled_the_ids_are_staged_before_the_projection_and_joined_after(
+    checkpoint: Path, dist: Any, installed: Any
+) -> None:
+    # Compiled by Inductor (vLLM's default), the text class stages inside the compiled
+    # forward: the staging must stay ahead of the projection's matmul (Inductor moves an
+    # untagged functional op right before its only consumer, the join, and the host's
+    # gather would overlap nothing), the join after it.
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    mmap_cfg = _config(checkpoint, mmap=True)
+    model, _ = vllm_cpu.load_model(mmap_cfg)
+    hooks = _attach(model, mmap_cfg)
+    layers = mmap_cfg.compilation_config.static_forward_context
+    compiled = torch.compile(lambda ids: _per_layer_inputs(model, ids), fullgraph=True)
+    try:
+        with (
+            set_current_vllm_config(mmap_cfg),
+            hooks.eager(dummy=False),
+            ops.layers(layers),
+            inductor_config.patch(fx_graph_cache=False),
+        ):
+            _, codes = run_and_get_code(compiled, _ids(8, 4))
+    finally:
+        hooks.shutdown()
+    calls = [line.strip() for line in "\n".join(codes).splitlines()]
+
+    def first(pred: Any) -> int:
+        return next(i for i, line in enumerate(calls) if pred(line))
+
+    stage = first(lambda line: "= torch.ops.ple_memops.stage_ids" in line)
+    read = first(lambda line: "= torch.ops.ple_memops.read_rows" in line)
+    matmul = first(lambda line: "mm(" in line or "linear" in line)
+    assert stage < matmul < read, (stage, matmul, read)
+
+
 def test_the_multimodal_class_reads_row_0_at_image_positions(
     tmp_path_factory: pytest.TempPathFactory, dist: Any, installed: Any
 ) -> None:

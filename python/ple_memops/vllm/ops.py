@@ -116,11 +116,16 @@ def _read_rows_fake(staged: torch.Tensor, row_bytes: int, layer_name: str) -> to
     return staged.new_empty((staged.shape[0], row_bytes), dtype=torch.uint8)
 
 
-def _register(schema: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> None:
+def _register(
+    schema: str,
+    impl: Callable[..., Any],
+    fake: Callable[..., Any],
+    tags: tuple[torch.Tag, ...] = (),
+) -> None:
     """Define the op ``schema`` names on :data:`_LIB`, with ``impl`` for every backend and
     ``fake`` for ``torch.compile``."""
     name = schema.split("(", 1)[0]
-    _LIB.define(schema)  # type: ignore[no-untyped-call]
+    _LIB.define(schema, tags=tags)  # type: ignore[no-untyped-call]
     _LIB.impl(name, impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
     torch.library.register_fake(f"ple_memops::{name}", fake, lib=_LIB)
 
@@ -129,7 +134,16 @@ _register(
     "stage_rows(Tensor ids, Tensor(a!) output, str layer_name) -> ()", _stage_rows, _stage_rows_fake
 )
 _register("join_rows(Tensor(a!) output, str layer_name) -> ()", _join_rows, _join_rows_fake)
-_register("stage_ids(Tensor ids, str layer_name) -> Tensor", _stage_ids, _stage_ids_fake)
+# Tagged as RNG-like (its result stands for state outside its inputs: the ids handed to
+# the host): Inductor's reorder_for_locality moves any other functional op right before
+# its only consumer, read_rows, and the host's gather would then overlap nothing; it never
+# moves an op that consumes RNG state (benchmarks/inductor_placement.py shows both).
+_register(
+    "stage_ids(Tensor ids, str layer_name) -> Tensor",
+    _stage_ids,
+    _stage_ids_fake,
+    tags=(torch.Tag.nondeterministic_seeded,),
+)
 _register(
     "read_rows(Tensor staged, int row_bytes, str layer_name) -> Tensor", _read_rows, _read_rows_fake
 )
