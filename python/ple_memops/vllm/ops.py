@@ -137,7 +137,8 @@ _register("join_rows(Tensor(a!) output, str layer_name) -> ()", _join_rows, _joi
 # Tagged as RNG-like (its result stands for state outside its inputs: the ids handed to
 # the host): Inductor's reorder_for_locality moves any other functional op right before
 # its only consumer, read_rows, and the host's gather would then overlap nothing; it never
-# moves an op that consumes RNG state (benchmarks/inductor_placement.py shows both).
+# moves an op that consumes RNG state (torch 2.14, vLLM 0.33.0's pin; torch 2.11 still
+# does: benchmarks/inductor_placement.py shows where).
 _register(
     "stage_ids(Tensor ids, str layer_name) -> Tensor",
     _stage_ids,
