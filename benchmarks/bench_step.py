@@ -52,6 +52,7 @@ from safetensors.numpy import save_file
 
 import ple_memops as pm
 from ple_memops.plan import RowsPlan
+from ple_memops.settings import COPIES
 
 # Rows a token (n-gram heads) and bytes a row: Qwen4Exp-like by default; --heads 1
 # --row-bytes 15360 is a Gemma E2B token's one row of 30 x 256 BF16 values.
@@ -129,9 +130,16 @@ class Variant:
             self.rows_sync = pm.DeferredRows(n, ROW_BYTES, device=0, force_sync=True)
             self.ids_host = torch.zeros(n, dtype=torch.int64).pin_memory()
         elif name.startswith(("worker", "staged")):
-            depth = 1 if name == "staged-depth1" else 2
+            # "worker-staged@memop": the variant with that device side (default --copy).
+            base, _, copy = name.partition("@")
+            depth = 1 if base == "staged-depth1" else 2
             self.plan = RowsPlan.build(
-                {"ple": table}, max_rows=n, device=0, depth=depth, track_arrival=track, copy=COPY
+                {"ple": table},
+                max_rows=n,
+                device=0,
+                depth=depth,
+                track_arrival=track,
+                copy=copy or COPY,
             )
             assert self.plan.mode == "deferred", self.plan.reason
             self.track = self.plan.layers["ple"].rows
@@ -187,7 +195,7 @@ class Variant:
             rows = self.rows_sync
             assert rows is not None
             self.forward(lambda: self.rows_view(rows.staging), lambda: None)
-        elif v == "worker-inline":
+        elif v.partition("@")[0] == "worker-inline":
             plan = self.plan
             assert plan is not None
             worker = plan.layers["ple"].worker
@@ -323,7 +331,12 @@ def main() -> None:
     ap.add_argument("--inter", type=int, default=14336)
     ap.add_argument("--consumer", type=int, default=2)
     ap.add_argument("--table-rows", type=int, default=1 << 21)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated; a worker variant may name its device side after '@' "
+        "(worker-staged@memop-grid)",
+    )
     ap.add_argument(
         "--track",
         action="store_true",
@@ -333,7 +346,7 @@ def main() -> None:
     ap.add_argument("--row-bytes", type=int, default=ROW_BYTES, help="bytes a row (even)")
     ap.add_argument(
         "--copy",
-        choices=["auto", "kernel", "memop"],
+        choices=list(COPIES),
         default=COPY,
         help="the deferred step's device side (DeferredRows' copy)",
     )

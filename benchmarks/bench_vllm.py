@@ -135,6 +135,8 @@ from vllm_servers import (
     wait_healthy,
 )
 
+from ple_memops.settings import COPIES
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -481,7 +483,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="only vLLM's start-up check (free memory >= this share); the KV cache is fixed",
     )
     p.add_argument("--compile", choices=["none", "default"], default="none")
-    p.add_argument("--copy", choices=["auto", "kernel", "memop"], default="auto")
+    p.add_argument("--copy", choices=list(COPIES), default="auto")
     p.add_argument(
         "--vllm-bench",
         type=lambda v: [x for x in v.split(",") if x],
