@@ -17,12 +17,20 @@ and which kernels take the time (median microseconds a replay, by name). Two tra
 side (``--against``) show the kernels whose time differs most: one server against another
 started with the same settings, or against the GPU table's.
 
-    python benchmarks/trace_steps.py TRACE [--against TRACE] [--top 12] [--json out.json]
+``--align`` says where a slower graph loses its time against the first trace's: it aligns
+the two graphs' sequences of GPU work (same kernels in the same order, ours left over) and
+follows the drift, how much later each matched kernel starts in the other graph (median
+over the replays). A drift that jumps at one kernel is a stall there (the kernel before
+it and after it are named); a drift that grows a little at every kernel is a cost spread
+over the graph (the median gap between consecutive kernels says how much each pays).
+
+    python benchmarks/trace_steps.py TRACE [--against TRACE] [--top 12] [--align] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import gzip
 import itertools
 import json
@@ -32,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Replay", "load_events", "markdown", "replays", "summarize"]
+__all__ = ["Replay", "align", "load_events", "markdown", "replays", "summarize"]
 
 GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -47,6 +55,8 @@ class Replay:
     last_us: float
     busy_us: float
     kernels: dict[str, float] = field(default_factory=dict)
+    # (start, end, name) of every kernel, copy and memset, by start.
+    work: list[tuple[float, float, str]] = field(default_factory=list)
 
     @property
     def span_us(self) -> float:
@@ -107,6 +117,7 @@ def replays(events: list[dict[str, Any]]) -> list[Replay]:
                 last_us=max(b for _, b in spans),
                 busy_us=_union(spans),
                 kernels=kernels,
+                work=sorted((a, b, e["name"]) for (a, b), e in zip(spans, items, strict=True)),
             )
         )
     return sorted(out, key=lambda r: r.launch_us)
@@ -145,6 +156,107 @@ def summarize(reps: list[Replay], top: int = 12) -> dict[str, Any]:
         "top": dict(list(kernels.items())[:top]),
         "kernels": kernels,
     }
+
+
+def _common(reps: list[Replay]) -> list[Replay]:
+    """The replays of the most common number of activities (one graph's shape)."""
+    counts: dict[int, int] = {}
+    for r in reps:
+        counts[len(r.work)] = counts.get(len(r.work), 0) + 1
+    if not counts:
+        return []
+    shape = max(counts, key=lambda k: counts[k])
+    return [r for r in reps if len(r.work) == shape]
+
+
+def _median_gap(reps: list[Replay]) -> float | None:
+    """Median over the replays of the median gap from one activity's start to the latest
+    end of the activities before it (negative: they overlap)."""
+    per = []
+    for r in reps:
+        gaps, end = [], float("-inf")
+        for a, b, _ in r.work:
+            if end > float("-inf"):
+                gaps.append(a - end)
+            end = max(end, b)
+        if gaps:
+            per.append(statistics.median(gaps))
+    return _med(per)
+
+
+def align(base: list[Replay], other: list[Replay], top: int = 5) -> dict[str, Any]:
+    """Where ``other``'s graph spends the time ``base``'s does not (see the module): both
+    traces' common-shape replays, their activities aligned by name; ``drift_us`` at the
+    end, the ``top`` largest ``jumps`` (the drift's rise from one matched activity to the
+    next: a stall before ``after``), what the rest of the drift adds up to (``spread_us``),
+    each graph's ``median_gap_us``, and the activities only ``other`` runs (``extra``:
+    name, median start in the replay, median duration)."""
+    a, b = _common(base), _common(other)
+    if not a or not b:
+        return {"matched": 0}
+    na, nb = [w[2] for w in a[0].work], [w[2] for w in b[0].work]
+    pairs = [
+        (m.a + i, m.b + i)
+        for m in difflib.SequenceMatcher(a=na, b=nb, autojunk=False).get_matching_blocks()
+        for i in range(m.size)
+    ]
+    if not pairs:
+        return {"matched": 0}
+
+    def offset(reps: list[Replay], i: int) -> float:
+        return statistics.median(r.work[i][0] - r.work[0][0] for r in reps)
+
+    drift = [offset(b, j) - offset(a, i) for i, j in pairs]
+    steps = [
+        (drift[k] - drift[k - 1], nb[pairs[k - 1][1]], nb[pairs[k][1]], offset(b, pairs[k][1]))
+        for k in range(1, len(pairs))
+    ]
+    worst = sorted(steps, key=lambda s: -s[0])[:top]
+    matched_b = {j for _, j in pairs}
+    extra = [
+        (nb[j], offset(b, j), statistics.median(r.work[j][1] - r.work[j][0] for r in b))
+        for j in range(len(nb))
+        if j not in matched_b
+    ]
+    # Rises under a nanosecond (the trace's resolution) are rounding, not time.
+    jumps = [
+        {"rise_us": d, "before": x, "after": y, "at_us": t} for d, x, y, t in worst if d > 1e-3
+    ]
+    return {
+        "matched": len(pairs),
+        "activities": (len(na), len(nb)),
+        "drift_us": drift[-1],
+        "first_drift_us": drift[0],
+        "jumps": jumps,
+        "spread_us": drift[-1] - drift[0] - sum(j["rise_us"] for j in jumps),
+        "median_gap_us": (_median_gap(a), _median_gap(b)),
+        "extra": extra,
+    }
+
+
+def align_markdown(base_name: str, name: str, al: dict[str, Any]) -> str:
+    """:func:`align`'s report as text."""
+    if not al.get("matched"):
+        return f"{name} against {base_name}: nothing to align"
+    ga, gb = al["median_gap_us"]
+    lines = [
+        f"{name} against {base_name}: {al['matched']} of {al['activities'][1]} activities "
+        f"matched; drift at the end {al['drift_us']:+,.1f} us (at the first "
+        f"{al['first_drift_us']:+,.1f}); median gap between activities {_f(ga)} / {_f(gb)} us; "
+        f"drift outside the jumps below {al['spread_us']:+,.1f} us",
+        "",
+        "| rise us | at us (in the replay) | the last on time | the first late |",
+        "|---|---|---|---|",
+    ]
+    for j in al["jumps"]:
+        lines.append(
+            f"| {j['rise_us']:+,.1f} | {j['at_us']:,.1f} | `{j['before'][:60]}` | "
+            f"`{j['after'][:60]}` |"
+        )
+    lines += ["", f"Only in {name}: " + (", ".join(
+        f"`{n[:40]}` at {t:,.1f} us ({d:,.1f} us)" for n, t, d in al["extra"]
+    ) or "nothing")]  # fmt: skip
+    return "\n".join(lines)
 
 
 def _f(x: float | None) -> str:
@@ -194,12 +306,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("trace", type=Path)
     p.add_argument("--against", type=Path, action="append", default=[])
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--align", action="store_true", help="where each --against graph loses time")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    named = {
-        t.name: summarize(replays(load_events(t)), args.top) for t in [args.trace, *args.against]
-    }
+    loaded = {t.name: replays(load_events(t)) for t in [args.trace, *args.against]}
+    named: dict[str, Any] = {n: summarize(r, args.top) for n, r in loaded.items()}
     print(markdown(named, args.top))
+    if args.align:
+        base = args.trace.name
+        for other in list(loaded)[1:]:
+            al = align(loaded[base], loaded[other], args.top)
+            print()
+            print(align_markdown(base, other, al))
+            named[other]["align"] = al
     if args.json:
         args.json.write_text(json.dumps(named, indent=1))
     return 0 if all(s["replays"] for s in named.values()) else 1

@@ -86,3 +86,57 @@ def test_a_trace_without_graph_launches_fails(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text(json.dumps({"traceEvents": 3}))
     with pytest.raises(ValueError, match="no traceEvents"):
         trace_steps.load_events(tmp_path / "bad.json")
+
+
+def _chain(gap: float, stall_before: int | None = None, ours: bool = False) -> list[dict[str, Any]]:
+    """Two replays of one graph: 40 kernels of 2 us in a chain, ``gap`` us apart; with
+    ``stall_before`` the kernel of that index starts 300 us late; with ``ours`` a publish
+    kernel runs first."""
+    ev: list[dict[str, Any]] = []
+    for r in range(2):
+        t0, c = 10_000.0 * r, 1 + r
+        ev.append(_x("cuda_runtime", "cudaGraphLaunch", t0, 5.0, c))
+        t = t0 + 10
+        if ours:
+            ev.append(_x("kernel", "ple_publish_ids", t, 3.0, c))
+            t += 3 + gap
+        for i in range(40):
+            if i == stall_before:
+                t += 300
+            ev.append(_x("kernel", f"layer_op_{i % 4}", t, 2.0, c))
+            t += 2 + gap
+    return ev
+
+
+def test_align_names_a_stall_and_what_only_the_other_graph_runs() -> None:
+    base = trace_steps.replays(_chain(gap=0.1))
+    slow = trace_steps.replays(_chain(gap=0.1, stall_before=20, ours=True))
+    al = trace_steps.align(base, slow, top=2)
+    assert al["matched"] == 40 and al["activities"] == (40, 41)
+    assert al["drift_us"] == pytest.approx(303.1)  # our kernel and its gap, then the stall
+    (jump,) = al["jumps"]  # nothing else rises
+    assert jump["rise_us"] == pytest.approx(300.0)
+    assert (jump["before"], jump["after"]) == ("layer_op_3", "layer_op_0")
+    assert jump["at_us"] == pytest.approx(3.1 + 20 * 2.1 + 300)
+    assert al["spread_us"] == pytest.approx(0.0, abs=1e-6)
+    assert [(n, t, d) for n, t, d in al["extra"]] == [("ple_publish_ids", 0.0, 3.0)]
+    text = trace_steps.align_markdown("base", "slow", al)
+    assert "| +300.0 | 345.1 | `layer_op_3` | `layer_op_0` |" in text
+    assert "Only in slow: `ple_publish_ids` at 0.0 us (3.0 us)" in text
+
+
+def test_align_tells_a_cost_spread_over_every_kernel(tmp_path: Path) -> None:
+    base, spread = tmp_path / "base.json", tmp_path / "spread.json"
+    base.write_text(json.dumps({"traceEvents": _chain(gap=0.1)}))
+    spread.write_text(json.dumps({"traceEvents": _chain(gap=0.4)}))
+    out = tmp_path / "o.json"
+    assert (
+        trace_steps.main([str(base), "--against", str(spread), "--align", "--json", str(out)]) == 0
+    )
+    al = json.loads(out.read_text())[spread.name]["align"]
+    assert al["drift_us"] == pytest.approx(39 * 0.3)
+    assert al["median_gap_us"] == pytest.approx([0.1, 0.4])
+    # Every step rises alike: the top jumps hold a few of them, the spread the rest.
+    assert al["spread_us"] == pytest.approx((39 - 12) * 0.3)
+    assert al["extra"] == []
+    assert trace_steps.align([], trace_steps.replays(_chain(gap=0.1))) == {"matched": 0}
