@@ -335,7 +335,7 @@ def main() -> None:
         "--variants",
         default=",".join(VARIANTS),
         help="comma-separated; a worker variant may name its device side after '@' "
-        "(worker-staged@memop-grid)",
+        "(worker-staged@kernel)",
     )
     ap.add_argument(
         "--track",

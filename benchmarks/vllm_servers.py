@@ -93,9 +93,6 @@ MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     "mmap": {},
     "mmap-kernel": {"copy": "kernel"},
     "mmap-memop": {"copy": "memop"},
-    # The memop path with its flag reset by a kernel, or its copy by a grid of blocks.
-    "mmap-kreset": {"copy": "memop-kreset"},
-    "mmap-grid": {"copy": "memop-grid"},
     # The gather workers hot (spinning, then yielding) for 50 ms instead of 2 ms: a worker
     # armed one step ahead no longer naps before the GPU publishes the step's ids.
     "mmap-spin": {"spin": 0.05},
@@ -128,9 +125,6 @@ MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     # A Gemma model's rows joined after the projection at the top of the forward, as before
     # the late join (which, in a model run eagerly, joins them at decoder layer 0's gate).
     "mmap-early": {"diag_early_join": True},
-    # The graph one chain: the ids published and the rows awaited on the model's stream
-    # (no side stream joined at the consumer).
-    "mmap-inline": {"diag_inline": True},
     "mmap-sync": {"env": {"PLE_MEMOPS_FORCE_SYNC": "1"}},
     # What the synchronous fallback did before it kept FULL graphs: graphs off.
     "mmap-sync-eager": {"env": {"PLE_MEMOPS_FORCE_SYNC": "1"}, "cudagraph_mode": "NONE"},
@@ -308,7 +302,6 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
             "diag_skip_gather",
             "predict_ready",
             "diag_early_join",
-            "diag_inline",
         ):
             if key in variant:
                 ours[key] = variant[key]

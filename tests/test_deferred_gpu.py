@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 ROW = 160
 
 
-@pytest.fixture(params=["kernel", "memop", "memop-kreset", "memop-grid"])
+@pytest.fixture(params=["kernel", "memop"])
 def copy(request: pytest.FixtureRequest) -> str:
     """Both device-side paths run every protocol test."""
     return str(request.param)

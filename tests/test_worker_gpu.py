@@ -342,7 +342,7 @@ def test_sync_fallback_refuses_a_worker(torch, table: pm.MmapTable) -> None:  # 
         pm.GatherWorker(rows, table)
 
 
-@pytest.mark.parametrize("copy", ["kernel", "memop", "memop-kreset", "memop-grid"])
+@pytest.mark.parametrize("copy", ["kernel", "memop"])
 @pytest.mark.parametrize("when", ["before", "thread"])
 def test_host_ids_behind_thousands_of_kernels(  # type: ignore[no-untyped-def]
     torch, table: pm.MmapTable, copy: str, when: str

@@ -25,7 +25,7 @@ __all__ = [
     "StepSettings",
 ]
 
-COPIES = ("auto", "kernel", "memop", "memop-kreset", "memop-grid")
+COPIES = ("auto", "kernel", "memop")
 """The device sides of a deferred step (``DeferredRows(copy=...)``)."""
 PUBLISHES = ("kernel", "memop")
 """How a graph publishes device-produced ids (``GatherWorker(publish=...)``)."""

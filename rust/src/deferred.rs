@@ -73,11 +73,6 @@ pub enum CopyPath {
     /// `cuStreamWaitValue64` ; copy-engine H2D ; `cuStreamWriteValue32`. Occupies no SM
     /// while waiting; the copy engine wins on bandwidth for large steps.
     Memop,
-    /// `cuStreamWaitValue64` ; copy-engine H2D ; the flag reset by a one-warp kernel.
-    MemopKernelReset,
-    /// `cuStreamWaitValue64` ; the grid copy of [`CopyPath::Kernel`] (its last block
-    /// resets the flag): no SM while waiting, no copy engine.
-    MemopGrid,
 }
 
 /// Largest step [`CopyPath::Auto`] sends through the kernel path (chosen by measurement:
@@ -91,8 +86,6 @@ impl CopyPath {
             CopyPath::Auto => "auto",
             CopyPath::Kernel => "kernel",
             CopyPath::Memop => "memop",
-            CopyPath::MemopKernelReset => "memop-kreset",
-            CopyPath::MemopGrid => "memop-grid",
         }
     }
 
@@ -327,7 +320,7 @@ impl DeferredRows {
             _ => None,
         };
         let copy_done = match (&kernel, &ctx) {
-            (Some(_), Some(ctx)) if matches!(cfg.copy, CopyPath::Kernel | CopyPath::MemopGrid) => {
+            (Some(_), Some(ctx)) if cfg.copy == CopyPath::Kernel => {
                 let _g = ctx.bind()?;
                 let buf = DeviceBuffer::new(16, ctx.ordinal())?;
                 buf.zero(16, ctx.ordinal())?;
@@ -845,27 +838,17 @@ impl Shared {
                         grid,
                     )?;
                 }
-                path => {
-                    let gate = flag.gate_device_ptr();
-                    driver::wait_any_bit64(stream, gate, HostFlag::WAIT_MASK, dev)?;
-                    let k = self.kernel.expect("deferred mode loads the kernel");
-                    match path {
-                        CopyPath::MemopGrid => {
-                            let done = self.copy_done.as_ref();
-                            let done = done.expect("the grid copy has a counter").ptr;
-                            k.copy_reset(stream, self.slot_dptr, staging, bytes, gate, done)?;
-                        }
-                        CopyPath::MemopKernelReset => {
-                            driver::copy_h2d_async(staging, self.slot_ptr, bytes, stream, dev)?;
-                            k.reset(stream, gate, HostFlag::WAIT_MASK)?;
-                        }
-                        _ => {
-                            driver::copy_h2d_async(staging, self.slot_ptr, bytes, stream, dev)?;
-                            driver::write_u32(stream, gate, HostFlag::EMPTY, dev)?;
-                            if self.cfg.track_arrival {
-                                driver::write_u32(stream, flag.arrived_device_ptr(), 0, dev)?;
-                            }
-                        }
+                _ => {
+                    driver::wait_any_bit64(
+                        stream,
+                        flag.gate_device_ptr(),
+                        HostFlag::WAIT_MASK,
+                        dev,
+                    )?;
+                    driver::copy_h2d_async(staging, self.slot_ptr, bytes, stream, dev)?;
+                    driver::write_u32(stream, flag.gate_device_ptr(), HostFlag::EMPTY, dev)?;
+                    if self.cfg.track_arrival {
+                        driver::write_u32(stream, flag.arrived_device_ptr(), 0, dev)?;
                     }
                 }
             }

@@ -111,14 +111,11 @@ impl PyDeferredRows {
             "auto" => CopyPath::Auto,
             "kernel" => CopyPath::Kernel,
             "memop" => CopyPath::Memop,
-            "memop-kreset" => CopyPath::MemopKernelReset,
-            "memop-grid" => CopyPath::MemopGrid,
             other => {
                 return Err(to_pyerr(
                     py,
                     Error::invalid(format!(
-                        "copy must be 'auto', 'kernel', 'memop', 'memop-kreset' or \
-                         'memop-grid', got {other:?}"
+                        "copy must be 'auto', 'kernel' or 'memop', got {other:?}"
                     )),
                 ))
             }

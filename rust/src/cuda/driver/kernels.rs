@@ -160,41 +160,6 @@ impl Kernels {
         }
     }
 
-    /// Enqueue `filled = EMPTY` (and `arrived = 0`) as one 32-thread kernel: the fused
-    /// kernel with nothing to copy, whose poll passes at once because a stream wait on the
-    /// gate precedes it.
-    ///
-    /// # Safety
-    /// `gate` is the flag line's device address and outlives every execution of the launch;
-    /// the launch follows a wait that already saw the gate set; `stream` is live.
-    pub unsafe fn reset(&self, stream: RawStream, gate: DevicePtr, mask: u64) -> Result<()> {
-        let mut args = [0, 0, 0, gate, mask];
-        // SAFETY: the parameters as the kernel declares them (n = 0: no slot access).
-        unsafe { self.launch(self.wait_copy_reset, 1, 32, stream, &mut args) }
-    }
-
-    /// Enqueue the grid copy of [`Kernels::wait_copy_reset`] without its polling warp
-    /// (the caller's stream already waited on the gate): `grid_for(n)` blocks copy `n`
-    /// bytes `src -> dst`, the last resets the flag and puts `done` back to zero.
-    ///
-    /// # Safety
-    /// As for [`Kernels::wait_copy_reset`] with `Some(done)`, and a wait on the gate
-    /// precedes the launch on `stream`.
-    pub unsafe fn copy_reset(
-        &self,
-        stream: RawStream,
-        src: DevicePtr,
-        dst: DevicePtr,
-        n: usize,
-        gate: DevicePtr,
-        done: DevicePtr,
-    ) -> Result<()> {
-        let (blocks, threads) = grid_for(n);
-        let mut args = [src, dst, n as u64, gate, done];
-        // SAFETY: the parameters as the kernel declares them; the rest is the caller's.
-        unsafe { self.launch(self.copy_reset, blocks, threads, stream, &mut args) }
-    }
-
     /// Enqueue `copy count ids (elem bytes each) -> mailbox ; store count ; ready = 1`, where
     /// `count` is `*count_dev` (clamped) when non-zero, else `max_ids`.
     ///
