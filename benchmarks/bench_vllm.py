@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -134,6 +135,7 @@ from vllm_servers import (
     table_files,
     wait_healthy,
 )
+from vllm_soak import soak, soak_markdown, soak_verdict
 
 from ple_memops.settings import COPIES
 
@@ -530,11 +532,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--log-dir; benchmarks/stacks_diff.py compares two)",
     )
     p.add_argument("--py-spy-bin", default="py-spy", help="the py-spy executable")
+    p.add_argument(
+        "--soak",
+        type=float,
+        default=0,
+        help="instead of the loads: one server (--backends, default mmap) under the mixed "
+        "load for this many minutes, a share of its clients leaving mid-stream; passes "
+        "with no error, memory flat and a probe's text unchanged (benchmarks/vllm_soak.py)",
+    )
+    p.add_argument(
+        "--soak-disconnect",
+        type=float,
+        default=0.25,
+        help="share of the soak's clients that leave after 2-8 streamed tokens",
+    )
+    p.add_argument(
+        "--soak-sample", type=float, default=60, help="seconds between the soak's memory samples"
+    )
+    p.add_argument(
+        "--soak-tolerance-mib",
+        type=float,
+        default=256,
+        help="how far host RSS, the page cache or GPU memory may move during the soak",
+    )
     p.add_argument("--log-dir", type=Path, default=Path(os.environ.get("OUT", "/tmp/ple-out")))
     p.add_argument("--markdown", type=Path)
     p.add_argument("--json", type=Path)
     p.add_argument("--dry-run", action="store_true", help="CPU checks, fake servers (no GPU)")
     return p.parse_args(argv)
+
+
+def _soak(
+    args: argparse.Namespace, server: Server, tables: list[Path], vocab: int, meta: dict[str, Any]
+) -> int:
+    """``--soak``: run it, print and write the result; 0 when it passed."""
+    if not server.healthy:
+        log(f"soak: {server.backend} did not start: {server.error}")
+        return 1
+    res = asyncio.run(soak(args, server, tables, vocab))
+    md = meta["model"] + "\n\n" + soak_markdown(res, args.soak_tolerance_mib, server.backend)
+    print("\n" + md + "\n", flush=True)
+    if args.markdown:
+        args.markdown.write_text(md + f"\n\ncommand: `{meta['command']}`\n")
+    if args.json:
+        out = {"meta": meta, "soak": dataclasses.asdict(res)}
+        args.json.write_text(json.dumps(out, indent=1, default=str))
+    return 0 if not soak_verdict(res, args.soak_tolerance_mib) else 1
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -544,6 +587,11 @@ def _interrupt(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     fam = family(args)
+    if args.soak:
+        if args.backends is None:
+            args.backends = ["mmap"]
+        if len(args.backends) != 1 or args.mixed_long <= 0:
+            raise SystemExit("--soak serves one backend under the mixed load (--mixed-long > 0)")
     if args.backends is None:
         args.backends = ["gpu", "uva" if fam == "qwen4exp" else "offload", "mmap"]
     unknown = [b for b in args.backends if b not in known_backends(fam)]
@@ -636,6 +684,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers.values():
             s.facts = log_facts(s.log_path)
         meta["gpu_used_mib_all_servers"] = gpu_used_total()
+        if args.soak:
+            return _soak(args, next(iter(servers.values())), tables, int(cfg["vocab_size"]), meta)
         asyncio.run(measure(args, servers, tables, int(cfg["vocab_size"]), rows))
         if args.profile_steps:
             asyncio.run(profile(args, servers, int(cfg["vocab_size"])))
@@ -647,7 +697,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers.values():
             s.facts = log_facts(s.log_path)
         try:
-            report(args, rows, servers, meta, tables)
+            if not args.soak:
+                report(args, rows, servers, meta, tables)
         finally:
             stop_servers(list(servers.values()))
     return 0 if rows else 1

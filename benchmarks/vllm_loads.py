@@ -27,6 +27,9 @@ class Req:
     output_len: int
     at: float = 0.0  # arrival offset (s); requests at 0 wait for the concurrency limit
     kind: str = "short"
+    # Close the connection after this many streamed tokens (0: read to the end): a client
+    # that goes away mid-stream, whose request vLLM aborts inside the running batch.
+    disconnect_after: int = 0
 
 
 @dataclass
@@ -76,16 +79,20 @@ class Out:
     error: str = ""
     kind: str = "short"
     prompt_len: int = 0
+    text: str = ""  # the streamed completion
+    disconnected: bool = False  # closed by the client as its Req asked
 
 
 class Client:
     """vLLM's own completions client (aiohttp) where vLLM is importable, else a stdlib one
     with the same timing (first streamed chunk = TTFT, each later chunk one ITL)."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, stdlib: bool = False) -> None:
         self.timeout = timeout
         self.session: Any = None
         try:
+            if stdlib:  # a client that can go away mid-stream (Req.disconnect_after)
+                raise ImportError("asked for")
             import aiohttp
             from vllm.benchmarks.lib import endpoint_request_func as erf
 
@@ -137,7 +144,7 @@ class Client:
             tokens = int(o.output_tokens or 0) or (len(o.itl) + 1 if o.success else 0)
             return Out(
                 o.success, o.ttft, o.latency, list(o.itl), tokens, o.start_time,
-                (o.error or "")[-500:], req.kind, len(req.prompt),
+                (o.error or "")[-500:], req.kind, len(req.prompt), o.generated_text or "",
             )  # fmt: skip
         try:
             return await asyncio.wait_for(self._stdlib(port, req), self.timeout)
@@ -201,6 +208,11 @@ class Client:
                         else:
                             out.itl.append(now - last)
                         last = now
+                        out.text += d["choices"][0].get("text") or ""
+                        if req.disconnect_after and len(out.itl) + 1 >= req.disconnect_after:
+                            out.latency, out.ok, out.disconnected = last - st, True, True
+                            out.tokens = len(out.itl) + 1
+                            return out  # the finally closes the connection mid-stream
                     elif d.get("usage"):
                         out.tokens = int(d["usage"].get("completion_tokens") or 0)
             out.latency = last - st
