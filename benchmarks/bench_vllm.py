@@ -155,7 +155,7 @@ async def measure(
     """Warm-up, then repeats x loads x backends (rotating order) until done or the deadline;
     each measurement is appended to ``rows`` as it ends (kept when interrupted)."""
     took: dict[str, float] = {}
-    live = [b for b in args.backends if servers[b].healthy]
+    live = [b for b in args.backends if b in servers and servers[b].healthy]
     async with Client(args.request_timeout) as client:
         log(f"client: {client.kind}")
         if live and args.warmup:
@@ -533,6 +533,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--py-spy-bin", default="py-spy", help="the py-spy executable")
     p.add_argument(
+        "--solo",
+        action="store_true",
+        help="each backend's server alone on the GPU, one after another (no interleaving: "
+        "compare the graphs' GPU time, --time-graphs, rather than ITL)",
+    )
+    p.add_argument(
         "--soak",
         type=float,
         default=0,
@@ -560,6 +566,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path)
     p.add_argument("--dry-run", action="store_true", help="CPU checks, fake servers (no GPU)")
     return p.parse_args(argv)
+
+
+def _solo(
+    args: argparse.Namespace,
+    ckpt: Path,
+    plugin_dir: Path,
+    servers: dict[str, Server],
+    tables: list[Path],
+    vocab: int,
+    rows: list[dict[str, Any]],
+) -> None:
+    """``--solo``: each backend's server alone on the GPU, one after another: started,
+    measured (every repeat), its facts read, stopped (``servers`` keeps them for the
+    report)."""
+    for b in args.backends:
+        if left() < 60:
+            log(f"deadline: {left():.0f} s left, {b} not started")
+            break
+        srv = servers[b] = start_server(args, ckpt, b, plugin_dir)
+        log(f"{b} started alone; waiting up to {args.start_timeout:.0f} s")
+        wait_healthy([srv], min(args.start_timeout, max(left(), 1)), args.start_grace)
+        try:
+            if srv.healthy:
+                srv.facts = log_facts(srv.log_path)
+                asyncio.run(measure(args, {b: srv}, tables, vocab, rows))
+        finally:
+            stop_servers([srv])
 
 
 def _soak(
@@ -675,6 +708,9 @@ def main(argv: list[str] | None = None) -> int:
         evict(tables)
         log(f"table files evicted before the servers start: {page_cache(tables):.2f} GiB resident")
     try:
+        if args.solo:
+            _solo(args, ckpt, plugin_dir, servers, tables, int(cfg["vocab_size"]), rows)
+            return 0 if rows else 1
         for b in args.backends:
             servers[b] = start_server(args, ckpt, b, plugin_dir)
         log(f"started {', '.join(args.backends)}; waiting up to {args.start_timeout:.0f} s")

@@ -77,3 +77,47 @@ def test_thread_places_and_the_machines_topology() -> None:
     groups = [str(g) for g in topo["smt_siblings"]]
     cpus = {int(c) for g in groups for part in g.split(",") for c in part.split("-")}
     assert cpus and max(cpus) < (os.cpu_count() or 1)
+
+
+def test_solo_serves_each_backend_alone_in_turn(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--solo``: one server at a time on the GPU (started, measured, stopped), the rows of
+    all of them kept for the report."""
+    from vllm_dry_run import _Fake
+    from vllm_servers import Server
+
+    fakes = {"gpu-plugin": _Fake(0.001), "mmap": _Fake(0.001)}
+    for f in fakes.values():
+        f.start()
+    events: list[str] = []
+
+    def start(args, ckpt, backend, plugin_dir):  # type: ignore[no-untyped-def]
+        assert not [e for e in events if e.startswith("start")] or events[-1].startswith("stop")
+        events.append(f"start {backend}")
+        return Server(backend, fakes[backend].port, tmp_path / f"{backend}.log")
+
+    def healthy(servers, limit, grace):  # type: ignore[no-untyped-def]
+        for s in servers:
+            s.healthy = True
+
+    monkeypatch.setattr(bench_vllm, "start_server", start)
+    monkeypatch.setattr(bench_vllm, "wait_healthy", healthy)
+
+    def stop(servers):  # type: ignore[no-untyped-def]
+        events.extend(f"stop {s.backend}" for s in servers)
+
+    monkeypatch.setattr(bench_vllm, "stop_servers", stop)
+    args = bench_vllm.parse_args(
+        ["--solo", "--backends", "gpu-plugin,mmap", "--concurrency", "1", "--requests", "2",
+         "--output-len", "8", "--repeats", "2", "--mixed-long", "0", "--no-warmup"]
+    )  # fmt: skip
+    servers: dict = {}
+    rows: list = []
+    bench_vllm._solo(args, tmp_path, tmp_path, servers, [], 512, rows)
+    assert events == ["start gpu-plugin", "stop gpu-plugin", "start mmap", "stop mmap"]
+    assert [(r["backend"], r["repeat"]) for r in rows] == [
+        ("gpu-plugin", 1),
+        ("gpu-plugin", 2),
+        ("mmap", 1),
+        ("mmap", 2),
+    ]
+    assert all(r["ok"] == 2 for r in rows) and set(servers) == {"gpu-plugin", "mmap"}
