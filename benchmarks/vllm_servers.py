@@ -93,6 +93,8 @@ MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     "mmap": {},
     "mmap-kernel": {"copy": "kernel"},
     "mmap-memop": {"copy": "memop"},
+    # The single-block kernel at every size: one kernel node waits, copies and resets.
+    "mmap-fused": {"copy": "kernel-fused"},
     # The gather workers hot (spinning, then yielding) for 50 ms instead of 2 ms: a worker
     # armed one step ahead no longer naps before the GPU publishes the step's ids.
     "mmap-spin": {"spin": 0.05},

@@ -24,9 +24,9 @@ pytestmark = pytest.mark.gpu
 ROW = 160
 
 
-@pytest.fixture(params=["kernel", "memop"])
+@pytest.fixture(params=["kernel", "memop", "kernel-fused"])
 def copy(request: pytest.FixtureRequest) -> str:
-    """Both device-side paths run every protocol test."""
+    """Every device-side path runs every protocol test."""
     return str(request.param)
 
 

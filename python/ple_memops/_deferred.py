@@ -191,8 +191,9 @@ class DeferredRows:
             and resets the flag (lowest latency; holds one SM while waiting); above 64 KiB
             a step one warp polls, then a grid of blocks copies.
             ``"memop"``: ``cuStreamWaitValue64``, a copy-engine H2D, ``cuStreamWriteValue32``
-            (holds no SM; more bandwidth for large steps). ``"auto"`` (default): the kernel
-            up to 64 KiB a step, memops above.
+            (holds no SM; more bandwidth for large steps). ``"kernel-fused"``: the
+            single-block kernel at every size (one kernel node; one SM reads the whole
+            step). ``"auto"`` (default): the kernel up to 64 KiB a step, memops above.
     """
 
     def __init__(
@@ -256,7 +257,7 @@ class DeferredRows:
 
     @property
     def copy(self) -> str:
-        """The configured device side: ``"auto"``, ``"kernel"`` or ``"memop"``."""
+        """The configured device side (:data:`~ple_memops.settings.COPIES`)."""
         return self._live().copy
 
     @property

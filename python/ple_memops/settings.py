@@ -25,7 +25,7 @@ __all__ = [
     "StepSettings",
 ]
 
-COPIES = ("auto", "kernel", "memop")
+COPIES = ("auto", "kernel", "memop", "kernel-fused")
 """The device sides of a deferred step (``DeferredRows(copy=...)``)."""
 PUBLISHES = ("kernel", "memop")
 """How a graph publishes device-produced ids (``GatherWorker(publish=...)``)."""
@@ -48,8 +48,8 @@ class StepSettings:
     """Steps armed at once: under asynchronous scheduling the host launches step N+1
     before step N is completed."""
     copy: str = "auto"
-    """The device side of a deferred step: ``"kernel"``, ``"memop"`` or ``"auto"`` (the
-    kernel up to 64 KiB a step)."""
+    """The device side of a deferred step: ``"kernel"``, ``"memop"``, ``"kernel-fused"`` or
+    ``"auto"`` (the kernel up to 64 KiB a step)."""
     publish: str = "kernel"
     """How a captured graph publishes its ids: ``"kernel"`` or ``"memop"``."""
     spin: float | None = None

@@ -73,6 +73,9 @@ pub enum CopyPath {
     /// `cuStreamWaitValue64` ; copy-engine H2D ; `cuStreamWriteValue32`. Occupies no SM
     /// while waiting; the copy engine wins on bandwidth for large steps.
     Memop,
+    /// The single-block kernel of [`CopyPath::Kernel`] at every size (one SM reads the
+    /// whole slot over PCIe): one kernel node, no grid launch, no copy engine.
+    KernelFused,
 }
 
 /// Largest step [`CopyPath::Auto`] sends through the kernel path (chosen by measurement:
@@ -86,6 +89,7 @@ impl CopyPath {
             CopyPath::Auto => "auto",
             CopyPath::Kernel => "kernel",
             CopyPath::Memop => "memop",
+            CopyPath::KernelFused => "kernel-fused",
         }
     }
 
@@ -821,10 +825,10 @@ impl Shared {
                 driver::write_u32(stream, flag.arrived_device_ptr(), 1, dev)?;
             }
             match self.cfg.copy.resolve(bytes) {
-                CopyPath::Kernel => {
+                path @ (CopyPath::Kernel | CopyPath::KernelFused) => {
                     let k = self.kernel.expect("deferred mode loads the kernel");
                     // Above the fused kernel's size, the grid copy and its block counter.
-                    let grid = (bytes > KERNEL_MAX_BYTES).then(|| {
+                    let grid = (path == CopyPath::Kernel && bytes > KERNEL_MAX_BYTES).then(|| {
                         let done = self.copy_done.as_ref();
                         done.expect("a forced kernel path has a counter").ptr
                     });

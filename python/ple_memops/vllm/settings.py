@@ -150,8 +150,8 @@ class Settings:
     timeout: float = DEFAULT_TIMEOUT
     copy: str = "auto"
     """The device side of a deferred step (:class:`~ple_memops.DeferredRows`'s ``copy``):
-    ``"auto"``, ``"kernel"`` (one polling block) or ``"memop"`` (stream memory operations
-    and a copy-engine H2D)."""
+    ``"auto"``, ``"kernel"`` (one polling block), ``"memop"`` (stream memory operations
+    and a copy-engine H2D) or ``"kernel-fused"`` (the one polling block at every size)."""
     spin: float | None = None
     """Seconds each layer's gather worker stays hot (spinning, then yielding) while it
     waits for a step's ids before it naps (``None``: the core's default, 2 ms). A worker

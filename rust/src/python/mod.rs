@@ -111,11 +111,12 @@ impl PyDeferredRows {
             "auto" => CopyPath::Auto,
             "kernel" => CopyPath::Kernel,
             "memop" => CopyPath::Memop,
+            "kernel-fused" => CopyPath::KernelFused,
             other => {
                 return Err(to_pyerr(
                     py,
                     Error::invalid(format!(
-                        "copy must be 'auto', 'kernel' or 'memop', got {other:?}"
+                        "copy must be 'auto', 'kernel', 'memop' or 'kernel-fused', got {other:?}"
                     )),
                 ))
             }
