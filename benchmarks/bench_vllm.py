@@ -280,12 +280,13 @@ async def profile(args: argparse.Namespace, servers: dict[str, Server], vocab: i
             try:
                 await asyncio.sleep(1.0)  # a trace still being written is read whole
                 events = trace_steps.load_events(traces[-1])
-                summary = trace_steps.summarize(trace_steps.replays(events))
+                reps = trace_steps.replays(events)
+                summary = trace_steps.summarize(reps)
             except (OSError, ValueError, EOFError) as exc:
                 log(f"{b}: the trace {traces[-1]} could not be read: {exc!r}")
                 continue
             summary["trace"] = str(traces[-1])
-            srv.profile = summary
+            srv.profile, srv.replays = summary, reps
             log(f"{b}: profiled {summary['replays']} replays ({traces[-1].name}): span "
                 f"{summary.get('span_us')} us, busy {summary.get('busy_us')} us, period "
                 f"{summary.get('period_us')} us")  # fmt: skip

@@ -102,6 +102,7 @@ class _Fake(threading.Thread):
         self.fail = fail
         self.step_s = step_s
         self.trace_dir: Path | None = None
+        self.stall_us = 0.0  # the traces' norm kernel this much later (a stall before it)
         ThreadingHTTPServer.request_queue_size = 256  # no SYN retries at concurrency 64
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
         self.httpd.daemon_threads = True
@@ -118,8 +119,9 @@ class _Fake(threading.Thread):
         step = self.step_s * 1e6
         for i in range(replays):
             t = i * step
+            norm_at = 40.0 + step / 2 + self.stall_us
             for name, at, dur in (("cudaGraphLaunch", 0.0, 20.0), ("gemm", 30.0, step / 2),
-                                  ("norm", 40.0 + step / 2, 10.0)):  # fmt: skip
+                                  ("norm", norm_at, 10.0)):  # fmt: skip
                 cat = "cuda_runtime" if name.startswith("cuda") else "kernel"
                 ev.append({"ph": "X", "cat": cat, "name": name, "ts": t + at, "dur": dur,
                            "args": {"correlation": i}})  # fmt: skip

@@ -481,8 +481,15 @@ def report(
     if profiled:
         first = args.ref if args.ref in profiled else next(iter(profiled))
         named = {first: profiled[first]} | profiled
-        md += "\n\nOne c1 request profiled on each server (the FULL graphs' replays; "
+        n = args.profile_concurrency
+        md += f"\n\n{n}-token decode steps profiled on each server (the FULL graphs' replays; "
         md += "benchmarks/trace_steps.py):\n\n" + trace_steps.markdown(named, top=8)
+        base = servers[first].replays or []
+        for b in profiled:
+            if b != first and base and servers[b].replays:
+                al = trace_steps.align(base, servers[b].replays or [], top=4)
+                profiled[b]["align"] = al
+                md += "\n\n" + trace_steps.align_markdown(first, b, al)
     v = verdict(summary, "uva" if family(args) == "qwen4exp" else "offload")
     print("\n" + md + "\n\n" + v + "\n", flush=True)
     if args.markdown:

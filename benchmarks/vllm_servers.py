@@ -404,6 +404,8 @@ class Server:
     ready_s: float | None = None
     facts: dict[str, Any] = field(default_factory=dict)
     profile: dict[str, Any] | None = None
+    # The profiled FULL graph replays (trace_steps.Replay), for aligning against the ref's.
+    replays: list[Any] | None = None
 
 
 def start_server(args: argparse.Namespace, ckpt: Path, backend: str, plugin_dir: Path) -> Server:

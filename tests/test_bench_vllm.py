@@ -121,3 +121,38 @@ def test_solo_serves_each_backend_alone_in_turn(monkeypatch: pytest.MonkeyPatch,
         ("mmap", 2),
     ]
     assert all(r["ok"] == 2 for r in rows) and set(servers) == {"gpu-plugin", "mmap"}
+
+
+def test_the_report_says_where_a_profiled_graph_loses_time(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The profile phase keeps each server's replays; the report aligns each against the
+    reference's and names the stall."""
+    import asyncio
+
+    import vllm_clock
+    from vllm_dry_run import _Fake
+    from vllm_report import report
+    from vllm_servers import Server, profile_dir
+
+    fakes = {"gpu": _Fake(0.002), "mmap": _Fake(0.002)}
+    fakes["mmap"].stall_us = 300.0
+    args = bench_vllm.parse_args(
+        ["--backends", "gpu,mmap", "--profile-steps", "4", "--log-dir", str(tmp_path),
+         "--concurrency", "1", "--mixed-long", "0"]
+    )  # fmt: skip
+    args.ref = "gpu"
+    servers = {}
+    for b, f in fakes.items():
+        f.trace_dir = profile_dir(args, b)
+        f.start()
+        servers[b] = Server(b, f.port, tmp_path / f"{b}.log", healthy=True, ready_s=0.0)
+    vllm_clock.DEADLINE = vllm_clock.time.monotonic() + 60
+    try:
+        asyncio.run(bench_vllm.profile(args, servers, 512))
+    finally:
+        vllm_clock.DEADLINE = float("inf")
+    assert all(s.replays for s in servers.values())
+    report(args, [], servers, {"model": "fake", "setup": "", "command": "test"}, [])
+    out = capsys.readouterr().out
+    assert "1-token decode steps profiled on each server" in out
+    assert "mmap against gpu:" in out
+    assert "| +300.0 |" in out  # the norm kernel starts 300 us late in mmap's graphs
