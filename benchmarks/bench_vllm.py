@@ -540,6 +540,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "compare the graphs' GPU time, --time-graphs, rather than ITL)",
     )
     p.add_argument(
+        "--sync-scheduling",
+        action="store_true",
+        help="every server without asynchronous scheduling (--no-async-scheduling): the "
+        "host waits for each step, no input copies or launches overlap a running graph",
+    )
+    p.add_argument(
         "--soak",
         type=float,
         default=0,

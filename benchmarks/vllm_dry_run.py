@@ -367,6 +367,8 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
                                          f"limits {ea.limit_mm_per_prompt}")  # fmt: skip
             elif offload != cpu_offload(b) or ea.cpu_offload_gb:
                 raise AssertionError(f"{b}: engram {engram}, offload {ea.cpu_offload_gb} GB")
+            if ea.async_scheduling != (not args.sync_scheduling):
+                raise AssertionError(f"{b}: async scheduling {ea.async_scheduling}")
             if ea.tensor_parallel_size != args.tensor_parallel_size:
                 raise AssertionError(f"{b}: tensor parallel size {ea.tensor_parallel_size}")
             prof = ea.profiler_config

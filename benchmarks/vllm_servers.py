@@ -342,7 +342,8 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30)),
-        "--no-enable-prefix-caching", "--async-scheduling",
+        "--no-enable-prefix-caching",
+        "--no-async-scheduling" if args.sync_scheduling else "--async-scheduling",
         "--compilation-config", json.dumps(graphs), *tables,
         "--additional-config", json.dumps(extra),
     ]  # fmt: skip

@@ -123,6 +123,23 @@ def test_solo_serves_each_backend_alone_in_turn(monkeypatch: pytest.MonkeyPatch,
     assert all(r["ok"] == 2 for r in rows) and set(servers) == {"gpu-plugin", "mmap"}
 
 
+def test_sync_scheduling_turns_async_scheduling_off_in_every_server() -> None:
+    """``--sync-scheduling``: each backend's engine says ``--no-async-scheduling`` (and only
+    then); the rest of its arguments are the same."""
+    from vllm_servers import engine_argv
+
+    base = ["--model", "gemma3n-e2b", "--backends", "gpu-plugin,mmap"]
+    on = bench_vllm.parse_args(base)
+    off = bench_vllm.parse_args([*base, "--sync-scheduling"])
+    for backend in ("gpu-plugin", "mmap"):
+        a, b = engine_argv(on, backend), engine_argv(off, backend)
+        assert "--async-scheduling" in a and "--no-async-scheduling" not in a
+        assert "--no-async-scheduling" in b and "--async-scheduling" not in b
+        assert [x for x in a if x != "--async-scheduling"] == [
+            x for x in b if x != "--no-async-scheduling"
+        ]
+
+
 def test_the_report_says_where_a_profiled_graph_loses_time(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     """The profile phase keeps each server's replays; the report aligns each against the
     reference's and names the stall."""
