@@ -400,9 +400,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["bench", "tiny", *GEMMA_MODELS],
         default="bench",
         help="bench: the Qwen4Exp benchmark model (--layers, --table-gib, ...); tiny: its "
-        "tiny size; gemma4-e2b: Gemma 4 at E2B's shapes (transformers' Gemma4TextConfig "
-        "defaults); gemma3n-e2b, gemma3n-e4b: Gemma 3n at E2B's and E4B's text shapes, "
-        "served text only; gemma4-tiny, gemma3n-tiny: the Gemma tests' tiny ones",
+        "tiny size; gemma4-e2b, gemma4-e4b: the released Gemma 4 E2B's and E4B's text "
+        "models; gemma4-default: transformers' Gemma4TextConfig defaults; gemma3n-e2b, "
+        "gemma3n-e4b: Gemma 3n at E2B's and E4B's text shapes, served text only; "
+        "gemma4-tiny, gemma3n-tiny: the Gemma tests' tiny ones",
     )
     p.add_argument("--checkpoint", type=Path, help="serve this checkpoint instead of building one")
     p.add_argument("--ckpt-root", type=Path, default=Path("/tmp/ple-bench-ckpt"))

@@ -57,16 +57,41 @@ FAMILY_STOCK = {
 # The Gemma models, each a text config's keys (``base``: None for the tests' tiny one, {}
 # for transformers' own defaults; ``overrides`` on top). EOS is the bench tokenizer's (id
 # 2; the requests ignore it).
-# - gemma4-e2b: Gemma 4 at E2B's shapes as transformers' Gemma4TextConfig defaults describe
-#   them (its docstring: "similar to google/gemma-4-e2b-it"): 30 layers of hidden 2304
-#   (every sixth full attention), a [262144, 30 x 256] BF16 per-layer table of 3.75 GiB.
+# - gemma4-e2b, gemma4-e4b: the text models of the released google/gemma-4-E2B and E4B
+#   checkpoints (their config.json's text_config): E2B 35 layers of hidden 1536, one KV
+#   head, the last 20 layers sharing KV and their MLPs double wide, every fifth layer full
+#   attention (heads of 512), a [262144, 35 x 256] BF16 per-layer table of 4.38 GiB; E4B
+#   42 layers of hidden 2560, two KV heads, the last 18 sharing KV, every sixth full, a
+#   [262144, 42 x 256] table of 5.25 GiB.
+# - gemma4-default: transformers' Gemma4TextConfig defaults (its docstring says "similar to
+#   google/gemma-4-e2b-it", but they are not E2B's widths): 30 layers of hidden 2304, four
+#   KV heads, no KV sharing, every sixth full attention, a [262144, 30 x 256] table of
+#   3.75 GiB.
 # - gemma3n-e4b: Gemma3nTextConfig's defaults ("gemma3n_text-E4B style"): 35 layers of
 #   hidden 2048, 15 KV-shared, a [262144, 35 x 256] table of 4.38 GiB; gemma3n-e2b:
 #   E2B's (transformers' converter: 30 layers, intermediate 8192, 10 KV-shared), 3.75 GiB.
 #   Gemma3nForConditionalGeneration, served text only (its towers are the tests' tiny ones
 #   and vLLM does not build them).
+_GEMMA4_RELEASED: dict[str, Any] = {
+    "vocab_size": 262144, "vocab_size_per_layer_input": 262144,
+    "hidden_size_per_layer_input": 256, "num_attention_heads": 8, "head_dim": 256,
+    "global_head_dim": 512, "sliding_window": 512, "attention_k_eq_v": False,
+    "final_logit_softcapping": 30.0, "tie_word_embeddings": True, "eos_token_id": vbm.EOS_ID,
+}  # fmt: skip
+_GEMMA4_E2B: dict[str, Any] = _GEMMA4_RELEASED | {
+    "hidden_size": 1536, "num_hidden_layers": 35, "intermediate_size": 6144,
+    "num_key_value_heads": 1, "num_kv_shared_layers": 20, "use_double_wide_mlp": True,
+    "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7,
+}  # fmt: skip
+_GEMMA4_E4B: dict[str, Any] = _GEMMA4_RELEASED | {
+    "hidden_size": 2560, "num_hidden_layers": 42, "intermediate_size": 10240,
+    "num_key_value_heads": 2, "num_kv_shared_layers": 18, "use_double_wide_mlp": False,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 7,
+}  # fmt: skip
 GEMMA_MODELS: dict[str, dict[str, Any]] = {
-    "gemma4-e2b": {"family": "gemma4", "base": {}, "overrides": {"eos_token_id": vbm.EOS_ID}},
+    "gemma4-e2b": {"family": "gemma4", "base": {}, "overrides": _GEMMA4_E2B},
+    "gemma4-e4b": {"family": "gemma4", "base": {}, "overrides": _GEMMA4_E4B},
+    "gemma4-default": {"family": "gemma4", "base": {}, "overrides": {"eos_token_id": vbm.EOS_ID}},
     "gemma4-tiny": {
         "family": "gemma4",
         "base": None,

@@ -140,6 +140,33 @@ def test_sync_scheduling_turns_async_scheduling_off_in_every_server() -> None:
         ]
 
 
+def test_the_gemma_bench_models_have_the_released_checkpoints_widths() -> None:
+    """The text configs the bench writes its Gemma checkpoints from (transformers' own
+    classes): Gemma 4 E2B and E4B as their released config.json's text_config describe
+    them, transformers' Gemma 4 defaults apart (they are not E2B's widths)."""
+    pytest.importorskip("transformers")
+    from vllm_servers import GEMMA_MODELS, gemma_config
+
+    want = {  # layers, hidden, per-layer table [rows, layers x 256], full-attention layers
+        "gemma4-e2b": (35, 1536, [262144, 35 * 256], 7),
+        "gemma4-e4b": (42, 2560, [262144, 42 * 256], 7),
+        "gemma4-default": (30, 2304, [262144, 30 * 256], 5),
+        "gemma3n-e2b": (30, 2048, [262144, 30 * 256], None),
+        "gemma3n-e4b": (35, 2048, [262144, 35 * 256], None),
+    }
+    for model, (layers, hidden, table, full) in want.items():
+        cfg = gemma_config(model)
+        assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["table"]) == (
+            layers, hidden, table), model  # fmt: skip
+        if full is not None:
+            assert cfg["full_layers"] == full, model
+    e2b, e4b = GEMMA_MODELS["gemma4-e2b"]["overrides"], GEMMA_MODELS["gemma4-e4b"]["overrides"]
+    assert (e2b["num_kv_shared_layers"], e2b["use_double_wide_mlp"]) == (20, True)
+    assert (e4b["num_kv_shared_layers"], e4b["use_double_wide_mlp"]) == (18, False)
+    assert e2b["layer_types"][:5] == ["sliding_attention"] * 4 + ["full_attention"]
+    assert e4b["layer_types"][:6] == ["sliding_attention"] * 5 + ["full_attention"]
+
+
 def test_the_report_says_where_a_profiled_graph_loses_time(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     """The profile phase keeps each server's replays; the report aligns each against the
     reference's and names the stall."""

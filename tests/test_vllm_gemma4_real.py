@@ -139,6 +139,57 @@ def test_the_model_loads_without_its_table_and_its_inputs_are_the_stock_models(
         hooks.shutdown()
 
 
+# The released E2B's structure at a tiny size: the last layers share KV (vLLM builds them
+# as its cross-decoder, without K/V projections, and drops the K/V tensors the checkpoint
+# still ships for them), their MLPs double wide, one KV head, full-attention heads wider
+# than the sliding ones.
+RELEASED_STRUCTURE = dict(
+    num_hidden_layers=6,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    num_kv_shared_layers=2,
+    use_double_wide_mlp=True,
+    global_head_dim=128,
+)
+
+
+def test_the_released_structure_kv_shared_layers_double_wide_mlps(
+    tmp_path: Path, dist: Any, installed: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = ckpts.write_gemma4_checkpoint(tmp_path / "shared", **RELEASED_STRUCTURE)
+    kept = vllm_cpu.spy_loaded_files(monkeypatch)
+    mmap_cfg = _config(ckpt, mmap=True, compilation_config=CompilationConfig(mode=0))
+    model, _ = vllm_cpu.load_model(mmap_cfg)
+    assert kept == [["model-rest.safetensors"]]  # the table's file was not read
+    monkeypatch.undo()
+    stock_cfg = _config(ckpt, mmap=False, compilation_config=CompilationConfig(mode=0))
+    stock, _ = vllm_cpu.load_model(stock_cfg)
+    lm = _language(model)
+    assert len(lm.self_decoder.decoder_layers) == 4 and len(lm.cross_decoder.decoder_layers) == 2
+    # Every weight but the table is the stock model's (the shared layers' too).
+    table = "embed_tokens_per_layer.weight"
+    theirs = dict(_language(stock).named_parameters())
+    ours = dict(lm.named_parameters())
+    assert table in theirs and set(ours) == set(theirs) - {table}
+    for name, p in ours.items():
+        assert torch.equal(p, theirs[name]), name
+    hooks = _attach(model, mmap_cfg)
+    layers = mmap_cfg.compilation_config.static_forward_context
+    gate = lm.layers[0].per_layer_input_gate
+    hidden = ckpts.GEMMA4_CONFIG["hidden_size"]
+    try:
+        for n, seed in ((1, 1), (9, 2), (40, 3)):
+            ids = _ids(n, seed)
+            with set_current_vllm_config(stock_cfg):
+                want = _per_layer_inputs(stock, ids)
+            with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
+                got = _per_layer_inputs(model, ids)
+                gate(torch.zeros(n, hidden, dtype=torch.bfloat16))  # the rows' first consumer
+            assert got.shape == want.shape == (n, 6, 16) and want.abs().sum() > 0
+            assert torch.equal(got, want), (n, (got.float() - want.float()).abs().max())
+    finally:
+        hooks.shutdown()
+
+
 def test_run_eagerly_the_rows_join_at_layer_0s_gate_with_the_stock_models_bits(
     checkpoint: Path, dist: Any, installed: Any
 ) -> None:

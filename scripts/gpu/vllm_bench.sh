@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # benchmarks/bench_vllm.py on an H200: three `vllm serve` servers of a random-weight
 # Qwen4Exp (PLE tables on the GPU, pinned + UVA, and ple-memops' mmap), or with
-# BENCH_ARGS="--model gemma4-e2b" (or gemma3n-e2b, gemma3n-e4b) of a Gemma at E2B's or E4B's
-# shapes (its table on the GPU, vLLM's --cpu-offload-gb of the table's bytes, and mmap),
+# BENCH_ARGS="--model gemma4-e2b" (or gemma4-e4b, gemma3n-e2b, gemma3n-e4b) of a Gemma at
+# E2B's or E4B's shapes (its table on the GPU, vLLM's --cpu-offload-gb of the table's bytes, and mmap),
 # interleaved loads, the table in BENCHMARKS.md form. Run from the repository root after
 # scripts/vllm-h200/setup.sh (vLLM in /tmp/vllm-site, our wheel in /tmp/site), as
 # scripts/gpu/vllm_engine.sh is. Writes under $OUT: bench_vllm_<tag>.{log,md,json},
