@@ -135,7 +135,8 @@ from vllm_servers import (
     table_files,
     wait_healthy,
 )
-from vllm_soak import soak, soak_markdown, soak_verdict
+from vllm_soak import SoakResult, soak, soak_markdown, soak_verdict
+from vllm_soak import finish as soak_finish
 
 from ple_memops.settings import COPIES
 
@@ -576,6 +577,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# A server's start on the H200 before one was measured here (Gemma 3n E2B 77-104 s, the
+# Qwen4Exp bench model 149-215 s), and the seconds its stop may take.
+SOLO_START_GUESS_S = 150.0
+SOLO_STOP_S = 45.0
+
+
 def _solo(
     args: argparse.Namespace,
     ckpt: Path,
@@ -586,38 +593,76 @@ def _solo(
     rows: list[dict[str, Any]],
 ) -> None:
     """``--solo``: each backend's server alone on the GPU, one after another: started,
-    measured (every repeat), its facts read, stopped (``servers`` keeps them for the
-    report)."""
-    for b in args.backends:
-        if left() < 60:
-            log(f"deadline: {left():.0f} s left, {b} not started")
+    measured (every repeat it has time for), profiled and sampled as asked, its facts read,
+    stopped (``servers`` keeps them for the report). Each backend gets an equal share of
+    the time left; one is started only if the last start's length and a minute of loads
+    fit. An interrupt leaves the running server to ``main``, which reports first."""
+    start_s = SOLO_START_GUESS_S
+    for k, b in enumerate(args.backends):
+        share = left() / (len(args.backends) - k)
+        if left() < start_s + 60 + SOLO_STOP_S:
+            log(f"deadline: {left():.0f} s left, {b} not started (a start takes ~{start_s:.0f} s)")
             break
+        used = gpu_used_total()
+        log(f"{b}: starting alone (GPU memory in use before: {used} MiB; {share:.0f} s for it)")
+        t0 = time.monotonic()
         srv = servers[b] = start_server(args, ckpt, b, plugin_dir)
-        log(f"{b} started alone; waiting up to {args.start_timeout:.0f} s")
         wait_healthy([srv], min(args.start_timeout, max(left(), 1)), args.start_grace)
-        try:
-            if srv.healthy:
-                srv.facts = log_facts(srv.log_path)
-                asyncio.run(measure(args, {b: srv}, tables, vocab, rows))
-        finally:
+        if not srv.healthy:
+            log(f"{b}: did not start ({srv.error})")
             stop_servers([srv])
+            continue
+        start_s = max(start_s * 0.5, time.monotonic() - t0)
+        srv.facts = log_facts(srv.log_path)
+        whole = vllm_clock.DEADLINE
+        # This backend's loads (and profile) end by its share, less its stop.
+        vllm_clock.DEADLINE = min(whole, t0 + share - SOLO_STOP_S)
+        try:
+            one = argparse.Namespace(**{**vars(args), "backends": [b]})
+            asyncio.run(measure(one, {b: srv}, tables, vocab, rows))
+            if args.profile_steps:
+                asyncio.run(profile(one, {b: srv}, vocab))
+            if args.py_spy:
+                asyncio.run(sample_stacks(one, {b: srv}, vocab))
+        finally:
+            vllm_clock.DEADLINE = whole
+        srv.facts = log_facts(srv.log_path)
+        stop_servers([srv])
 
 
 def _soak(
     args: argparse.Namespace, server: Server, tables: list[Path], vocab: int, meta: dict[str, Any]
 ) -> int:
-    """``--soak``: run it, print and write the result; 0 when it passed."""
+    """``--soak``: run it, print and write the result; 0 when it passed. The JSON is
+    rewritten at every sample, and the result is written however the soak ends (a signal
+    leaves what was measured, marked cut short)."""
+    res = SoakResult(args.soak)
+
+    def write(final: bool) -> None:
+        if final:
+            md = (
+                meta["model"] + "\n\n" + soak_markdown(res, args.soak_tolerance_mib, server.backend)
+            )
+            print("\n" + md + "\n", flush=True)
+            if args.markdown:
+                args.markdown.write_text(md + f"\n\ncommand: `{meta['command']}`\n")
+        if args.json:
+            out = {"meta": meta, "soak": dataclasses.asdict(res), "final": final}
+            args.json.write_text(json.dumps(out, indent=1, default=str))
+
     if not server.healthy:
         log(f"soak: {server.backend} did not start: {server.error}")
+        res.server_died = f"the server did not start: {server.error}"
+        write(True)
         return 1
-    res = asyncio.run(soak(args, server, tables, vocab))
-    md = meta["model"] + "\n\n" + soak_markdown(res, args.soak_tolerance_mib, server.backend)
-    print("\n" + md + "\n", flush=True)
-    if args.markdown:
-        args.markdown.write_text(md + f"\n\ncommand: `{meta['command']}`\n")
-    if args.json:
-        out = {"meta": meta, "soak": dataclasses.asdict(res)}
-        args.json.write_text(json.dumps(out, indent=1, default=str))
+    try:
+        asyncio.run(soak(args, server, tables, vocab, res, progress=lambda _: write(False)))
+    except KeyboardInterrupt as exc:
+        res.cut_short = f"an interrupt ({exc})"
+        log(f"soak interrupted: {exc}")
+    finally:
+        soak_finish(res, server)
+        write(True)
     return 0 if not soak_verdict(res, args.soak_tolerance_mib) else 1
 
 
@@ -633,6 +678,14 @@ def main(argv: list[str] | None = None) -> int:
             args.backends = ["mmap"]
         if len(args.backends) != 1 or args.mixed_long <= 0:
             raise SystemExit("--soak serves one backend under the mixed load (--mixed-long > 0)")
+        others = [name for name, on in (("--solo", args.solo), ("--vllm-bench", args.vllm_bench),
+                  ("--profile-steps", args.profile_steps), ("--py-spy", args.py_spy),
+                  ("--cold", args.cold)) if on]  # fmt: skip
+        if others:
+            # --cold: the page cache of the tables would grow during the soak by design.
+            raise SystemExit(f"--soak runs alone: drop {', '.join(others)}")
+    if args.solo and args.vllm_bench:
+        raise SystemExit("--solo measures the servers' loads; --vllm-bench runs no server")
     if args.backends is None:
         args.backends = ["gpu", "uva" if fam == "qwen4exp" else "offload", "mmap"]
     unknown = [b for b in args.backends if b not in known_backends(fam)]
@@ -684,7 +737,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.long_min}-{args.long_max}/{args.long_output_len} every {args.mixed_gap} s; "
             f"{'cold' if args.cold else 'warm'} page cache; compile {args.compile}; "
             f"FULL_DECODE_ONLY {args.capture_sizes}; max_num_batched_tokens "
-            f"{args.max_num_batched_tokens}; median of up to {args.repeats} interleaved repeats"
+            f"{args.max_num_batched_tokens}; "
+            + (
+                f"one server at a time (--solo), up to {args.repeats} repeats each"
+                if args.solo
+                else f"median of up to {args.repeats} interleaved repeats"
+            )
         ),
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "checkpoint": str(ckpt),

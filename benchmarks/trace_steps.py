@@ -169,6 +169,22 @@ def _common(reps: list[Replay]) -> list[Replay]:
     return [r for r in reps if len(r.work) == shape]
 
 
+def _keys(r: Replay) -> list[tuple[str, int]]:
+    """``r``'s activities in start order as (name, how many of that name came before)."""
+    seen: dict[str, int] = {}
+    out = []
+    for _, _, name in r.work:
+        out.append((name, seen.get(name, 0)))
+        seen[name] = seen.get(name, 0) + 1
+    return out
+
+
+def _keyed(r: Replay) -> dict[tuple[str, int], tuple[float, float]]:
+    """``r``'s activities by :func:`_keys`: (start, end) from the replay's first start."""
+    t0 = r.work[0][0]
+    return {k: (s - t0, e - t0) for k, (s, e, _) in zip(_keys(r), r.work, strict=True)}
+
+
 def _median_gap(reps: list[Replay]) -> float | None:
     """Median over the replays of the median gap from one activity's start to the latest
     end of the activities before it (negative: they overlap)."""
@@ -194,7 +210,12 @@ def align(base: list[Replay], other: list[Replay], top: int = 5) -> dict[str, An
     a, b = _common(base), _common(other)
     if not a or not b:
         return {"matched": 0}
-    na, nb = [w[2] for w in a[0].work], [w[2] for w in b[0].work]
+    # An activity is known by its name and how many of that name came before it in its
+    # replay: kernels of two streams may start in another order from one replay to the next,
+    # so a position in one replay is not the same activity in another.
+    ka, kb = _keys(a[0]), _keys(b[0])
+    ta, tb = [_keyed(r) for r in a], [_keyed(r) for r in b]
+    na, nb = [k[0] for k in ka], [k[0] for k in kb]
     pairs = [
         (m.a + i, m.b + i)
         for m in difflib.SequenceMatcher(a=na, b=nb, autojunk=False).get_matching_blocks()
@@ -203,20 +224,21 @@ def align(base: list[Replay], other: list[Replay], top: int = 5) -> dict[str, An
     if not pairs:
         return {"matched": 0}
 
-    def offset(reps: list[Replay], i: int) -> float:
-        return statistics.median(r.work[i][0] - r.work[0][0] for r in reps)
+    def offset(keyed: list[dict[tuple[str, int], tuple[float, float]]], key: Any) -> float:
+        return statistics.median(t[key][0] for t in keyed if key in t)
 
-    drift = [offset(b, j) - offset(a, i) for i, j in pairs]
+    def took(keyed: list[dict[tuple[str, int], tuple[float, float]]], key: Any) -> float:
+        return statistics.median(t[key][1] - t[key][0] for t in keyed if key in t)
+
+    drift = [offset(tb, kb[j]) - offset(ta, ka[i]) for i, j in pairs]
     steps = [
-        (drift[k] - drift[k - 1], nb[pairs[k - 1][1]], nb[pairs[k][1]], offset(b, pairs[k][1]))
+        (drift[k] - drift[k - 1], nb[pairs[k - 1][1]], nb[pairs[k][1]], offset(tb, kb[pairs[k][1]]))
         for k in range(1, len(pairs))
     ]
     worst = sorted(steps, key=lambda s: -s[0])[:top]
     matched_b = {j for _, j in pairs}
     extra = [
-        (nb[j], offset(b, j), statistics.median(r.work[j][1] - r.work[j][0] for r in b))
-        for j in range(len(nb))
-        if j not in matched_b
+        (nb[j], offset(tb, kb[j]), took(tb, kb[j])) for j in range(len(nb)) if j not in matched_b
     ]
     # Rises under a nanosecond (the trace's resolution) are rounding, not time.
     jumps = [

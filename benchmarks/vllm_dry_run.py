@@ -93,6 +93,12 @@ class _Fake(threading.Thread):
                 time.sleep(len(body["prompt"]) * 2e-6)  # "prefill"
                 for i in range(body["max_tokens"]):
                     time.sleep(outer.step_s)
+                    if i == 3 and outer.stream_fault == "cut":
+                        return  # the connection closes: no usage, no [DONE]
+                    if i == 3 and outer.stream_fault == "error":
+                        err = {"error": {"message": "EngineCore died", "code": 500}}
+                        self.wfile.write(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
+                        return
                     chunk = {"choices": [{"text": f" w{i}", "index": 0}]}
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                     self.wfile.flush()
@@ -103,6 +109,9 @@ class _Fake(threading.Thread):
         self.step_s = step_s
         self.trace_dir: Path | None = None
         self.stall_us = 0.0  # the traces' norm kernel this much later (a stall before it)
+        # "cut": streams end after 3 tokens without [DONE]; "error": an error event there,
+        # as vLLM reports a failure inside a stream.
+        self.stream_fault = ""
         ThreadingHTTPServer.request_queue_size = 256  # no SYN retries at concurrency 64
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
         self.httpd.daemon_threads = True

@@ -121,7 +121,9 @@ class Client:
         if self.session is not None:
             await self.session.close()
 
-    async def request(self, port: int, req: Req) -> Out:
+    async def request(self, port: int, req: Req, timeout: float | None = None) -> Out:
+        """One streamed completion; ``timeout`` (default the client's) bounds it."""
+        limit = self.timeout if timeout is None else min(self.timeout, max(timeout, 1.0))
         url = f"http://127.0.0.1:{port}/v1/completions"
         if self._erf is not None:
             inp = self._erf.RequestFuncInput(
@@ -136,20 +138,19 @@ class Client:
             )
             try:
                 o = await asyncio.wait_for(
-                    self._erf.async_request_openai_completions(inp, self.session),
-                    self.timeout,
+                    self._erf.async_request_openai_completions(inp, self.session), limit
                 )
             except TimeoutError:
-                return Out(error=f"timed out after {self.timeout:.0f} s", kind=req.kind)
+                return Out(error=f"timed out after {limit:.0f} s", kind=req.kind)
             tokens = int(o.output_tokens or 0) or (len(o.itl) + 1 if o.success else 0)
             return Out(
                 o.success, o.ttft, o.latency, list(o.itl), tokens, o.start_time,
                 (o.error or "")[-500:], req.kind, len(req.prompt), o.generated_text or "",
             )  # fmt: skip
         try:
-            return await asyncio.wait_for(self._stdlib(port, req), self.timeout)
+            return await asyncio.wait_for(self._stdlib(port, req), limit)
         except TimeoutError:
-            return Out(error=f"timed out after {self.timeout:.0f} s", kind=req.kind)
+            return Out(error=f"timed out after {limit:.0f} s", kind=req.kind)
         except Exception as exc:
             return Out(error=f"{type(exc).__name__}: {exc}", kind=req.kind)
 
@@ -182,10 +183,13 @@ class Client:
                 out.error = status.strip()
                 return out
             chunked = headers.get("transfer-encoding") == "chunked"
-            buf, last = b"", st
+            buf, last, done, usage = b"", st, False, None
             while True:
                 if chunked:
-                    size = int((await reader.readline()).strip() or b"0", 16)
+                    line = await reader.readline()
+                    if not line:
+                        break  # cut off between chunks: no terminating chunk
+                    size = int(line.strip() or b"0", 16)
                     if size == 0:
                         break
                     data = await reader.readexactly(size + 2)
@@ -198,10 +202,19 @@ class Client:
                 while b"\n\n" in buf:
                     msg, buf = buf.split(b"\n\n", 1)
                     text = msg.decode().strip().removeprefix("data: ")
-                    if not text or text.startswith(":") or text == "[DONE]":
+                    if text == "[DONE]":
+                        done = True
+                        continue
+                    if not text or text.startswith(":"):
                         continue
                     d = json.loads(text)
                     now = time.perf_counter()
+                    if d.get("error"):
+                        # vLLM reports a failure inside a stream as an error event (then
+                        # [DONE]): the request failed, whatever it streamed before.
+                        out.error = f"error event: {json.dumps(d['error'])[:400]}"
+                        out.latency = now - st
+                        return out
                     if d.get("choices"):
                         if out.ttft == 0.0:
                             out.ttft = now - st
@@ -214,9 +227,16 @@ class Client:
                             out.tokens = len(out.itl) + 1
                             return out  # the finally closes the connection mid-stream
                     elif d.get("usage"):
-                        out.tokens = int(d["usage"].get("completion_tokens") or 0)
+                        usage = int(d["usage"].get("completion_tokens") or 0)
+                        out.tokens = usage
             out.latency = last - st
-            out.ok = out.ttft > 0
+            # Whole: the stream's end marker came, and as many tokens as asked (the
+            # requests ignore EOS) where the server counted them.
+            if not done:
+                out.error = f"the stream ended without [DONE] after {len(out.itl) + 1} chunks"
+            elif usage is not None and usage != req.output_len:
+                out.error = f"{usage} tokens of {req.output_len}"
+            out.ok = out.ttft > 0 and not out.error
             return out
         finally:
             writer.close()

@@ -532,22 +532,57 @@ def log_facts(path: Path) -> dict[str, Any]:
     return facts
 
 
-def stop_servers(servers: list[Server]) -> None:
-    for s in servers:
-        if s.proc is not None and s.proc.poll() is None:
+def stop_servers(servers: list[Server], grace: float = 30.0) -> None:
+    """Stop each server's whole process group (the API server, vLLM's engine core and
+    whatever they started): SIGTERM, up to ``grace`` seconds for every process of the group
+    to end, then SIGKILL. On return no process of theirs holds the GPU (a solo run's next
+    server starts on a GPU of its own)."""
+    live = [s for s in servers if s.proc is not None]
+    for s in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(s.proc.pid, signal.SIGTERM)  # type: ignore[union-attr]
+    deadline = time.monotonic() + grace
+    for s in live:
+        proc = s.proc
+        assert proc is not None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        if not _group_ends(proc.pid, deadline):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(s.proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    for s in servers:
-        if s.proc is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+            if not _group_ends(proc.pid, time.monotonic() + 10):
+                log(f"{s.backend}: processes of its group outlived SIGKILL")
+
+
+def _group_ends(pgid: int, deadline: float) -> bool:
+    """Wait until no live process of group ``pgid`` is left (``True``) or ``deadline``
+    passes. Zombies do not count: they hold no memory, and one whose parent never reaps it
+    would otherwise keep the group alive for good."""
+    while True:
+        if not group_members(pgid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``, from ``/proc``."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
             continue
         try:
-            s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(s.proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                s.proc.wait(timeout=10)
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            found.append(int(d.name))
+    return found
 
 
 def server_resources(s: Server, tables: list[Path]) -> dict[str, Any]:

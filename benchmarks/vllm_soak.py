@@ -21,6 +21,7 @@ import os
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,7 +49,9 @@ class Sample:
 
 @dataclass
 class SoakResult:
-    minutes: float
+    minutes: float  # asked for
+    planned_min: float = 0.0  # what the deadline left room for when it started
+    disconnect_share: float = 0.0
     rounds: int = 0
     requests: int = 0
     disconnected: int = 0
@@ -57,7 +60,12 @@ class SoakResult:
     log_errors: list[str] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     probe: tuple[str, str] = ("", "")
+    probe_ok: tuple[bool, bool] = (False, False)
     elapsed_s: float = 0.0
+    server_died: str = ""  # how the server's process ended, if it did
+    cut_short: str = ""  # why the soak ended before its minutes (the deadline, a signal)
+    log_offset: int = 0
+    finished: bool = False  # the log was read and the result is whole
 
 
 def _sample(pid: int | None, tables: list[Path], t0: float) -> Sample:
@@ -77,35 +85,68 @@ def probe_request(vocab: int, input_len: int) -> Req:
     return Req([rng.randrange(lo, vocab) for _ in range(input_len)], 32)
 
 
+# Seconds kept free before the deadline: the last round's requests and the final probe end
+# by then, and the report is written before the device's time limit.
+MARGIN_S = 45.0
+
+
 async def soak(
-    args: argparse.Namespace, server: Server, tables: list[Path], vocab: int
+    args: argparse.Namespace,
+    server: Server,
+    tables: list[Path],
+    vocab: int,
+    res: SoakResult | None = None,
+    progress: Callable[[SoakResult], None] | None = None,
 ) -> SoakResult:
     """Run the mixed load round after round for ``args.soak`` minutes (or until the
     deadline) against ``server``, every ``1 / args.soak_disconnect``-th client of a round
-    leaving after 2-8 streamed tokens; sample the host and the GPU meanwhile."""
-    res = SoakResult(args.soak)
+    leaving after 2-8 streamed tokens; sample the host and the GPU meanwhile. ``res`` is
+    filled in place as it goes (an interrupted soak leaves what it measured there);
+    ``progress`` is called after every sample."""
+    res = SoakResult(args.soak) if res is None else res
     pid = server.proc.pid if server.proc is not None else None
-    offset = log_size(server.log_path)
+    res.log_offset = log_size(server.log_path)
+    res.disconnect_share = args.soak_disconnect
     t0 = time.monotonic()
-    end = t0 + args.soak * 60
+    res.planned_min = max(0.0, min(args.soak * 60, left() - MARGIN_S)) / 60
+    end = t0 + res.planned_min * 60
+    log(f"soak: {res.planned_min:.1f} of {args.soak:g} minutes fit before the deadline")
     probe = probe_request(vocab, args.input_len)
+
+    def bound() -> float:  # a request ends before the deadline's margin
+        return max(5.0, left() - MARGIN_S / 2)
+
+    def sample() -> None:
+        s = _sample(pid, tables, t0)
+        res.samples.append(s)
+        gpu = "-" if s.gpu_mib is None else f"{s.gpu_mib:,.0f}"
+        log(f"soak {s.at_s / 60:.1f} min: RSS anon {s.rss_gib['anon']:.2f} GiB, page cache "
+            f"{s.page_cache_gib:.2f} GiB, GPU {gpu} MiB; {res.rounds} rounds, "
+            f"{res.requests} requests ({res.disconnected} left, {res.failed} failed)")  # fmt: skip
+        if progress is not None:
+            progress(res)
+
     async with Client(args.request_timeout, stdlib=True) as client:
-        first = await client.request(server.port, probe)
-        res.samples.append(_sample(pid, tables, t0))
+        first = await client.request(server.port, probe, bound())
+        res.probe, res.probe_ok = (_probe_text(first), ""), (first.ok, False)
+        sample()
         next_sample = time.monotonic() + args.soak_sample
         share = args.soak_disconnect
-        while time.monotonic() < end and left() > 60:
+        every = max(1, round(1 / share)) if share > 0 else 0
+        while time.monotonic() < end:
+            if died := _died(server):
+                res.server_died = died
+                break
             (load,) = [x for x in make_loads(args, vocab, 1000 + res.rounds) if x.name == "mixed"]
             rng = random.Random(f"soak-{res.rounds}")
-            every = max(1, round(1 / share)) if share > 0 else 0
             for k, r in enumerate(load.requests):
                 if every and k % every == every - 1:
                     r.disconnect_after = rng.randint(2, 8)
-            task = asyncio.ensure_future(_run(client, server.port, load.requests))
+            task = asyncio.ensure_future(_run(client, server.port, load.requests, bound()))
             while not task.done():
                 await asyncio.sleep(0.2)
                 if time.monotonic() >= next_sample:
-                    res.samples.append(_sample(pid, tables, t0))
+                    sample()
                     next_sample += args.soak_sample
             outs = task.result()
             res.rounds += 1
@@ -114,24 +155,47 @@ async def soak(
             bad = [o for o in outs if not o.ok]
             res.failed += len(bad)
             res.errors += sorted({o.error[:200] for o in bad} - set(res.errors))[:3]
-        res.samples.append(_sample(pid, tables, t0))
-        last = await client.request(server.port, probe)
-    res.probe = (_probe_text(first), _probe_text(last))
-    text = log_since(server.log_path, offset)
+        if not res.server_died and (died := _died(server)):
+            res.server_died = died
+        sample()
+        last = await client.request(server.port, probe, bound())
+    res.probe, res.probe_ok = (res.probe[0], _probe_text(last)), (res.probe_ok[0], last.ok)
+    finish(res, server, t0)
+    return res
+
+
+def finish(res: SoakResult, server: Server, t0: float | None = None) -> None:
+    """Read the server's log since the soak began into ``res`` (idempotent)."""
+    if res.finished:
+        return
+    text = log_since(server.log_path, res.log_offset)
     res.log_errors = [ln.strip()[:300] for ln in text.splitlines() if LOG_ERRORS.search(ln)]
-    res.elapsed_s = time.monotonic() - t0
+    if t0 is not None:
+        res.elapsed_s = time.monotonic() - t0
+    elif res.samples:
+        res.elapsed_s = res.samples[-1].at_s
+    res.finished = True
     log(
         f"soak: {res.rounds} rounds, {res.requests} requests ({res.disconnected} left "
         f"mid-stream, {res.failed} failed) in {res.elapsed_s / 60:.1f} min"
     )
-    return res
 
 
-async def _run(client: Client, port: int, reqs: list[Req]) -> list[Out]:
+def _died(server: Server) -> str:
+    if server.proc is None or server.proc.poll() is None:
+        return ""
+    return f"the server's process ended (exit {server.proc.returncode})"
+
+
+async def _run(client: Client, port: int, reqs: list[Req], timeout: float) -> list[Out]:
+    """Every request of a round at once (arrivals at their offsets), each bounded by
+    ``timeout`` seconds from the round's start."""
+    t_end = time.monotonic() + timeout
+
     async def one(r: Req) -> Out:
         if r.at > 0:
             await asyncio.sleep(r.at)
-        return await client.request(port, r)
+        return await client.request(port, r, max(1.0, t_end - time.monotonic()))
 
     return list(await asyncio.gather(*(one(r) for r in reqs)))
 
@@ -161,6 +225,10 @@ def _ranges(samples: list[Sample]) -> dict[str, float | None]:
 def soak_verdict(res: SoakResult, tolerance_mib: float) -> list[str]:
     """What failed (an empty list: the soak passed)."""
     problems = []
+    if res.server_died:
+        problems.append(res.server_died)
+    if res.cut_short:
+        problems.append(f"cut short by {res.cut_short}")
     if res.rounds == 0:
         problems.append("no round of the load ran")
     if res.failed:
@@ -168,12 +236,14 @@ def soak_verdict(res: SoakResult, tolerance_mib: float) -> list[str]:
     if res.log_errors:
         n = len(res.log_errors)
         problems.append(f"{n} error lines in the server's log: {res.log_errors[:3]}")
-    if res.disconnected == 0 and res.rounds:
+    if res.disconnected == 0 and res.rounds and res.disconnect_share > 0:
         problems.append("no client left mid-stream (the abort path was not exercised)")
     for name, r in _ranges(res.samples).items():
         if r is not None and r > tolerance_mib:
             problems.append(f"{name} moved {r:.0f} MiB (tolerance {tolerance_mib:.0f})")
-    if res.probe[0] != res.probe[1]:
+    if not all(res.probe_ok):
+        problems.append(f"the probe failed: {res.probe[0]!r} / {res.probe[1]!r}")
+    elif res.probe[0] != res.probe[1]:
         problems.append(f"the probe's text changed: {res.probe[0]!r} -> {res.probe[1]!r}")
     if len(res.samples) < 3:
         problems.append(f"only {len(res.samples)} samples (a soak shorter than its sampling)")
@@ -181,12 +251,16 @@ def soak_verdict(res: SoakResult, tolerance_mib: float) -> list[str]:
 
 
 def soak_markdown(res: SoakResult, tolerance_mib: float, backend: str) -> str:
+    if not all(res.probe_ok):
+        probe = "FAILED"
+    else:
+        probe = "the same" if res.probe[0] == res.probe[1] else "CHANGED"
     lines = [
-        f"Soak of `{backend}`: {res.elapsed_s / 60:.1f} min, {res.rounds} rounds of the mixed "
-        f"load, {res.requests} requests ({res.disconnected} clients left mid-stream, "
-        f"{res.failed} failed); {len(res.log_errors)} error lines in the server's log; the "
-        f"probe's text {'the same' if res.probe[0] == res.probe[1] else 'CHANGED'} at the "
-        "end",
+        f"Soak of `{backend}`: {res.elapsed_s / 60:.1f} min ({res.minutes:g} asked, "
+        f"{res.planned_min:.1f} before the deadline), {res.rounds} rounds of the mixed load, "
+        f"{res.requests} requests ({res.disconnected} clients left mid-stream, {res.failed} "
+        f"failed); {len(res.log_errors)} error lines in the server's log; the probe's text "
+        f"{probe} at the end",
         "",
         "| at min | RSS anon / file / shmem GiB | table page cache GiB | GPU MiB |",
         "|---|---|---|---|",
@@ -202,9 +276,12 @@ def soak_markdown(res: SoakResult, tolerance_mib: float, backend: str) -> str:
         f"{k} {'-' if v is None else f'{v:.0f}'}" for k, v in _ranges(res.samples).items()
     )
     problems = soak_verdict(res, tolerance_mib)
+    unsampled = all(s.gpu_mib is None for s in res.samples)
     lines += [
         "",
-        f"Ranges after the first sample (MiB): {ranges}; tolerance {tolerance_mib:.0f} MiB.",
+        f"Ranges after the first sample (MiB): {ranges}; tolerance {tolerance_mib:.0f} MiB "
+        "(RSS file, the mapped table pages, is shown, not checked"
+        + ("; GPU memory could not be read per process, not checked)." if unsampled else ")."),
         "",
         "SOAK: " + ("passed" if not problems else "FAILED: " + "; ".join(problems)),
     ]

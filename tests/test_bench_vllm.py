@@ -123,6 +123,66 @@ def test_solo_serves_each_backend_alone_in_turn(monkeypatch: pytest.MonkeyPatch,
     assert all(r["ok"] == 2 for r in rows) and set(servers) == {"gpu-plugin", "mmap"}
 
 
+def test_solo_shares_the_time_left_and_starts_no_server_it_has_no_time_for(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    import vllm_clock
+    from vllm_servers import Server
+
+    started: list[str] = []
+    budgets: dict[str, float] = {}
+
+    def start(args, ckpt, backend, plugin_dir):  # type: ignore[no-untyped-def]
+        started.append(backend)
+        return Server(backend, 1, tmp_path / f"{backend}.log")
+
+    def healthy(servers, limit, grace):  # type: ignore[no-untyped-def]
+        for s in servers:
+            s.healthy = True
+
+    async def measure(args, servers, tables, vocab, rows):  # type: ignore[no-untyped-def]
+        (b,) = servers
+        budgets[b] = vllm_clock.left()
+        assert args.backends == [b]
+
+    monkeypatch.setattr(bench_vllm, "start_server", start)
+    monkeypatch.setattr(bench_vllm, "wait_healthy", healthy)
+    monkeypatch.setattr(bench_vllm, "stop_servers", lambda servers: None)
+    monkeypatch.setattr(bench_vllm, "measure", measure)
+    monkeypatch.setattr(bench_vllm, "gpu_used_total", lambda: None)
+    args = bench_vllm.parse_args(["--solo", "--backends", "gpu-plugin,mmap,mmap-kernel"])
+    # Too little time for a start: nothing is started.
+    monkeypatch.setattr(vllm_clock, "DEADLINE", time.monotonic() + 120)
+    bench_vllm._solo(args, tmp_path, tmp_path, {}, [], 512, [])
+    assert started == []
+    # 900 s for three: each measures within an equal share of what is left when it
+    # starts, less its stop (time one leaves unused goes to the next), and the whole
+    # deadline is back afterwards.
+    whole = time.monotonic() + 900
+    monkeypatch.setattr(vllm_clock, "DEADLINE", whole)
+    bench_vllm._solo(args, tmp_path, tmp_path, {}, [], 512, [])
+    assert started == ["gpu-plugin", "mmap", "mmap-kernel"]
+    stop = bench_vllm.SOLO_STOP_S
+    want = {"gpu-plugin": 900 / 3 - stop, "mmap": 900 / 2 - stop, "mmap-kernel": 900 - stop}
+    assert budgets == pytest.approx(want, abs=3), budgets
+    assert vllm_clock.DEADLINE == whole
+
+
+def test_stopping_a_server_ends_its_whole_process_group(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+
+    from vllm_servers import Server, group_members, stop_servers
+
+    # A parent that ignores SIGTERM's default for its child: the child must end too.
+    proc = subprocess.Popen(
+        ["bash", "-c", "sleep 60 & trap '' TERM; sleep 60 & wait"], start_new_session=True
+    )
+    time.sleep(0.5)
+    assert len(group_members(proc.pid)) >= 2
+    stop_servers([Server("mmap", 1, tmp_path / "log", proc=proc)], grace=1.0)
+    assert group_members(proc.pid) == []
+
+
 def test_sync_scheduling_turns_async_scheduling_off_in_every_server() -> None:
     """``--sync-scheduling``: each backend's engine says ``--no-async-scheduling`` (and only
     then); the rest of its arguments are the same."""

@@ -140,3 +140,26 @@ def test_align_tells_a_cost_spread_over_every_kernel(tmp_path: Path) -> None:
     assert al["spread_us"] == pytest.approx((39 - 12) * 0.3)
     assert al["extra"] == []
     assert trace_steps.align([], trace_steps.replays(_chain(gap=0.1))) == {"matched": 0}
+
+
+def test_align_follows_a_side_branch_kernel_that_starts_in_another_place_each_replay() -> None:
+    """Our wait (200 us, a side stream) starts beside different main-stream kernels from
+    one replay to the next: it is the same activity in every replay, reported with its own
+    duration, not whichever kernel took its place."""
+    ev: list[dict[str, Any]] = []
+    for r, beside in enumerate((2, 5, 5)):
+        t0, c = 10_000.0 * r, 1 + r
+        ev.append(_x("cuda_runtime", "cudaGraphLaunch", t0, 5.0, c))
+        t = t0 + 10
+        for i in range(8):
+            ev.append(_x("kernel", f"layer_op_{i}", t, 2.0, c))
+            if i == beside:
+                ev.append(_x("kernel", "ple_wait_copy_reset", t + 0.5, 200.0, c))
+            t += 2.1
+    base = trace_steps.replays([e for e in ev if e["name"] != "ple_wait_copy_reset"])
+    ours = trace_steps.replays(ev)
+    al = trace_steps.align(base, ours)
+    assert al["matched"] == 8
+    ((name, _at, took),) = al["extra"]
+    assert name == "ple_wait_copy_reset" and took == pytest.approx(200.0)
+    assert al["drift_us"] == pytest.approx(0.0, abs=1e-6)

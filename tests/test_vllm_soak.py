@@ -4,7 +4,9 @@ the clients that leave mid-stream, the samples, the probe and the verdict."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import time
 from pathlib import Path
 
 import bench_vllm
@@ -92,3 +94,73 @@ def test_soak_serves_one_backend_under_the_mixed_load(tmp_path: Path) -> None:
         bench_vllm.main(["--soak", "1", "--backends", "gpu,mmap", "--log-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="mixed load"):
         bench_vllm.main(["--soak", "1", "--mixed-long", "0", "--log-dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize("fault", ["cut", "error"])
+def test_a_stream_cut_short_or_ending_in_an_error_event_is_a_failure(fault: str) -> None:
+    f = _Fake(0.001)
+    f.stream_fault = fault
+    f.start()
+
+    async def go() -> object:
+        async with Client(10, stdlib=True) as client:
+            return await client.request(f.port, Req([5] * 8, 12))
+
+    out = asyncio.run(go())
+    assert not out.ok  # type: ignore[attr-defined]
+    want = "without [DONE]" if fault == "cut" else "EngineCore died"
+    assert want in out.error  # type: ignore[attr-defined]
+
+
+def test_the_soak_fits_the_deadline_and_an_interrupted_one_is_written(
+    fake: _Fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vllm_clock
+
+    args = _args(tmp_path, minutes=5)
+    args.json, args.markdown = tmp_path / "soak.json", tmp_path / "soak.md"  # type: ignore[attr-defined]
+    log = tmp_path / "server.log"
+    log.write_text("")
+    server = Server("mmap", fake.port, log, healthy=True)
+    # Five minutes asked, ~2 s left before the deadline's margin: the soak plans ~2 s.
+    monkeypatch.setattr(vllm_clock, "DEADLINE", time.monotonic() + vllm_soak.MARGIN_S + 2)
+    res = asyncio.run(vllm_soak.soak(args, server, [], vocab=512))  # type: ignore[arg-type]
+    assert res.planned_min < 0.1 and res.elapsed_s < 30 and res.rounds >= 1
+    assert res.finished and all(res.probe_ok)
+
+    # Interrupted (the `timeout` in front of the bench sends SIGTERM): what was measured
+    # is written, marked cut short, and the verdict fails.
+    async def interrupted(a, srv, tables, vocab, res, progress):  # type: ignore[no-untyped-def]
+        res.rounds, res.requests = 2, 12
+        res.samples.append(
+            vllm_soak.Sample(0.0, {"anon": 1.0, "file": 0.0, "shmem": 0.0}, 0.0, None)
+        )
+        progress(res)
+        assert json.loads(args.json.read_text())["final"] is False  # type: ignore[attr-defined]
+        raise KeyboardInterrupt("signal 15")
+
+    monkeypatch.setattr(bench_vllm, "soak", interrupted)
+    meta = {"model": "a model", "command": "bench_vllm.py --soak 5"}
+    assert bench_vllm._soak(args, server, [], 512, meta) == 1  # type: ignore[arg-type]
+    doc = json.loads(args.json.read_text())  # type: ignore[attr-defined]
+    assert doc["final"] is True and doc["soak"]["rounds"] == 2
+    assert doc["soak"]["cut_short"].startswith("an interrupt")
+    assert "SOAK: FAILED: cut short by an interrupt" in args.markdown.read_text()  # type: ignore[attr-defined]
+
+
+def test_a_failed_probe_fails_the_soak_even_if_both_failed_alike() -> None:
+    res = vllm_soak.SoakResult(1.0, rounds=3, requests=18, disconnected=3)
+    res.samples = [vllm_soak.Sample(t, {"anon": 1.0, "file": 0.0, "shmem": 0.0}, 0.0, 10.0)
+                   for t in (0.0, 30.0, 60.0)]  # fmt: skip
+    res.probe, res.probe_ok = ("(failed: timed out)", "(failed: timed out)"), (False, False)
+    problems = vllm_soak.soak_verdict(res, tolerance_mib=256)
+    assert any(p.startswith("the probe failed") for p in problems)
+    res.probe_ok = (True, True)
+    res.probe = ("x", "x")
+    assert vllm_soak.soak_verdict(res, tolerance_mib=256) == []
+
+
+def test_soak_runs_alone(tmp_path: Path) -> None:
+    for extra in (["--solo"], ["--profile-steps", "4"], ["--cold"]):
+        with pytest.raises(SystemExit, match="--soak runs alone"):
+            bench_vllm.main(["--soak", "1", *extra, "--log-dir", str(tmp_path)])

@@ -68,7 +68,7 @@ timeout -k 20 $((DEADLINE + 70)) python3 benchmarks/bench_vllm.py \
 rc=$?
 echo "== bench_vllm: exit $rc in $(( $(date +%s) - start )) s (124 = hit the time limit)"
 # The progress lines, the table and the verdict (the full log is in $OUT).
-grep -E "^\[ *[0-9.]+ s\]|^\||^VERDICT|^Random weights|Traceback|Error" "$OUT/bench_vllm_$TAG.log" \
+grep -E "^\[ *[0-9.]+ s\]|^\||^VERDICT|^SOAK|^Soak of|^Random weights|Traceback|Error" "$OUT/bench_vllm_$TAG.log" \
     | grep -vE "Warning|warn" | tail -90
 for f in "$OUT"/server-*.log "$OUT"/cli-*.log; do
     [ -f "$f" ] || continue
