@@ -347,15 +347,17 @@ def test_auto_path_switches_to_memops_for_large_steps(torch) -> None:  # type: i
     dr.close()
 
 
+@pytest.mark.parametrize("large", ["kernel", "kernel-fused"])
 @pytest.mark.parametrize("width", [15360, 1001])
-def test_grid_copy_delivers_large_steps(torch, width: int) -> None:  # type: ignore[no-untyped-def]
+def test_grid_copy_delivers_large_steps(torch, width: int, large: str) -> None:  # type: ignore[no-untyped-def]
     # Steps above the fused kernel's 64 KiB on the kernel path: one warp waits, a grid of
-    # blocks copies and the last resets the flag. Gemma E2B's 64-token step (64 rows of
-    # 15 KiB, 30 blocks) and an odd width (bytes past the last 16-byte word); two objects
-    # in one graph (each counts its own blocks), replayed with partial fills, then eager.
+    # blocks copies and the last resets the flag ("kernel-fused": the one block copies all
+    # of it). Gemma E2B's 64-token step (64 rows of 15 KiB, 30 blocks) and an odd width
+    # (bytes past the last 16-byte word); two objects in one graph (each counts its own
+    # blocks), replayed with partial fills, then eager.
     extent = 64 if width == 15360 else 300
-    a = pm.DeferredRows(extent, width, device=0, copy="kernel", watchdog=10.0)
-    b = pm.DeferredRows(extent, width, device=0, copy="kernel", watchdog=10.0)
+    a = pm.DeferredRows(extent, width, device=0, copy=large, watchdog=10.0)
+    b = pm.DeferredRows(extent, width, device=0, copy=large, watchdog=10.0)
     outs = [torch.zeros_like(a.staging), torch.zeros_like(b.staging)]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
