@@ -455,3 +455,50 @@ def test_publishes_under_capture_never_deadlock_an_idle_worker(  # type: ignore[
     assert done_.returncode == 0, done_.stderr[-3000:]
     assert f"published {count} times under capture" in done_.stdout
     print(done_.stdout.strip())
+
+
+@pytest.mark.parametrize("copy", ["kernel", "memop"])
+@pytest.mark.parametrize("fork", [True, False])
+def test_stage_on_a_side_branch_or_in_one_chain(  # type: ignore[no-untyped-def]
+    torch, table: pm.MmapTable, copy: str, fork: bool
+) -> None:
+    # stage() under capture: by default the publish and the wait/copy on a side branch
+    # joined at the consumer; fork=False keeps them on the model's stream (the wait at the
+    # join), the graph one chain. The same rows either way, 200 replays.
+    n = 48
+    rows = pm.DeferredRows(64, WIDTH, device=0, copy=copy, watchdog=10.0)
+    with pm.GatherWorker(rows, table, fork=fork) as w:
+        counter = torch.zeros(1, dtype=torch.int64, device="cuda")
+        lanes = torch.arange(n, dtype=torch.int64, device="cuda")
+        ids = torch.zeros(n, dtype=torch.int64, device="cuda")
+        out = torch.zeros_like(rows.staging)
+
+        def body() -> None:
+            counter.add_(1)
+            ids.copy_((counter * 7919 + lanes * 104729) % TABLE_ROWS)
+            staged = w.stage(ids, rows=n)
+            torch.cuda._sleep(20_000)  # the model's layers before the consumer
+            out[:n].copy_(staged.join())
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            w.begin(n)
+            body()  # eagerly: issued inline, filled by the worker
+            w.complete(timeout=10.0)
+        torch.cuda.synchronize()
+        counter.zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        end = torch.cuda.Event()
+        for i in range(1, 201):
+            w.begin(n)
+            graph.replay()
+            end.record()
+            w.complete(timeout=10.0)
+            assert done(end), f"replay {i} never finished"
+            want = table.gather((i * 7919 + np.arange(n, dtype=np.int64) * 104729) % TABLE_ROWS)
+            np.testing.assert_array_equal(out[:n].cpu().numpy(), want, err_msg=f"replay {i}")
+        s = w.stats()
+        assert s.fills == 201 and s.failures == 0 and s.publishes_captured == 1
