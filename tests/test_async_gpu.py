@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from gpu_wait import done
+from gpu_wait import captured_after_warmup, done, replayed
 
 import ple_memops as pm
 from ple_memops.plan import RowsPlan
@@ -248,24 +248,10 @@ def test_plan_deferred_and_eager_give_the_same_bytes(torch: Any, table: pm.MmapT
                 staged[k].join()
                 outs[k].copy_(plan.staging(k, n))
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            plan.begin(n)
-            body()
-            plan.complete(timeout=10.0)
-        torch.cuda.synchronize()
-        counter.zero_()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            body()
+        arm, settle = (lambda: plan.begin(n)), (lambda: plan.complete(timeout=10.0))
+        graph = captured_after_warmup(torch, body, arm, settle, reset=counter.zero_)
         end = torch.cuda.Event()
-        for i in range(1, 101):
-            plan.begin(n)
-            graph.replay()
-            end.record()
-            plan.complete(timeout=10.0)
-            assert done(end)
+        for i in replayed(graph, 100, arm, settle, end):
             want_a = (i * 7919 + np.arange(n) * 104729) % TABLE_ROWS
             want_b = (i * 31 + np.arange(n) * 7) % TABLE_ROWS
             np.testing.assert_array_equal(outs["a"].cpu().numpy(), table.gather(want_a))

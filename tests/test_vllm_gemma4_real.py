@@ -87,6 +87,37 @@ def _per_layer_inputs(model: Any, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _joined_at_gate(model: Any, stock: Any, mmap_cfg: Any, stock_cfg: Any, layers_n: int) -> None:
+    """Run eagerly, our per-layer inputs are still the projection after
+    ``project_per_layer_inputs`` and become the stock model's, bit for bit, once decoder
+    layer 0's per-layer input gate (their first consumer) is called."""
+    lm = _language(model)
+    gate = lm.layers[0].per_layer_input_gate
+    hidden = ckpts.GEMMA4_CONFIG["hidden_size"]
+    hooks = _attach(model, mmap_cfg)
+    layers = mmap_cfg.compilation_config.static_forward_context
+    try:
+        for n, seed in ((1, 1), (9, 2), (40, 3)):
+            ids = _ids(n, seed)
+            with set_current_vllm_config(stock_cfg):
+                want = _per_layer_inputs(stock, ids)
+            with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
+                got = _per_layer_inputs(model, ids)
+                projection = lm.project_per_layer_inputs(
+                    lm.embed_input_ids(ids.clamp(0, 127)), None
+                )
+                assert torch.equal(got, projection)  # not joined yet
+                gate(torch.zeros(n, hidden, dtype=torch.bfloat16))
+            assert got.shape == want.shape == (n, layers_n, 16) and want.abs().sum() > 0
+            assert torch.equal(got, want), (n, (got.float() - want.float()).abs().max())
+        with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
+            _per_layer_inputs(model, _ids(4, 7))
+            with pytest.raises(pm.StateError, match="never joined"):
+                _per_layer_inputs(model, _ids(4, 7))
+    finally:
+        hooks.shutdown()
+
+
 def test_the_model_loads_without_its_table_and_its_inputs_are_the_stock_models(
     checkpoint: Path, dist: Any, installed: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -172,22 +203,7 @@ def test_the_released_structure_kv_shared_layers_double_wide_mlps(
     assert table in theirs and set(ours) == set(theirs) - {table}
     for name, p in ours.items():
         assert torch.equal(p, theirs[name]), name
-    hooks = _attach(model, mmap_cfg)
-    layers = mmap_cfg.compilation_config.static_forward_context
-    gate = lm.layers[0].per_layer_input_gate
-    hidden = ckpts.GEMMA4_CONFIG["hidden_size"]
-    try:
-        for n, seed in ((1, 1), (9, 2), (40, 3)):
-            ids = _ids(n, seed)
-            with set_current_vllm_config(stock_cfg):
-                want = _per_layer_inputs(stock, ids)
-            with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
-                got = _per_layer_inputs(model, ids)
-                gate(torch.zeros(n, hidden, dtype=torch.bfloat16))  # the rows' first consumer
-            assert got.shape == want.shape == (n, 6, 16) and want.abs().sum() > 0
-            assert torch.equal(got, want), (n, (got.float() - want.float()).abs().max())
-    finally:
-        hooks.shutdown()
+    _joined_at_gate(model, stock, mmap_cfg, stock_cfg, layers_n=6)
 
 
 def test_the_one_chain_diagnostic_reaches_the_rows_plan(
@@ -227,30 +243,7 @@ def test_run_eagerly_the_rows_join_at_layer_0s_gate_with_the_stock_models_bits(
     stock_cfg = _config(checkpoint, mmap=False, compilation_config=CompilationConfig(mode=0))
     model, _ = vllm_cpu.load_model(mmap_cfg)
     stock, _ = vllm_cpu.load_model(stock_cfg)
-    lm = _language(model)
-    gate = lm.layers[0].per_layer_input_gate
-    hidden = ckpts.GEMMA4_CONFIG["hidden_size"]
-    hooks = _attach(model, mmap_cfg)
-    layers = mmap_cfg.compilation_config.static_forward_context
-    try:
-        for n, seed in ((1, 1), (9, 2), (40, 3)):
-            ids = _ids(n, seed)
-            with set_current_vllm_config(stock_cfg):
-                want = _per_layer_inputs(stock, ids)
-            with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
-                got = _per_layer_inputs(model, ids)
-                projection = lm.project_per_layer_inputs(
-                    lm.embed_input_ids(ids.clamp(0, 127)), None
-                )
-                assert torch.equal(got, projection)  # not joined yet
-                gate(torch.zeros(n, hidden, dtype=torch.bfloat16))
-            assert torch.equal(got, want), (n, (got.float() - want.float()).abs().max())
-        with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
-            _per_layer_inputs(model, _ids(4, 7))
-            with pytest.raises(pm.StateError, match="never joined"):
-                _per_layer_inputs(model, _ids(4, 7))
-    finally:
-        hooks.shutdown()
+    _joined_at_gate(model, stock, mmap_cfg, stock_cfg, layers_n=4)
 
 
 def test_compiled_the_ids_are_staged_before_the_projection_and_joined_after(

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from gpu_wait import done
+from gpu_wait import captured_after_warmup, done, replayed
 from safetensors.numpy import save_file
 
 import ple_memops as pm
@@ -480,24 +480,10 @@ def test_stage_on_a_side_branch_or_in_one_chain(  # type: ignore[no-untyped-def]
             torch.cuda._sleep(20_000)  # the model's layers before the consumer
             out[:n].copy_(staged.join())
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            w.begin(n)
-            body()  # eagerly: issued inline, filled by the worker
-            w.complete(timeout=10.0)
-        torch.cuda.synchronize()
-        counter.zero_()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            body()
-        end = torch.cuda.Event()
-        for i in range(1, 201):
-            w.begin(n)
-            graph.replay()
-            end.record()
-            w.complete(timeout=10.0)
-            assert done(end), f"replay {i} never finished"
+        # Eagerly first (issued inline, filled by the worker), then captured.
+        arm, settle = (lambda: w.begin(n)), (lambda: w.complete(timeout=10.0))
+        graph = captured_after_warmup(torch, body, arm, settle, reset=counter.zero_)
+        for i in replayed(graph, 200, arm, settle, torch.cuda.Event()):
             want = table.gather((i * 7919 + np.arange(n, dtype=np.int64) * 104729) % TABLE_ROWS)
             np.testing.assert_array_equal(out[:n].cpu().numpy(), want, err_msg=f"replay {i}")
         s = w.stats()
