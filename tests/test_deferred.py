@@ -349,3 +349,11 @@ def test_disable_env_var_forces_the_no_driver_answer() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False disabled by PLE_MEMOPS_DISABLE_CUDA"
+
+
+def test_every_copy_path_is_accepted_and_reported() -> None:
+    from ple_memops.settings import COPIES
+
+    for copy in COPIES:  # the native parser knows every name the settings allow
+        with pm.DeferredRows(2, ROW, device="cpu", copy=copy) as r:
+            assert r.copy == copy

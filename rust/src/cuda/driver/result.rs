@@ -167,6 +167,9 @@ pub(crate) unsafe fn wait_any_bit64(
 }
 
 /// Enqueue a 32-bit write of `value` to `addr`, ordered after prior work on `stream`.
+/// The write is preceded by a memory barrier (system scope, for the stream): the v2 API
+/// has no write without it (`CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER` is v1 only, and the
+/// H200's driver offers no v1 stream memory operations).
 ///
 /// # Safety
 /// As for [`wait_any_bit64`].
