@@ -15,6 +15,7 @@ import shutil
 import statistics
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,9 @@ class Utilization:
         return statistics.fmean(s) if s else None
 
 
-def proc_tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
+def _proc_stats() -> Iterator[tuple[int, list[str]]]:
+    """Every process's ``/proc/<pid>/stat`` fields after the name (state, ppid, pgrp, ...;
+    the name may hold spaces and parentheses); processes gone meanwhile skipped."""
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -60,8 +62,18 @@ def proc_tree(root: int) -> list[int]:
             stat = Path(f"/proc/{d}/stat").read_text()
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(d))
+        yield int(d), stat.rsplit(")", 1)[1].split()
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``."""
+    return [pid for pid, f in _proc_stats() if f[0] != "Z" and int(f[2]) == pgid]
+
+
+def proc_tree(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for pid, f in _proc_stats():
+        children.setdefault(int(f[1]), []).append(pid)
     out, todo = [], [root]
     while todo:
         p = todo.pop()

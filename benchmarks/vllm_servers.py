@@ -28,7 +28,7 @@ from typing import Any
 
 import vllm_bench_model as vbm
 from vllm_clock import log
-from vllm_probes import gpu_memory_by_pid, host_rss, proc_tree
+from vllm_probes import gpu_memory_by_pid, group_members, host_rss, proc_tree
 
 # -- backends and models ----------------------------------------------------------------------
 
@@ -542,7 +542,13 @@ def stop_servers(servers: list[Server], grace: float = 30.0) -> None:
     whatever they started): SIGTERM, up to ``grace`` seconds for every process of the group
     to end, then SIGKILL. On return no process of theirs holds the GPU (a solo run's next
     server starts on a GPU of its own)."""
-    live = [s for s in servers if s.proc is not None]
+    # Only groups with a live process: a stopped server's group id may be reused.
+    live = []
+    for s in servers:
+        if s.proc is not None and group_members(s.proc.pid):
+            live.append(s)
+        elif s.proc is not None:
+            s.proc.poll()  # reaps a leader that already ended
     for s in live:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(s.proc.pid, signal.SIGTERM)  # type: ignore[union-attr]
@@ -571,23 +577,6 @@ def _group_ends(pgid: int, deadline: float) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.1)
-
-
-def group_members(pgid: int) -> list[int]:
-    """The live (not zombie) processes of process group ``pgid``, from ``/proc``."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
-            found.append(int(d.name))
-    return found
 
 
 def server_resources(s: Server, tables: list[Path]) -> dict[str, Any]:

@@ -63,7 +63,7 @@ class SoakResult:
     probe_ok: tuple[bool, bool] = (False, False)
     elapsed_s: float = 0.0
     server_died: str = ""  # how the server's process ended, if it did
-    cut_short: str = ""  # why the soak ended before its minutes (the deadline, a signal)
+    cut_short: str = ""  # why the soak ended before its minutes (an interrupt)
     log_offset: int = 0
     finished: bool = False  # the log was read and the result is whole
 

@@ -171,7 +171,8 @@ def test_solo_shares_the_time_left_and_starts_no_server_it_has_no_time_for(
 def test_stopping_a_server_ends_its_whole_process_group(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import subprocess
 
-    from vllm_servers import Server, group_members, stop_servers
+    from vllm_probes import group_members
+    from vllm_servers import Server, stop_servers
 
     # A parent that ignores SIGTERM's default for its child: the child must end too.
     proc = subprocess.Popen(
