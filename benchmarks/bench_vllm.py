@@ -166,6 +166,9 @@ async def measure(
             # measured load should carry.
             t = time.monotonic()
             for warm in make_loads(args, vocab, -1):
+                if left() < 5:
+                    log(f"deadline: {left():.0f} s left, warm-up stopped before {warm.name}")
+                    break
                 if warm.name != "mixed":
                     first = warm.requests[: warm.concurrency]
                     warm.requests = [Req(q.prompt, min(16, q.output_len)) for q in first]
@@ -577,10 +580,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-# A server's start on the H200 before one was measured here (Gemma 3n E2B 77-104 s, the
-# Qwen4Exp bench model 149-215 s), and the seconds its stop may take.
+# Before one is measured here: a server's start on the H200 (Gemma 3n E2B 49-104 s, the
+# Qwen4Exp bench model 149-215 s; the first on a fresh host compiles Triton's kernels), the
+# seconds its stop may take, and the least time for loads that makes a start worth it.
 SOLO_START_GUESS_S = 150.0
-SOLO_STOP_S = 45.0
+SOLO_STOP_GUESS_S = 15.0
+SOLO_MIN_LOADS_S = 30.0
 
 
 def _solo(
@@ -594,17 +599,22 @@ def _solo(
 ) -> None:
     """``--solo``: each backend's server alone on the GPU, one after another: started,
     measured (every repeat it has time for), profiled and sampled as asked, its facts read,
-    stopped (``servers`` keeps them for the report). Each backend gets an equal share of
-    the time left; one is started only if the last start's length and a minute of loads
-    fit. An interrupt leaves the running server to ``main``, which reports first."""
-    start_s = SOLO_START_GUESS_S
+    stopped (``servers`` keeps them for the report).
+
+    The time is split by loads, not by wall time: once a server is healthy, its loads get
+    an equal share of what is left after the starts and stops still to come (each
+    estimated by the last one measured), so a slow first start (vLLM's Triton kernels
+    compile on a fresh host) costs every backend a little rather than the first one its
+    loads. A server is started only if its start and ``SOLO_MIN_LOADS_S`` of loads fit.
+    An interrupt leaves the running server to ``main``, which reports first."""
+    start_s, stop_s = SOLO_START_GUESS_S, SOLO_STOP_GUESS_S
     for k, b in enumerate(args.backends):
-        share = left() / (len(args.backends) - k)
-        if left() < start_s + 60 + SOLO_STOP_S:
+        todo = len(args.backends) - k  # this backend and those after it
+        if left() < start_s + SOLO_MIN_LOADS_S + stop_s:
             log(f"deadline: {left():.0f} s left, {b} not started (a start takes ~{start_s:.0f} s)")
             break
         used = gpu_used_total()
-        log(f"{b}: starting alone (GPU memory in use before: {used} MiB; {share:.0f} s for it)")
+        log(f"{b}: starting alone (GPU memory in use before: {used} MiB)")
         t0 = time.monotonic()
         srv = servers[b] = start_server(args, ckpt, b, plugin_dir)
         wait_healthy([srv], min(args.start_timeout, max(left(), 1)), args.start_grace)
@@ -612,11 +622,13 @@ def _solo(
             log(f"{b}: did not start ({srv.error})")
             stop_servers([srv])
             continue
-        start_s = max(start_s * 0.5, time.monotonic() - t0)
+        start_s = time.monotonic() - t0
         srv.facts = log_facts(srv.log_path)
+        still = todo * stop_s + (todo - 1) * start_s
+        loads_s = max(0.0, left() - still) / todo
+        log(f"{b}: healthy after {start_s:.0f} s; {loads_s:.0f} s for its loads")
         whole = vllm_clock.DEADLINE
-        # This backend's loads (and profile) end by its share, less its stop.
-        vllm_clock.DEADLINE = min(whole, t0 + share - SOLO_STOP_S)
+        vllm_clock.DEADLINE = min(whole, time.monotonic() + loads_s)
         try:
             one = argparse.Namespace(**{**vars(args), "backends": [b]})
             asyncio.run(measure(one, {b: srv}, tables, vocab, rows))
@@ -627,7 +639,9 @@ def _solo(
         finally:
             vllm_clock.DEADLINE = whole
         srv.facts = log_facts(srv.log_path)
+        t1 = time.monotonic()
         stop_servers([srv])
+        stop_s = max(5.0, time.monotonic() - t1 + 2)
 
 
 def _soak(

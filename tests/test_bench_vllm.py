@@ -123,12 +123,17 @@ def test_solo_serves_each_backend_alone_in_turn(monkeypatch: pytest.MonkeyPatch,
     assert all(r["ok"] == 2 for r in rows) and set(servers) == {"gpu-plugin", "mmap"}
 
 
-def test_solo_shares_the_time_left_and_starts_no_server_it_has_no_time_for(
+def test_solo_shares_the_loads_time_and_starts_no_server_it_has_no_time_for(
     monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
+    """On a fake clock: starts take what the H200 took, each backend's loads use all the
+    time they are given, a stop takes a second."""
     import vllm_clock
     from vllm_servers import Server
 
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    start_took: dict[str, float] = {}
     started: list[str] = []
     budgets: dict[str, float] = {}
 
@@ -138,34 +143,52 @@ def test_solo_shares_the_time_left_and_starts_no_server_it_has_no_time_for(
 
     def healthy(servers, limit, grace):  # type: ignore[no-untyped-def]
         for s in servers:
+            now[0] += start_took[s.backend]
             s.healthy = True
 
     async def measure(args, servers, tables, vocab, rows):  # type: ignore[no-untyped-def]
         (b,) = servers
-        budgets[b] = vllm_clock.left()
         assert args.backends == [b]
+        budgets[b] = vllm_clock.left()
+        now[0] += max(0.0, vllm_clock.left())
+
+    def stop(servers):  # type: ignore[no-untyped-def]
+        now[0] += 1.0
 
     monkeypatch.setattr(bench_vllm, "start_server", start)
     monkeypatch.setattr(bench_vllm, "wait_healthy", healthy)
-    monkeypatch.setattr(bench_vllm, "stop_servers", lambda servers: None)
+    monkeypatch.setattr(bench_vllm, "stop_servers", stop)
     monkeypatch.setattr(bench_vllm, "measure", measure)
     monkeypatch.setattr(bench_vllm, "gpu_used_total", lambda: None)
-    args = bench_vllm.parse_args(["--solo", "--backends", "gpu-plugin,mmap,mmap-kernel"])
-    # Too little time for a start: nothing is started.
-    monkeypatch.setattr(vllm_clock, "DEADLINE", time.monotonic() + 120)
-    bench_vllm._solo(args, tmp_path, tmp_path, {}, [], 512, [])
+
+    def solo(backends: str, seconds: float, starts: list[float]) -> float:
+        started.clear()
+        budgets.clear()
+        start_took.update(zip(backends.split(","), starts, strict=True))
+        whole = now[0] + seconds
+        monkeypatch.setattr(vllm_clock, "DEADLINE", whole)
+        args = bench_vllm.parse_args(["--solo", "--backends", backends])
+        bench_vllm._solo(args, tmp_path, tmp_path, {}, [], 512, [])
+        assert vllm_clock.DEADLINE == whole  # the whole deadline is back afterwards
+        return whole
+
+    # Too little time for a start and the least loads: nothing is started.
+    solo("gpu-plugin,mmap", 120, [99, 54])
     assert started == []
-    # 900 s for three: each measures within an equal share of what is left when it
-    # starts, less its stop (time one leaves unused goes to the next), and the whole
-    # deadline is back afterwards.
-    whole = time.monotonic() + 900
-    monkeypatch.setattr(vllm_clock, "DEADLINE", whole)
-    bench_vllm._solo(args, tmp_path, tmp_path, {}, [], 512, [])
-    assert started == ["gpu-plugin", "mmap", "mmap-kernel"]
-    stop = bench_vllm.SOLO_STOP_S
-    want = {"gpu-plugin": 900 / 3 - stop, "mmap": 900 / 2 - stop, "mmap-kernel": 900 - stop}
-    assert budgets == pytest.approx(want, abs=3), budgets
-    assert vllm_clock.DEADLINE == whole
+    # The H200's Gemma 4 run: 278 s left for two, the first start 99 s on a fresh host.
+    # Splitting wall time gave the GPU table -12 s of loads; split by loads, both measure.
+    whole = solo("gpu,mmap", 278, [99, 54])
+    assert started == ["gpu", "mmap"]
+    want_gpu = (278 - 99 - (2 * bench_vllm.SOLO_STOP_GUESS_S + 99)) / 2
+    assert budgets["gpu"] == pytest.approx(want_gpu)
+    assert budgets["mmap"] > budgets["gpu"] > 20
+    assert now[0] <= whole + bench_vllm.SOLO_STOP_GUESS_S
+    # The Gemma 3n run: 430 s for three; every backend gets at least a minimum of loads,
+    # and none starts after the deadline.
+    whole = solo("gpu-plugin,mmap,mmap-kinline", 430, [76, 56, 49])
+    assert started == ["gpu-plugin", "mmap", "mmap-kinline"]
+    assert min(budgets.values()) > bench_vllm.SOLO_MIN_LOADS_S
+    assert now[0] <= whole + bench_vllm.SOLO_STOP_GUESS_S
 
 
 def test_stopping_a_server_ends_its_whole_process_group(tmp_path) -> None:  # type: ignore[no-untyped-def]
