@@ -626,7 +626,7 @@ def _solo(
         srv.facts = log_facts(srv.log_path)
         still = todo * stop_s + (todo - 1) * start_s
         loads_s = max(0.0, left() - still) / todo
-        log(f"{b}: healthy after {start_s:.0f} s; {loads_s:.0f} s for its loads")
+        log(f"{b}: {loads_s:.0f} s for its loads")
         whole = vllm_clock.DEADLINE
         vllm_clock.DEADLINE = min(whole, time.monotonic() + loads_s)
         try:
