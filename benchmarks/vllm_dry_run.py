@@ -344,8 +344,6 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
                 raise AssertionError(f"{b}: diag_skip_gather {ours.diag_skip_gather}")
             if ours.diag_early_join != (b == "mmap-early"):
                 raise AssertionError(f"{b}: diag_early_join {ours.diag_early_join}")
-            if ours.diag_inline != (b in ("mmap-inline", "mmap-kinline")):
-                raise AssertionError(f"{b}: diag_inline {ours.diag_inline}")
             variant = MMAP_VARIANTS.get(b, {})
             timed = b in MMAP_VARIANTS and not variant.get("bare")
             if ours.time_stalls != bool(timed and variant.get("stalls", args.time_stalls)):

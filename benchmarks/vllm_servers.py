@@ -152,10 +152,6 @@ MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     # A Gemma model's rows joined after the projection at the top of the forward, as before
     # the late join (which, in a model run eagerly, joins them at decoder layer 0's gate).
     "mmap-early": {"diag_early_join": True},
-    # The graph one chain (the ids published and the rows awaited on the model's stream, no
-    # side branch): with memops, and with kernels only (a chain of kernel nodes).
-    "mmap-inline": {"diag_inline": True},
-    "mmap-kinline": {"diag_inline": True, "copy": "kernel"},
     "mmap-sync": {"env": {"PLE_MEMOPS_FORCE_SYNC": "1"}},
     # What the synchronous fallback did before it kept FULL graphs: graphs off.
     "mmap-sync-eager": {"env": {"PLE_MEMOPS_FORCE_SYNC": "1"}, "cudagraph_mode": "NONE"},
@@ -333,7 +329,6 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
             "diag_skip_gather",
             "predict_ready",
             "diag_early_join",
-            "diag_inline",
         ):
             if key in variant:
                 ours[key] = variant[key]

@@ -185,8 +185,8 @@ def test_solo_shares_the_loads_time_and_starts_no_server_it_has_no_time_for(
     assert now[0] <= whole + bench_vllm.SOLO_STOP_GUESS_S
     # The Gemma 3n run: 430 s for three; every backend gets at least a minimum of loads,
     # and none starts after the deadline.
-    whole = solo("gpu-plugin,mmap,mmap-kinline", 430, [76, 56, 49])
-    assert started == ["gpu-plugin", "mmap", "mmap-kinline"]
+    whole = solo("gpu-plugin,mmap,mmap-kernel", 430, [76, 56, 49])
+    assert started == ["gpu-plugin", "mmap", "mmap-kernel"]
     assert min(budgets.values()) > bench_vllm.SOLO_MIN_LOADS_S
     assert now[0] <= whole + bench_vllm.SOLO_STOP_GUESS_S
 

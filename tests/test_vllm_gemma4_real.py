@@ -206,31 +206,6 @@ def test_the_released_structure_kv_shared_layers_double_wide_mlps(
     _joined_at_gate(model, stock, mmap_cfg, stock_cfg, layers_n=6)
 
 
-def test_the_one_chain_diagnostic_reaches_the_rows_plan(
-    tmp_path: Path, dist: Any, installed: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from ple_memops.plan import RowsPlan
-
-    ckpt = ckpts.write_gemma4_checkpoint(tmp_path / "inline")
-    seen: list[bool] = []
-    build = RowsPlan.build.__func__  # type: ignore[attr-defined]
-
-    def spy(cls: type, *a: Any, **k: Any) -> Any:
-        seen.append(k["fork"])
-        return build(cls, *a, **k)
-
-    monkeypatch.setattr(RowsPlan, "build", classmethod(spy))
-    for inline in (False, True):
-        cfg = VllmConfig(
-            model_config=ModelConfig(model=str(ckpt), skip_tokenizer_init=True, dtype="bfloat16"),
-            load_config=LoadConfig(load_format="safetensors"),
-            additional_config={"ple_memops": {"table_backend": "mmap", "diag_inline": inline}},
-        )
-        model, _ = vllm_cpu.load_model(cfg)
-        _attach(model, cfg).shutdown()
-    assert seen == [True, False]  # fork: a side branch unless the graph is one chain
-
-
 def test_run_eagerly_the_rows_join_at_layer_0s_gate_with_the_stock_models_bits(
     checkpoint: Path, dist: Any, installed: Any
 ) -> None:

@@ -1035,18 +1035,6 @@ def test_settings_the_early_join_diagnostic() -> None:
         S.from_env({"PLE_MEMOPS_DIAG_EARLY_JOIN": "late"})
 
 
-def test_settings_the_one_chain_diagnostic() -> None:
-    S = settings.Settings
-    assert not S.from_env({}).diag_inline and "diag_inline" in settings.KEYS
-    assert S.from_env({"PLE_MEMOPS_DIAG_INLINE": "1"}).diag_inline
-    assert S.for_engine({"ple_memops": {"diag_inline": True}}, {}).diag_inline
-    assert not S.for_engine(
-        {"ple_memops": {"diag_inline": 0}}, {"PLE_MEMOPS_DIAG_INLINE": "1"}
-    ).diag_inline
-    with pytest.raises(InvalidArgumentError, match="PLE_MEMOPS_DIAG_INLINE must be 1 or 0"):
-        S.from_env({"PLE_MEMOPS_DIAG_INLINE": "yes please"})
-
-
 def test_settings_graph_timing() -> None:
     S = settings.Settings
     assert not S.from_env({}).time_graphs and not S().time_graphs

@@ -458,16 +458,14 @@ def test_publishes_under_capture_never_deadlock_an_idle_worker(  # type: ignore[
 
 
 @pytest.mark.parametrize("copy", ["kernel", "memop"])
-@pytest.mark.parametrize("fork", [True, False])
-def test_stage_on_a_side_branch_or_in_one_chain(  # type: ignore[no-untyped-def]
-    torch, table: pm.MmapTable, copy: str, fork: bool
+def test_stage_on_a_side_branch_joined_at_the_consumer(  # type: ignore[no-untyped-def]
+    torch, table: pm.MmapTable, copy: str
 ) -> None:
-    # stage() under capture: by default the publish and the wait/copy on a side branch
-    # joined at the consumer; fork=False keeps them on the model's stream (the wait at the
-    # join), the graph one chain. The same rows either way, 200 replays.
+    # stage() under capture: the publish and the wait/copy on a side branch joined at the
+    # consumer, GPU work between them; the right rows in 200 replays.
     n = 48
     rows = pm.DeferredRows(64, WIDTH, device=0, copy=copy, watchdog=10.0)
-    with pm.GatherWorker(rows, table, fork=fork) as w:
+    with pm.GatherWorker(rows, table) as w:
         counter = torch.zeros(1, dtype=torch.int64, device="cuda")
         lanes = torch.arange(n, dtype=torch.int64, device="cuda")
         ids = torch.zeros(n, dtype=torch.int64, device="cuda")

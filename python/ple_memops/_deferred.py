@@ -120,19 +120,9 @@ class StagedRows:
     :meth:`GatherWorker.stage` (or :meth:`DeferredRows.stage`). Call :meth:`join` right
     before the first kernel that reads the rows."""
 
-    def __init__(
-        self,
-        rows: DeferredRows,
-        side: Any,
-        n: int,
-        keep: tuple[Any, ...] = (),
-        *,
-        enqueue_at_join: bool = False,
-    ) -> None:
-        # side None: issued inline on the caller's stream (eager), nothing to join; with
-        # enqueue_at_join the consumer's wait/copy/reset is issued by join() itself.
+    def __init__(self, rows: DeferredRows, side: Any, n: int, keep: tuple[Any, ...] = ()) -> None:
+        # side None: issued inline on the caller's stream (eager), nothing to join.
         self._rows, self._side, self._n = rows, side, n
-        self._enqueue_at_join = enqueue_at_join
         # Tensors the side stream reads (the published ids): under capture the capturing
         # stream does not wait for them before the join, so if the caller dropped the
         # last reference earlier, torch's allocator could hand their block to a later
@@ -154,9 +144,6 @@ class StagedRows:
             cur = torch.cuda.current_stream(self._rows.device) if stream is None else stream
             stamp_arrival(self._rows, cur)
             cur.wait_stream(self._side)
-        elif self._enqueue_at_join:
-            self._enqueue_at_join = False
-            self._rows._live().enqueue(self._rows._stream_handle(stream), self._n, False)
         self._keep = ()
         return self._rows.staging[: self._n]
 

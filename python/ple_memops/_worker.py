@@ -118,10 +118,6 @@ class GatherWorker:
         skip_gather: diagnostics only: fill each step without reading the table (the
             consumer reads whatever bytes the slot held), to time the protocol without
             the host's gather. Never for serving: the rows are wrong.
-        fork: under capture, :meth:`stage` forks the publish and the consumer's
-            wait/copy onto the rows' side stream (default). ``False``: it publishes on
-            the caller's stream and :meth:`StagedRows.join` issues the wait/copy there,
-            so the captured graph stays one chain (no branch, no join node).
     """
 
     def __init__(
@@ -137,7 +133,6 @@ class GatherWorker:
         spin: float | None = DEFAULTS.spin,
         skip_gather: bool = False,
         predict_ready: bool = False,
-        fork: bool = True,
     ) -> None:
         if id_dtype not in ("int64", "int32"):
             raise InvalidArgumentError(f"id_dtype must be 'int64' or 'int32', got {id_dtype!r}")
@@ -149,7 +144,6 @@ class GatherWorker:
         self._rows = rows
         self._table = table
         self._id_dtype = id_dtype
-        self._fork = bool(fork)
         self._core: _native.GatherWorkerCore | None = _native.GatherWorkerCore(
             core,
             native_table(table),
@@ -240,10 +234,6 @@ class GatherWorker:
         if torch is None or not isinstance(ids, torch.Tensor) or ids.device.type != "cuda":
             raise RowShapeError("ids must be a CUDA tensor (use publish_from_host on the host)")
         n = int(ids.numel()) if rows is None else int(rows)
-        if not self._fork and torch.cuda.is_current_stream_capturing():
-            # One chain: publish here, the consumer's side at the join.
-            self.publish(ids, count, stream=stream)
-            return StagedRows(self._rows, None, n, keep=(ids, count), enqueue_at_join=True)
         side = side_stream(self._rows, stream)
         rows_core = native_rows(self._rows)
         if side is None:  # eager: inline on the caller's stream

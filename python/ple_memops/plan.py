@@ -145,7 +145,6 @@ class RowsPlan:
         time_stalls: bool = False,
         skip_gather: bool = False,
         log_fallback: bool = True,
-        fork: bool = True,
     ) -> RowsPlan:
         """One staging buffer of ``max_rows`` rows per table on ``device`` (``"cpu"``,
         ``"cuda:N"``, an ordinal, or ``None`` for CUDA if available), and a worker per
@@ -156,8 +155,7 @@ class RowsPlan:
         ``time_stalls`` times each step's consumer stall on the GPU (:meth:`stall_samples`);
         ``skip_gather`` (diagnostics only: wrong rows) fills without reading the tables,
         and ``predict_ready`` places each worker's hot window where READY is expected,
-        and ``fork=False`` keeps a captured :meth:`stage` on the caller's stream, see
-        :class:`~ple_memops.GatherWorker`. Raises
+        see :class:`~ple_memops.GatherWorker`. Raises
         only for bad arguments; a device that cannot defer gives a ``sync`` plan with
         :attr:`reason`, logged once unless ``log_fallback=False`` (for a caller that says
         it in its own words). The defaults are :data:`ple_memops.settings.DEFAULTS`."""
@@ -205,7 +203,6 @@ class RowsPlan:
                             spin=spin,
                             predict_ready=predict_ready,
                             skip_gather=skip_gather,
-                            fork=fork,
                         ),
                     )
                     for layer in layers

@@ -822,7 +822,6 @@ def build_hooks(
     stats_every: float | None = None,
     time_stalls: bool = False,
     skip_gather: bool = False,
-    fork: bool = True,
 ) -> PleRunnerHooks:
     """Build the all-or-none rows plan for ``tables`` (name -> :class:`~ple_memops.MmapTable`,
     outside any capture) and the runner hooks around it. ``timeout`` bounds both the
@@ -831,8 +830,8 @@ def build_hooks(
     ``spin``: the workers' hot window (``None``: the core's default), ``predict_ready``:
     placed where READY is expected (:class:`~ple_memops.GatherWorker`); ``stats_every``:
     see :class:`PleRunnerHooks`; ``time_stalls``: time each layer's consumer stall on
-    the GPU (in the stats line); ``skip_gather``: diagnostics only (wrong rows), and
-    ``fork``: see :class:`~ple_memops.GatherWorker`."""
+    the GPU (in the stats line); ``skip_gather``: diagnostics only (wrong rows), see
+    :class:`~ple_memops.GatherWorker`."""
     from ..plan import RowsPlan
 
     plan = RowsPlan.build(
@@ -849,7 +848,6 @@ def build_hooks(
         predict_ready=predict_ready,
         time_stalls=time_stalls,
         skip_gather=skip_gather,
-        fork=fork,
         log_fallback=False,  # the engine's integration says it once, with what it changes
     )
     try:

@@ -195,7 +195,6 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
             stats_every=settings.stats_every,
             time_stalls=settings.time_stalls,
             skip_gather=settings.diag_skip_gather,
-            fork=not settings.diag_inline,
             sync_graphs=ids_source,
         )
         raw = os.environ.get(FORCE_SYNC_ENV)

@@ -38,7 +38,6 @@ __all__ = [
     "DEPTH",
     "EARLY_JOIN_ENV",
     "FIRST_LAYER_THREADS_ENV",
-    "INLINE_ENV",
     "KEYS",
     "PREDICT_READY_ENV",
     "SKIP_GATHER_ENV",
@@ -64,7 +63,6 @@ SKIP_GATHER_ENV = "PLE_MEMOPS_DIAG_SKIP_GATHER"
 PREDICT_READY_ENV = "PLE_MEMOPS_PREDICT_READY"
 TIME_GRAPHS_ENV = "PLE_MEMOPS_TIME_GRAPHS"
 EARLY_JOIN_ENV = "PLE_MEMOPS_DIAG_EARLY_JOIN"
-INLINE_ENV = "PLE_MEMOPS_DIAG_INLINE"
 CONFIG_KEY = "ple_memops"
 """The key of ``additional_config`` that holds these settings."""
 BACKENDS = ("default", "mmap")
@@ -196,11 +194,6 @@ class Settings:
     """Diagnostics only: a Gemma model run eagerly joins its rows after the projection
     at the top of the forward, as a compiled one does, instead of at decoder layer 0's
     per-layer gate (the same tokens; measures what the late join saves)."""
-    diag_inline: bool = False
-    """Diagnostics only: a FULL graph publishes its ids and waits for its rows on the
-    model's own stream instead of a side stream joined at the consumer (the graph one
-    chain, no branch; the same tokens; with ``copy="kernel"`` a chain of kernels only:
-    measures what the branch costs the graph's other kernels)."""
 
     @property
     def mmap(self) -> bool:
@@ -226,7 +219,6 @@ class Settings:
             _switch(env.get(PREDICT_READY_ENV), PREDICT_READY_ENV),
             _switch(env.get(TIME_GRAPHS_ENV), TIME_GRAPHS_ENV),
             _switch(env.get(EARLY_JOIN_ENV), EARLY_JOIN_ENV),
-            _switch(env.get(INLINE_ENV), INLINE_ENV),
         )
 
     @classmethod
@@ -263,7 +255,6 @@ class Settings:
                 "predict_ready",
                 "time_graphs",
                 "diag_early_join",
-                "diag_inline",
             ):
                 changes[key] = _switch(value, where)
             else:
@@ -283,7 +274,6 @@ KEYS = (
     "predict_ready",
     "time_graphs",
     "diag_early_join",
-    "diag_inline",
 )
 """The keys ``additional_config["ple_memops"]`` may hold (:class:`Settings`' fields)."""
 
