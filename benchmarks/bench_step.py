@@ -53,6 +53,7 @@ from safetensors.numpy import save_file
 import ple_memops as pm
 from ple_memops.plan import RowsPlan
 from ple_memops.settings import COPIES
+from ple_memops.steps import StepDriver
 
 # Rows a token (n-gram heads) and bytes a row: Qwen4Exp-like by default; --heads 1
 # --row-bytes 15360 is a Gemma E2B token's one row of 30 x 256 BF16 values.
@@ -117,6 +118,7 @@ class Variant:
         self.hist = torch.zeros(4096, batch, dtype=torch.int64, device="cuda")
         self.step = torch.zeros(1, dtype=torch.int64, device="cuda")
         self.plan: RowsPlan | None = None
+        self.driver: StepDriver | None = None
         self.rows_sync: pm.DeferredRows | None = None
         self.gpu_table: torch.Tensor | None = None
         self.graph_ids: torch.cuda.CUDAGraph | None = None
@@ -142,6 +144,7 @@ class Variant:
                 copy=copy or COPY,
             )
             assert self.plan.mode == "deferred", self.plan.reason
+            self.driver = StepDriver(self.plan, depth=depth)
             self.track = self.plan.layers["ple"].rows
         self.track_arrival = track
         self.reset()
@@ -243,10 +246,10 @@ class Variant:
         return g
 
     def eager_step(self) -> None:
-        if self.plan is not None:
-            self.plan.begin(self.n)
+        if self.driver is not None:
+            self.driver.arm(self.n)
             self.body()
-            self.plan.complete(timeout=30.0)
+            self.driver.drain()
         elif self.rows_sync is not None:
             self.compute_ids()
             self.sync_fill()
@@ -267,14 +270,12 @@ class Variant:
         the host time of the pre-launch work."""
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
         host: list[float] = []
-        plan = self.plan
-        waited0 = self.track.stats().gpu_waited if plan is not None else 0
+        driver = self.driver
+        waited0 = self.track.stats().gpu_waited if driver is not None else 0
         for k in range(steps):
             t0 = time.perf_counter()
-            if plan is not None:
-                if plan.in_flight >= plan.layers["ple"].worker.depth:  # type: ignore[union-attr]
-                    plan.complete()
-                plan.begin(self.n)
+            if driver is not None:
+                driver.arm(self.n)  # completes the oldest step first when `depth` are armed
             elif self.rows_sync is not None:
                 assert self.graph_ids is not None
                 self.graph_ids.replay()
@@ -286,12 +287,12 @@ class Variant:
                 self.rows_sync.complete()
             if k >= 1:
                 ends[k - 1].synchronize()  # the previous step's output, as vLLM waits for it
-        if plan is not None:
-            plan.drain()
+        if driver is not None:
+            driver.drain()
         ends[-1].synchronize()
         period = ends[0].elapsed_time(ends[-1]) * 1e3 / (steps - 1)
-        waited = self.track.stats().gpu_waited - waited0 if plan is not None else 0
-        tracked = plan is not None and self.track_arrival
+        waited = self.track.stats().gpu_waited - waited0 if driver is not None else 0
+        tracked = driver is not None and self.track_arrival
         return {
             "period_us": period,
             "host_us": host,

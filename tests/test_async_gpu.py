@@ -17,6 +17,7 @@ from gpu_wait import captured_after_warmup, done, replayed
 
 import ple_memops as pm
 from ple_memops.plan import RowsPlan
+from ple_memops.steps import StepDriver
 
 pytestmark = pytest.mark.gpu
 
@@ -248,7 +249,8 @@ def test_plan_deferred_and_eager_give_the_same_bytes(torch: Any, table: pm.MmapT
                 staged[k].join()
                 outs[k].copy_(plan.staging(k, n))
 
-        arm, settle = (lambda: plan.begin(n)), (lambda: plan.complete(timeout=10.0))
+        driver = StepDriver(plan, timeout=10.0)
+        arm, settle = (lambda: driver.arm(n)), (lambda: driver.settle(0))
         graph = captured_after_warmup(torch, body, arm, settle, reset=counter.zero_)
         end = torch.cuda.Event()
         for i in replayed(graph, 100, arm, settle, end):
@@ -257,9 +259,9 @@ def test_plan_deferred_and_eager_give_the_same_bytes(torch: Any, table: pm.MmapT
             np.testing.assert_array_equal(outs["a"].cpu().numpy(), table.gather(want_a))
             np.testing.assert_array_equal(outs["b"].cpu().numpy(), table.gather(want_b))
             if i % 25 == 0:
-                # An eager step in between (a prefill): drain, gather now, same bytes.
-                plan.drain()
-                got = plan.gather_now("a", torch.from_numpy(want_a).cuda())
+                # An eager step in between (a prefill): the driver drains, then gathers
+                # now: the same bytes.
+                got = driver.gather_now("a", torch.from_numpy(want_a).cuda())
                 np.testing.assert_array_equal(got.cpu().numpy(), table.gather(want_a))
 
 

@@ -489,10 +489,6 @@ class RecordingPlan:
             raise self.fail_complete
         self.log.append(f"complete {self.armed.pop(0)}")
 
-    def drain(self, timeout: float | None = None) -> None:
-        while self.armed:
-            self.complete(timeout)
-
     def gather_now(
         self, name: str, ids: Any, rows: int | None = None, *, stream: Any = None
     ) -> Any:

@@ -8,35 +8,28 @@ a deferred consumer with one that needs its rows before the launch. When the pla
 defer (no capability, ``deferred=False``, a worker that cannot start), it says why once
 on the ``ple_memops`` logger and :attr:`RowsPlan.reason`.
 
-Per step::
+A plan holds a device's tables; a :class:`~ple_memops.steps.StepDriver` runs their
+steps (arming up to ``depth`` steps, completing, draining, eager steps, aborts and
+shutdown, counters). The plan's own step methods are the all-or-none primitives the
+driver composes, each over every table at once::
+
+    plan = RowsPlan.build({"layer2": t2, "layer7": t7}, max_rows=n_max, device=0)
+    driver = StepDriver(plan)
 
     # capture (deferred mode): ids computed by the graph itself
-    staged = plan.stage("layer2", ids, rows=n)   # publish + wait/copy on a side stream
-    ...                                          # layers before the consumer
-    staged.join()                                # the consumer's edge
-    rows = plan.staging("layer2", n)             # uint8 [n, row_bytes]
+    staged = driver.stage("layer2", ids, rows=n)   # publish + wait/copy on a side stream
+    ...                                            # layers before the consumer
+    staged.join()                                  # the consumer's edge
+    rows = plan.staging("layer2", n)               # uint8 [n, row_bytes]
 
-    # replay
-    plan.begin(n)           # arm every layer (up to ``depth`` steps in flight)
-    graph.replay()
-    plan.complete()         # later: ends the oldest step; raises the first failure
-
-    # host-known ids instead: the graph captured plan.layers["layer2"].rows.stage(rows=n)
-    # (the wait and copy only, no publish of its own)
-    plan.begin(n)
-    plan.publish_host("layer2", ids)   # the worker gathers while the graph launches
-    graph.replay()
-    plan.complete()
-
-    # eager forwards (prefill, mixed batches) in deferred mode: the same protocol, each
-    # table's publish and wait/copy on a side stream, gathers in parallel on the workers
-    plan.begin(n)
-    staged = plan.stage_eager("layer2", ids, rows=n)
-    ...                                          # layers before the consumer
-    staged.join()
-
-    # warm-up, profiling, and the synchronous fallback
-    rows = plan.gather_now("layer2", ids)        # ids to the host, gather, copy: same bytes
+    # the primitives under the driver's verbs
+    plan.begin(n)                  # arm every table (StepDriver.arm)
+    plan.complete()                # the oldest step of every table (StepDriver.settle,
+                                   # complete_oldest, drain)
+    plan.publish_host(name, ids)   # host-known ids (StepDriver.publish_host)
+    plan.stage_eager(name, ids, rows=n)   # an eager forward's rows (StepDriver.stage_eager)
+    plan.gather_now(name, ids)     # the synchronous path, no step in flight
+                                   # (StepDriver.gather_now drains first)
 """
 
 from __future__ import annotations
@@ -366,11 +359,6 @@ class RowsPlan:
             self.abort(f"complete() failed: {first!r}")
             raise first
 
-    def drain(self, timeout: float | None = None) -> None:
-        """Complete every armed step (before eager work, capture, or shutdown)."""
-        while self.in_flight:
-            self.complete(timeout)
-
     # -- eager steps --------------------------------------------------------------------
 
     def gather_now(
@@ -380,8 +368,8 @@ class RowsPlan:
         host, gather from the table straight into the pinned slot, copy to the staging
         buffer on ``stream``, and return ``staging[:n]`` (``n = rows`` or ``len(ids)``;
         rows past ``len(ids)`` are zero). Same bytes as a deferred step. Needs no step in
-        flight: :meth:`drain` first. Ids in a CUDA tensor are copied to the host, which
-        synchronises with the device: the eager path allows that on purpose
+        flight (``StepDriver.gather_now`` drains first). Ids in a CUDA tensor are copied to
+        the host, which synchronises with the device: the eager path allows that on purpose
         (``allow_device_sync=True``); :meth:`publish_host` never does."""
         layer = self._layer(name)
         # The eager path: a CUDA tensor is copied to the host, which waits for the device.
@@ -567,8 +555,8 @@ class RowsPlan:
         busy = layer.worker.in_flight if layer.worker is not None else layer.rows.in_flight
         if busy:
             raise StateError(
-                f"{busy} step(s) of table {layer.name!r} still in flight; drain() before an "
-                "eager step"
+                f"{busy} step(s) of table {layer.name!r} still in flight; complete them before an "
+                "eager step (StepDriver.gather_now and dummy_now drain first)"
             )
 
 
