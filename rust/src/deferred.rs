@@ -205,6 +205,11 @@ struct Shared {
     /// A native worker fills this object (see [`crate::worker`]): eager enqueues may precede
     /// the fill, since no host-thread synchronisation can block the worker.
     worker_fed: AtomicBool,
+    /// Set (under `inner`'s lock) when the phase becomes `Poisoned`, never cleared: lets
+    /// [`DeferredRows::poison_cause`] answer "usable" without the lock, which a worker's
+    /// gather holds for the whole fill (an engine asks every step, while the next step's
+    /// rows are being gathered).
+    poisoned: AtomicBool,
     flag: Option<HostFlag>,
     /// Stall timing (deferred mode with `time_stalls`).
     stall: Option<StallClock>,
@@ -340,6 +345,7 @@ impl DeferredRows {
             slot_dptr,
             kernel,
             worker_fed: AtomicBool::new(false),
+            poisoned: AtomicBool::new(false),
             mode,
             staging: target,
             fallback_reason,
@@ -394,8 +400,12 @@ impl DeferredRows {
         self.shared.lock().stats.clone()
     }
 
-    /// The first cause, once poisoned.
+    /// The first cause, once poisoned. While the object is usable this takes no lock, so
+    /// it never waits for a fill in progress.
     pub fn poison_cause(&self) -> Option<String> {
+        if !self.shared.poisoned.load(Ordering::Acquire) {
+            return None;
+        }
         match &self.shared.lock().phase {
             Phase::Poisoned { cause } => Some(cause.clone()),
             _ => None,
@@ -989,6 +999,7 @@ impl Shared {
             flag.store_poison();
         }
         inner.phase = Phase::Poisoned { cause };
+        self.poisoned.store(true, Ordering::Release);
         inner.stats.aborts += 1;
     }
 }

@@ -150,6 +150,62 @@ fn the_watchdog_counts_from_the_ids_not_from_begin() {
     w.close();
 }
 
+/// A source whose gather says when it starts, then takes `hold`.
+struct Held {
+    inner: Counting,
+    hold: Duration,
+    started: std::sync::mpsc::SyncSender<()>,
+}
+
+impl RowSource for Held {
+    fn rows(&self) -> u64 {
+        self.inner.rows()
+    }
+    fn row_bytes(&self) -> usize {
+        self.inner.row_bytes()
+    }
+    fn name(&self) -> String {
+        "held".into()
+    }
+    fn gather_rows(&self, ids: &[i64], dst: &mut [u8]) -> Result<()> {
+        let _ = self.started.try_send(());
+        std::thread::sleep(self.hold);
+        self.inner.gather_rows(ids, dst)
+    }
+}
+
+#[test]
+fn asking_whether_the_rows_failed_never_waits_for_a_gather() {
+    // An engine asks before it hands out every step's output, while the worker gathers
+    // the next step's rows: the answer must not wait for that gather.
+    let hold = Duration::from_secs(2);
+    let mut staging = vec![0u8; 4 * 4];
+    let rows = host_rows(4, 4, &mut staging);
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let src = Arc::new(Held {
+        inner: Counting { rows: 10, width: 4 },
+        hold,
+        started: tx,
+    });
+    let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8)).unwrap();
+    w.begin(4).unwrap();
+    w.publish_from_host(&[1, 2], T).unwrap();
+    rx.recv_timeout(T).expect("the gather never started");
+    let t0 = Instant::now();
+    assert_eq!(rows.poison_cause(), None);
+    let asked = t0.elapsed();
+    assert!(
+        asked < hold / 2,
+        "poison_cause() waited {asked:?} for the gather"
+    );
+    w.complete(T).unwrap();
+    assert!(staging[..4].iter().all(|&b| b == 2));
+    // Once poisoned, the cause is there (read under the lock).
+    rows.abort("stop");
+    assert_eq!(rows.poison_cause().as_deref(), Some("stop"));
+    w.close();
+}
+
 #[test]
 fn completions_that_wait_for_the_worker_are_counted_and_timed() {
     let mut staging = vec![0u8; 4 * 4];
