@@ -183,6 +183,9 @@ struct Inner {
     slot: Slot,
     /// Rows of the slot that may hold non-zero bytes (padding above is already zero).
     dirty_rows: usize,
+    /// A fill is writing the slot without the lock (see `Shared::fill_impl`): until it
+    /// clears this, nothing else reads or writes the slot's bytes on the host.
+    filling: bool,
     /// The last eager copy (deferred: an eager enqueue; sync: a fill); `None` until one.
     last_copy: Option<Event>,
     copy_pending: bool,
@@ -225,7 +228,9 @@ struct Shared {
 }
 
 // SAFETY: the raw pointers (`slot_ptr`, a host staging pointer) name memory that lives as
-// long as the object (new()'s contract); all host access to it happens under `inner`'s lock.
+// long as the object (new()'s contract); all host access to it happens under `inner`'s lock,
+// except a fill's write of the slot, which `Inner::filling` (set and cleared under the lock)
+// keeps exclusive.
 unsafe impl Send for Shared {}
 // SAFETY: as above.
 unsafe impl Sync for Shared {}
@@ -354,6 +359,7 @@ impl DeferredRows {
                 phase: Phase::default(),
                 slot,
                 dirty_rows: 0,
+                filling: false,
                 last_copy: None,
                 copy_pending: false,
                 captured_ids: Vec::new(),
@@ -753,7 +759,9 @@ impl DeferredRows {
     pub(crate) fn release_unaccounted(&self, cause: &str) {
         let s = &self.shared;
         let mut inner = s.lock();
-        if let Some(flag) = &s.flag {
+        if inner.filling {
+            // A host fill owns the slot right now; its consumer is released below.
+        } else if let Some(flag) = &s.flag {
             if flag.filled() == HostFlag::EMPTY && !flag.is_poisoned() {
                 inner.slot.bytes().fill(0);
                 inner.dirty_rows = 0;
@@ -773,7 +781,14 @@ impl DeferredRows {
 
     /// The slot's current bytes (tests and diagnostics).
     pub fn slot_snapshot(&self) -> Vec<u8> {
-        self.shared.lock().slot.bytes().to_vec()
+        loop {
+            let mut inner = self.shared.lock();
+            if !inner.filling {
+                return inner.slot.bytes().to_vec();
+            }
+            drop(inner);
+            std::thread::yield_now(); // a fill is writing it
+        }
     }
 }
 
@@ -891,6 +906,9 @@ impl Shared {
         }
         let mut inner = self.lock();
         let extent = inner.phase.check_fill(op, k)?;
+        if inner.filling {
+            return Err(Error::state(op, "another fill of this step is in progress"));
+        }
         match self.mode {
             Mode::Deferred => {
                 let flag = self.flag.as_ref().expect("deferred mode has a flag");
@@ -923,13 +941,46 @@ impl Shared {
             Mode::Host => {}
         }
         if let Some(write) = write {
+            // The write (a worker's whole gather) runs without the lock, so the calls an
+            // engine makes every step (arming the next step, the failure check, stats) and
+            // the watchdog never wait for it; `filling` keeps every other host access off
+            // the slot meanwhile.
             let dirty = inner.dirty_rows;
-            let slot = inner.slot.bytes();
-            write(&mut slot[..k * rb])?;
             // Zero the padding, skipping rows that are zero already.
             let pad_end = extent.min(dirty.max(k));
-            if pad_end > k {
-                slot[k * rb..pad_end * rb].fill(0);
+            let slot = inner.slot.bytes();
+            let (ptr, len) = (slot.as_mut_ptr(), slot.len());
+            if k.max(pad_end) * rb > len {
+                return Err(Error::rows(format!("{k} rows do not fit the slot")));
+            }
+            inner.filling = true;
+            drop(inner);
+            let filling = Filling { shared: self };
+            let written = {
+                // SAFETY: `ptr`/`len` name the slot, which lives as long as `self` (it is
+                // never reallocated; a pinned slot is freed only when `Shared` drops, and
+                // `self` is borrowed here). Exclusive: `filling` was set under the lock,
+                // and every host access to the slot's bytes takes the lock and keeps off
+                // while it is set (another fill is refused, abort and release skip their
+                // zeroing, a snapshot waits); the GPU reads the slot only after the publish
+                // below.
+                let slot = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+                let written = write(&mut slot[..k * rb]);
+                if written.is_ok() && pad_end > k {
+                    slot[k * rb..pad_end * rb].fill(0);
+                }
+                written
+            };
+            inner = self.lock();
+            inner.filling = false;
+            std::mem::forget(filling);
+            if written.is_err() || inner.phase.check_live().is_err() {
+                // Rows [0, k) may hold bytes now; nothing is published.
+                inner.dirty_rows = dirty.max(k);
+                written?;
+                // Aborted (the watchdog, an abort) or closed while the rows were written:
+                // the GPU was released meanwhile, and this fill is the step's failure.
+                inner.phase.check_live()?;
             }
             inner.dirty_rows = if dirty > extent { dirty } else { k };
         }
@@ -993,7 +1044,13 @@ impl Shared {
         if let Some(flag) = &self.flag {
             // Pending and not yet released: the GPU is not reading the slot, so clear it
             // first; whatever the released consumer copies is then zeros, not stale rows.
-            if inner.phase.oldest_unfilled().is_some() && flag.filled() == HostFlag::EMPTY {
+            // (A fill writing the slot right now owns it: the released consumer may read
+            // that step's rows or earlier ones; the step is poisoned, so its output is
+            // never handed out.)
+            if inner.phase.oldest_unfilled().is_some()
+                && flag.filled() == HostFlag::EMPTY
+                && !inner.filling
+            {
                 inner.slot.bytes().fill(0);
             }
             flag.store_poison();
@@ -1001,6 +1058,19 @@ impl Shared {
         inner.phase = Phase::Poisoned { cause };
         self.poisoned.store(true, Ordering::Release);
         inner.stats.aborts += 1;
+    }
+}
+
+/// Clears `Inner::filling` if a fill's write unwinds (a panic in the row source), so the
+/// object stays usable for the abort that follows; the normal path clears it under the
+/// lock it takes anyway and forgets the guard.
+struct Filling<'a> {
+    shared: &'a Shared,
+}
+
+impl Drop for Filling<'_> {
+    fn drop(&mut self) {
+        self.shared.lock().filling = false;
     }
 }
 

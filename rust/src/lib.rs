@@ -30,8 +30,9 @@
 //!   [`Stream::from_raw`] (a raw stream handle, vouched for once: every method taking a
 //!   [`Stream`] is then safe), [`DeferredRows::new`] (a raw staging buffer) and
 //!   [`GatherWorker::publish`] (device addresses of ids), and the driver calls and staging
-//!   writes behind them (`deferred`, which also declares its shared state `Send`/`Sync`,
-//!   and `worker`'s `mailbox.rs`); the probe's live run on its own stream (`probe`).
+//!   writes behind them (`deferred`, which also declares its shared state `Send`/`Sync`
+//!   and writes a fill's rows into the slot outside its lock, and `worker`'s
+//!   `mailbox.rs`); the probe's live run on its own stream (`probe`).
 //! * `table`: mapping the file (`discover`), page-cache system calls (`pagecache`), the
 //!   SIGBUS handler (`sigbus`), io_uring submissions (`coldread`; `floor`'s benchmark
 //!   instruments, with `posix_fadvise`), cache prefetch hints (`gather`).

@@ -207,6 +207,104 @@ fn asking_whether_the_rows_failed_never_waits_for_a_gather() {
 }
 
 #[test]
+fn arming_the_next_step_never_waits_for_a_gather() {
+    // Under asynchronous scheduling the host arms step N+1 while the worker gathers step
+    // N's rows: arming must not wait for that gather.
+    let hold = Duration::from_secs(2);
+    let mut staging = vec![0u8; 4 * 4];
+    let rows = host_rows(4, 4, &mut staging);
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let src = Arc::new(Held {
+        inner: Counting { rows: 10, width: 4 },
+        hold,
+        started: tx,
+    });
+    let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8)).unwrap();
+    w.begin(4).unwrap();
+    w.publish_from_host(&[3], T).unwrap();
+    rx.recv_timeout(T).expect("the gather never started");
+    let t0 = Instant::now();
+    w.begin(4).unwrap();
+    let _ = (rows.stats(), rows.in_flight(), rows.phase_name());
+    let took = t0.elapsed();
+    assert!(took < hold / 2, "arming waited {took:?} for the gather");
+    // Both steps still come out right, in order.
+    w.complete(T).unwrap();
+    assert!(staging[..4].iter().all(|&b| b == 4));
+    w.publish_from_host(&[5, 6], T).unwrap();
+    w.complete(T).unwrap();
+    assert!(staging[..4].iter().all(|&b| b == 6) && staging[4..8].iter().all(|&b| b == 7));
+    w.close();
+}
+
+#[test]
+fn the_watchdog_releases_a_step_whose_gather_stalls() {
+    // A read stalled on I/O must not hold the GPU: the watchdog releases the step while
+    // the gather is still under way, and the late rows are never published.
+    let watchdog = Duration::from_millis(100);
+    let hold = Duration::from_secs(2);
+    let mut staging = vec![0u8; 4 * 4];
+    let rows = watched_rows(4, 4, &mut staging, Some(watchdog));
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let src = Arc::new(Held {
+        inner: Counting { rows: 10, width: 4 },
+        hold,
+        started: tx,
+    });
+    let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8)).unwrap();
+    w.begin(4).unwrap();
+    w.publish_from_host(&[1, 2], T).unwrap();
+    rx.recv_timeout(T).expect("the gather never started");
+    let t0 = Instant::now();
+    while !rows.is_released() {
+        assert!(
+            t0.elapsed() < hold / 2,
+            "the watchdog did not release the step while its gather stalled"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(rows.stats().watchdog_releases, 1);
+    let e = w.complete(T).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Poisoned, "{e}");
+    assert!(e.to_string().contains("watchdog"), "{e}");
+    // The gather finished after the release: its rows never reached the consumer.
+    assert!(staging.iter().all(|&b| b == 0));
+    assert_eq!(rows.stats().fills, 0);
+    w.close();
+}
+
+#[test]
+fn a_fill_owns_the_slot_until_it_publishes() {
+    let mut staging = vec![0u8; 4 * 4];
+    let rows = host_rows(4, 4, &mut staging);
+    rows.begin(2).unwrap();
+    rows.fill_with(2, Duration::ZERO, |dst| {
+        // A second fill of the step while this one writes: refused, nothing written.
+        let e = rows.fill(&[9u8; 8], None, Duration::ZERO).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::State, "{e}");
+        dst.fill(5);
+        Ok(())
+    })
+    .unwrap();
+    rows.complete().unwrap();
+    assert!(staging[..8].iter().all(|&b| b == 5));
+    // Aborted while it writes (the watchdog, an abort from another thread): the fill
+    // fails with the abort's cause and publishes nothing.
+    rows.begin(2).unwrap();
+    let e = rows
+        .fill_with(2, Duration::ZERO, |dst| {
+            rows.abort("cut short");
+            dst.fill(7);
+            Ok(())
+        })
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Poisoned, "{e}");
+    assert!(e.to_string().contains("cut short"), "{e}");
+    assert!(staging[..8].iter().all(|&b| b == 5));
+    assert_eq!(rows.stats().fills, 1);
+}
+
+#[test]
 fn completions_that_wait_for_the_worker_are_counted_and_timed() {
     let mut staging = vec![0u8; 4 * 4];
     let rows = host_rows(4, 4, &mut staging);
