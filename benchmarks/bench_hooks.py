@@ -48,11 +48,13 @@ class Descriptor:
     num_ubatches: int = 1
 
 
-def build(root: Path, tables: int, tokens: int) -> tuple[PleRunnerHooks, list[Any]]:
+def build(
+    root: Path, tables: int, tokens: int, row_bytes: int = 512
+) -> tuple[PleRunnerHooks, list[Any]]:
     opened = []
     layers = []
     for i in range(tables):
-        data = np.random.default_rng(i).integers(0, 256, (4096, 512), dtype=np.uint8)
+        data = np.random.default_rng(i).integers(0, 256, (4096, row_bytes), dtype=np.uint8)
         path = root / f"t{i}.safetensors"
         save_file({f"layers.{i}.table": data.view(np.float16)}, str(path))
         table = pm.MmapTable.open(path, f"layers.{i}.table")
@@ -63,9 +65,11 @@ def build(root: Path, tables: int, tokens: int) -> tuple[PleRunnerHooks, list[An
     return PleRunnerHooks(plan, rows_per_token=1), opened
 
 
-def run(tables: int, steps: int, gap_us: float, tokens: int = 8) -> dict[str, tuple[float, float]]:
+def run(
+    tables: int, steps: int, gap_us: float, tokens: int = 8, row_bytes: int = 512
+) -> dict[str, tuple[float, float]]:
     with tempfile.TemporaryDirectory() as tmp:
-        hooks, opened = build(Path(tmp), tables, tokens)
+        hooks, opened = build(Path(tmp), tables, tokens, row_bytes)
         desc = Descriptor("FULL", tokens, tokens, 1)
         hooks._wait_descs.add(desc)  # as a capture of this size would have
         names = list(hooks.plan.layers)
@@ -101,15 +105,26 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--gap-us", type=float, default=500.0, help="other host work between steps")
     p.add_argument("--tables", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    p.add_argument("--tokens", type=int, default=8, help="rows a step (one a token)")
+    p.add_argument(
+        "--row-bytes",
+        type=int,
+        default=512,
+        help="bytes a row (even; Gemma 3n E2B's per-layer row: 15360)",
+    )
     args = p.parse_args()
+    if args.tokens < 1 or args.row_bytes < 2 or args.row_bytes % 2:
+        p.error("--tokens must be >= 1 and --row-bytes a positive even number")
     kinds = ("total", "step", "arm", "wait", "check")
-    print(f"host us per engine step, p50 / p99 over {args.steps} steps ({args.gap_us:.0f} us "
-          "of other host work between steps)\n")  # fmt: skip
+    print(
+        f"host us per engine step, p50 / p99 over {args.steps} steps of {args.tokens} rows "
+        f"of {args.row_bytes} B ({args.gap_us:.0f} us of other host work between steps)\n"
+    )
     print("| tables | repeat | " + " | ".join(kinds) + " |")
     print("|---|---|" + "---|" * len(kinds))
     for r in range(args.repeats):
         for n in args.tables:
-            got = run(n, args.steps, args.gap_us)
+            got = run(n, args.steps, args.gap_us, args.tokens, args.row_bytes)
             cells = " | ".join(f"{got[k][0]:.1f} / {got[k][1]:.1f}" for k in kinds)
             print(f"| {n} | {r + 1} | {cells} |", flush=True)
 
