@@ -174,28 +174,37 @@ impl RowSource for Held {
     }
 }
 
-#[test]
-fn asking_whether_the_rows_failed_never_waits_for_a_gather() {
-    // An engine asks before it hands out every step's output, while the worker gathers
-    // the next step's rows: the answer must not wait for that gather.
-    let hold = Duration::from_secs(2);
-    let mut staging = vec![0u8; 4 * 4];
-    let rows = host_rows(4, 4, &mut staging);
+/// How long a held gather takes: far above what any check below allows itself.
+const HOLD: Duration = Duration::from_secs(2);
+
+/// A worker over `rows` whose gathers each take [`HOLD`], with a step of `ids` armed,
+/// published and being gathered when it returns.
+fn worker_mid_gather(rows: &DeferredRows, ids: &[i64]) -> GatherWorker {
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
     let src = Arc::new(Held {
         inner: Counting { rows: 10, width: 4 },
-        hold,
+        hold: HOLD,
         started: tx,
     });
     let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8)).unwrap();
     w.begin(4).unwrap();
-    w.publish_from_host(&[1, 2], T).unwrap();
+    w.publish_from_host(ids, T).unwrap();
     rx.recv_timeout(T).expect("the gather never started");
+    w
+}
+
+#[test]
+fn asking_whether_the_rows_failed_never_waits_for_a_gather() {
+    // An engine asks before it hands out every step's output, while the worker gathers
+    // the next step's rows: the answer must not wait for that gather.
+    let mut staging = vec![0u8; 4 * 4];
+    let rows = host_rows(4, 4, &mut staging);
+    let w = worker_mid_gather(&rows, &[1, 2]);
     let t0 = Instant::now();
     assert_eq!(rows.poison_cause(), None);
     let asked = t0.elapsed();
     assert!(
-        asked < hold / 2,
+        asked < HOLD / 2,
         "poison_cause() waited {asked:?} for the gather"
     );
     w.complete(T).unwrap();
@@ -210,24 +219,14 @@ fn asking_whether_the_rows_failed_never_waits_for_a_gather() {
 fn arming_the_next_step_never_waits_for_a_gather() {
     // Under asynchronous scheduling the host arms step N+1 while the worker gathers step
     // N's rows: arming must not wait for that gather.
-    let hold = Duration::from_secs(2);
     let mut staging = vec![0u8; 4 * 4];
     let rows = host_rows(4, 4, &mut staging);
-    let (tx, rx) = std::sync::mpsc::sync_channel(1);
-    let src = Arc::new(Held {
-        inner: Counting { rows: 10, width: 4 },
-        hold,
-        started: tx,
-    });
-    let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8)).unwrap();
-    w.begin(4).unwrap();
-    w.publish_from_host(&[3], T).unwrap();
-    rx.recv_timeout(T).expect("the gather never started");
+    let w = worker_mid_gather(&rows, &[3]);
     let t0 = Instant::now();
     w.begin(4).unwrap();
     let _ = (rows.stats(), rows.in_flight(), rows.phase_name());
     let took = t0.elapsed();
-    assert!(took < hold / 2, "arming waited {took:?} for the gather");
+    assert!(took < HOLD / 2, "arming waited {took:?} for the gather");
     // Both steps still come out right, in order.
     w.complete(T).unwrap();
     assert!(staging[..4].iter().all(|&b| b == 4));
@@ -242,23 +241,13 @@ fn the_watchdog_releases_a_step_whose_gather_stalls() {
     // A read stalled on I/O must not hold the GPU: the watchdog releases the step while
     // the gather is still under way, and the late rows are never published.
     let watchdog = Duration::from_millis(100);
-    let hold = Duration::from_secs(2);
     let mut staging = vec![0u8; 4 * 4];
     let rows = watched_rows(4, 4, &mut staging, Some(watchdog));
-    let (tx, rx) = std::sync::mpsc::sync_channel(1);
-    let src = Arc::new(Held {
-        inner: Counting { rows: 10, width: 4 },
-        hold,
-        started: tx,
-    });
-    let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8)).unwrap();
-    w.begin(4).unwrap();
-    w.publish_from_host(&[1, 2], T).unwrap();
-    rx.recv_timeout(T).expect("the gather never started");
+    let w = worker_mid_gather(&rows, &[1, 2]);
     let t0 = Instant::now();
     while !rows.is_released() {
         assert!(
-            t0.elapsed() < hold / 2,
+            t0.elapsed() < HOLD / 2,
             "the watchdog did not release the step while its gather stalled"
         );
         std::thread::sleep(Duration::from_millis(5));
