@@ -102,10 +102,12 @@ fn worker_fills_published_ids_and_surfaces_errors() {
     w.close();
 }
 
-/// A source whose every gather takes `delay`.
+/// A source whose every gather takes `delay` (saying on `started`, if given, when one
+/// starts).
 struct Slow {
     inner: Counting,
     delay: Duration,
+    started: Option<std::sync::mpsc::SyncSender<()>>,
 }
 
 impl RowSource for Slow {
@@ -119,6 +121,9 @@ impl RowSource for Slow {
         "slow".into()
     }
     fn gather_rows(&self, ids: &[i64], dst: &mut [u8]) -> Result<()> {
+        if let Some(started) = &self.started {
+            let _ = started.try_send(());
+        }
         std::thread::sleep(self.delay);
         self.inner.gather_rows(ids, dst)
     }
@@ -132,6 +137,7 @@ fn the_watchdog_counts_from_the_ids_not_from_begin() {
     let src = Arc::new(Slow {
         inner: Counting { rows: 10, width: 4 },
         delay: Duration::from_millis(5),
+        started: None,
     });
     let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8)).unwrap();
     // Armed long before its ids come (the GPU busy with work queued ahead): no wait.
@@ -150,30 +156,6 @@ fn the_watchdog_counts_from_the_ids_not_from_begin() {
     w.close();
 }
 
-/// A source whose gather says when it starts, then takes `hold`.
-struct Held {
-    inner: Counting,
-    hold: Duration,
-    started: std::sync::mpsc::SyncSender<()>,
-}
-
-impl RowSource for Held {
-    fn rows(&self) -> u64 {
-        self.inner.rows()
-    }
-    fn row_bytes(&self) -> usize {
-        self.inner.row_bytes()
-    }
-    fn name(&self) -> String {
-        "held".into()
-    }
-    fn gather_rows(&self, ids: &[i64], dst: &mut [u8]) -> Result<()> {
-        let _ = self.started.try_send(());
-        std::thread::sleep(self.hold);
-        self.inner.gather_rows(ids, dst)
-    }
-}
-
 /// How long a held gather takes: far above what any check below allows itself.
 const HOLD: Duration = Duration::from_secs(2);
 
@@ -181,10 +163,10 @@ const HOLD: Duration = Duration::from_secs(2);
 /// published and being gathered when it returns.
 fn worker_mid_gather(rows: &DeferredRows, ids: &[i64]) -> GatherWorker {
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
-    let src = Arc::new(Held {
+    let src = Arc::new(Slow {
         inner: Counting { rows: 10, width: 4 },
-        hold: HOLD,
-        started: tx,
+        delay: HOLD,
+        started: Some(tx),
     });
     let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8)).unwrap();
     w.begin(4).unwrap();
@@ -300,6 +282,7 @@ fn completions_that_wait_for_the_worker_are_counted_and_timed() {
     let src = Arc::new(Slow {
         inner: Counting { rows: 10, width: 4 },
         delay: Duration::from_millis(20),
+        started: None,
     });
     let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8)).unwrap();
     // Filled before its completion: no wait counted.
@@ -550,6 +533,7 @@ fn eager_steps_fills_are_counted_apart_from_replays() {
             width: 4,
         },
         delay: Duration::from_millis(20),
+        started: None,
     });
     let w = GatherWorker::new(rows, src, RowMap::Identity, opts(8, 8)).unwrap();
     // replay, eager, replay, with two armed at once (the eager one second in line).
