@@ -66,7 +66,12 @@ def build(
 
 
 def run(
-    tables: int, steps: int, gap_us: float, tokens: int = 8, row_bytes: int = 512
+    tables: int,
+    steps: int,
+    gap_us: float,
+    tokens: int = 8,
+    row_bytes: int = 512,
+    publish_at: str = "launch",
 ) -> dict[str, tuple[float, float]]:
     with tempfile.TemporaryDirectory() as tmp:
         hooks, opened = build(Path(tmp), tables, tokens, row_bytes)
@@ -75,17 +80,25 @@ def run(
         names = list(hooks.plan.layers)
         ids = np.arange(tokens, dtype=np.int64)
 
-        def launch() -> None:  # the GPU's publish of the step's ids
+        def publish() -> None:  # the GPU's publish of the step's ids
             for name in names:
                 hooks.driver.publish_host(name, ids)
 
+        # "launch": the GPU reaches the step at once (the worker gathers while the host
+        # checks the step before); "next-step": the GPU reaches it as the host prepares the
+        # next one (the worker gathers while the host arms that one).
+        launch = publish if publish_at == "launch" else (lambda: None)
         try:
             hooks.host.take()
-            for _ in range(steps):
+            for k in range(steps):
+                if publish_at == "next-step" and k:
+                    publish()
                 with hooks.step(dummy=False):
                     hooks.replay(desc, launch)
                 hooks.raise_if_failed()
                 time.sleep(gap_us / 1e6)
+            if publish_at == "next-step":
+                publish()
             samples = hooks.host.take()
         finally:
             hooks.shutdown()
@@ -112,6 +125,14 @@ def main() -> None:
         default=512,
         help="bytes a row (even; Gemma 3n E2B's per-layer row: 15360)",
     )
+    p.add_argument(
+        "--publish-at",
+        choices=["launch", "next-step"],
+        default="launch",
+        help="when the step's ids reach the worker: at its launch (the worker gathers while "
+        "the host checks the step before), or as the host prepares the next step (while it "
+        "arms that one)",
+    )
     args = p.parse_args()
     if args.tokens < 1 or args.row_bytes < 2 or args.row_bytes % 2:
         p.error("--tokens must be >= 1 and --row-bytes a positive even number")
@@ -124,7 +145,7 @@ def main() -> None:
     print("|---|---|" + "---|" * len(kinds))
     for r in range(args.repeats):
         for n in args.tables:
-            got = run(n, args.steps, args.gap_us, args.tokens, args.row_bytes)
+            got = run(n, args.steps, args.gap_us, args.tokens, args.row_bytes, args.publish_at)
             cells = " | ".join(f"{got[k][0]:.1f} / {got[k][1]:.1f}" for k in kinds)
             print(f"| {n} | {r + 1} | {cells} |", flush=True)
 
