@@ -8,12 +8,16 @@ the GPU would), checks for failures before the output is handed out, then the ho
 ``--gap-us`` of other work (the engine's own: it evicts our code from the caches, which a
 tight loop would hide). The table is the stats line's own host time by hook, p50 and p99
 over ``--steps`` steps, for 1 and 4 tables, repeated ``--repeats`` times in turn.
+``--tokens`` and ``--row-bytes`` set a step's size (an engine's c64 step gathers for
+hundreds of microseconds, while our next calls run); ``--publish-at next-step`` hands a
+step's ids to the worker as the host prepares the next step instead of at the launch.
 
 The cost this measures is Python's (call layers, context managers, locks) and the native
 calls', on this CPU; on the H200 host the same code measured 77-135 us a step at p50 in the
 real engine (BENCHMARKS.md). It prints the table; it asserts nothing.
 
-    python3 benchmarks/bench_hooks.py [--steps 3000] [--repeats 3]
+    python3 benchmarks/bench_hooks.py [--steps 3000] [--repeats 3] [--tokens 64 \
+        --row-bytes 15360] [--publish-at next-step]
 """
 
 from __future__ import annotations
