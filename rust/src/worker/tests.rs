@@ -685,3 +685,52 @@ fn a_predicted_wait_sleeps_until_ready_is_near_and_still_serves_an_early_ready()
     assert!(s.ready_in_sleep >= 1, "{s:?}");
     w.close();
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 64, ..Default::default() })]
+
+    /// A fill racing an abort and the watchdog at any moment: nothing hangs or panics, a
+    /// completed step holds its rows, a failed one says it was poisoned.
+    #[test]
+    fn a_fill_racing_an_abort_or_the_watchdog(
+        gather_us in 0u64..3_000,
+        abort_us in proptest::option::of(0u64..3_000),
+        watchdog_ms in proptest::option::of(1u64..3),
+    ) {
+        let mut staging = vec![0u8; 4 * 4];
+        let rows = watched_rows(4, 4, &mut staging, watchdog_ms.map(Duration::from_millis));
+        let src = Arc::new(Slow {
+            inner: Counting { rows: 10, width: 4 },
+            delay: Duration::from_micros(gather_us),
+            started: None,
+        });
+        let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8)).unwrap();
+        w.begin(4).unwrap();
+        w.publish_from_host(&[1, 2], T).unwrap();
+        let aborter = abort_us.map(|us| {
+            let rows = rows.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_micros(us));
+                rows.abort("raced");
+            })
+        });
+        let t0 = Instant::now();
+        let done = w.complete(T);
+        proptest::prop_assert!(t0.elapsed() < T, "complete() ran into its timeout");
+        if let Some(a) = aborter {
+            a.join().unwrap();
+        }
+        let _ = rows.slot_snapshot(); // never waits on a fill that is over
+        match done {
+            Ok(()) => {
+                proptest::prop_assert!(staging[..4].iter().all(|&b| b == 2));
+                proptest::prop_assert!(staging[4..8].iter().all(|&b| b == 3));
+            }
+            Err(e) => {
+                proptest::prop_assert_eq!(e.kind(), ErrorKind::Poisoned, "{}", e);
+                proptest::prop_assert!(rows.poison_cause().is_some());
+            }
+        }
+        w.close();
+    }
+}
