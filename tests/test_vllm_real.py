@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import csv
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import textwrap
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ vllm = pytest.importorskip(
     "vLLM environment)",
 )
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import vllm_checkpoints as ckpts  # noqa: E402
 import vllm_cpu  # noqa: E402
@@ -413,6 +416,112 @@ def test_our_ids_equal_vllms_compute_ngram_ids(checkpoint: Path, dist: Any) -> N
                     dtype=torch.int32,
                 )
                 assert torch.equal(ours(toks, qsl, ctx), emb.compute_ngram_ids(toks, qsl, ctx))
+
+
+def _ngram_modules(checkpoint: Path) -> Iterator[Any]:
+    """vLLM's own n-gram embeddings of three PLE layers of the test model, each with its
+    multipliers then replaced by other odd values (as a checkpoint that holds them
+    would overwrite them when it loads): the host hash must read the module's."""
+    from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
+
+    vc = _config(checkpoint, EngramConfig(cpu_offload=False))
+    cfg = vc.model_config.hf_text_config
+    gen = torch.Generator().manual_seed(5)
+    with set_current_vllm_config(vc):
+        for dense in (0, 1, 5):
+            emb = Qwen4ExpNGramEmbedding(
+                cfg,
+                64,
+                dense,
+                64,
+                data_parallel_rank=0,
+                prefix=f"h{dense}",
+                params_dtype=torch.bfloat16,
+            )
+            loaded = torch.randint(-(1 << 62), 1 << 62, emb.layer_multipliers.shape, generator=gen)
+            emb.layer_multipliers.copy_(loaded * 2 + 1)
+            yield emb
+
+
+def test_host_ids_equal_vllms_compute_ngram_ids(checkpoint: Path, dist: Any) -> None:
+    """Random steps (EOS inside prompts and contexts, empty requests, tokens past the
+    last request's end): the host's ids are ``compute_ngram_ids``' (its torch path)."""
+    from ple_memops.vllm.ngram_ids import HostNGramIds
+
+    rng = random.Random(23)
+    for emb in _ngram_modules(checkpoint):
+        host = HostNGramIds.from_module(emb)
+        eos = host.eos_token_id
+        assert host.multipliers.tolist() == emb.layer_multipliers.tolist()
+
+        def tok(eos: int = eos) -> int:
+            return rng.choice([eos, rng.randint(0, 127), rng.randint(0, 1 << 30)])
+
+        for _ in range(150):
+            nreq = rng.randint(1, 6)
+            starts = [0]
+            for _r in range(nreq):
+                starts.append(starts[-1] + rng.randint(0, 9))
+            total = starts[-1] + rng.randint(0, 4)
+            if total == 0:
+                continue
+            toks = torch.tensor([tok() for _ in range(total)], dtype=torch.int32)
+            qsl = torch.tensor(starts, dtype=torch.int32)
+            ctx = torch.tensor([[tok(), tok()] for _ in range(nreq)], dtype=torch.int32)
+            want = emb.compute_ngram_ids(toks, qsl, ctx)
+            got = host(toks.numpy(), qsl.numpy(), ctx.numpy())
+            assert got.dtype == np.int64
+            assert torch.equal(torch.from_numpy(got), want), (toks, qsl, ctx)
+
+
+def test_host_ids_of_prompt_chunks_are_the_whole_prompts(checkpoint: Path, dist: Any) -> None:
+    """A step's prompt chunks (chunked prefill: any start, any length; a prefix-cache
+    hit: a first chunk that starts past the prompt's start) get the ids vLLM gives those
+    positions when it runs each whole prompt at once, and the ids vLLM gives the chunks
+    with the context its Qwen4Exp model state builds (EOS before the prompt's start)."""
+    from ple_memops.vllm.ngram_ids import HostNGramIds
+
+    rng = random.Random(31)
+    for emb in _ngram_modules(checkpoint):
+        host = HostNGramIds.from_module(emb)
+        eos = host.eos_token_id
+        for _ in range(60):
+            prompts = [
+                torch.tensor(
+                    [
+                        rng.choice([eos] + [rng.randint(0, 127)] * 6)
+                        for _ in range(rng.randint(1, 40))
+                    ],
+                    dtype=torch.int32,
+                )
+                for _ in range(rng.randint(1, 5))
+            ]
+            whole = [
+                emb.compute_ngram_ids(
+                    p,
+                    torch.tensor([0, p.numel()], dtype=torch.int32),
+                    torch.full((1, 2), eos, dtype=torch.int32),
+                )
+                for p in prompts
+            ]
+            computed = [rng.randint(0, p.numel() - 1) for p in prompts]
+            scheduled = [
+                rng.randint(1, p.numel() - c) for p, c in zip(prompts, computed, strict=True)
+            ]
+            chunks = list(zip(prompts, computed, scheduled, strict=True))
+            got = host.for_requests([p.numpy() for p in prompts], computed, scheduled)
+            want = torch.cat([w[c : c + s] for w, (_, c, s) in zip(whole, chunks, strict=True)])
+            assert torch.equal(torch.from_numpy(got), want)
+            ctx = torch.tensor(
+                [
+                    [int(p[i]) if i >= 0 else eos for i in (c - 2, c - 1)]
+                    for p, c in zip(prompts, computed, strict=True)
+                ],
+                dtype=torch.int32,
+            )
+            qsl = torch.tensor([0, *itertools.accumulate(scheduled)], dtype=torch.int32)
+            toks = torch.cat([p[c : c + s] for p, c, s in chunks])
+            assert torch.equal(torch.from_numpy(got), emb.compute_ngram_ids(toks, qsl, ctx))
 
 
 # -- the model with the mmap backend ------------------------------------------------------------

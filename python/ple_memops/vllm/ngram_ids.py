@@ -1,0 +1,217 @@
+"""Qwen4Exp's n-gram PLE row ids computed on the host, equal to vLLM's own.
+
+vLLM computes a step's row ids on the GPU (``Qwen4ExpNGramEmbedding.compute_ngram_ids``)
+from the step's token ids, so under async scheduling a decode step's ids exist only on the
+GPU when the step is launched. A prefill chunk's tokens, and the tokens before it, are
+the prompt's: the host knows them when the step is scheduled, and with the hash's
+parameters as loaded it can compute the same ids and start the gather before the GPU
+reaches the step. :class:`HostNGramIds` is that computation, in numpy, with no torch and
+no device:
+
+    ids = HostNGramIds.from_module(ngram_embedding)     # once, after the weights load
+    ids(tokens, query_start_loc, ngram_context)          # compute_ngram_ids' arguments
+    ids.for_requests(token_ids, computed, scheduled)     # a step's prompt chunks
+
+For each token and each n-gram order ``n`` (2..``ngram_size``) the hash is
+``xor_k(token[t - k] * multiplier[k])`` over ``k < n`` (64-bit wrapping products); a
+predecessor at or before the last EOS before ``t`` reads as EOS, and the request's
+``ngram_size - 1`` tokens before the chunk (``ngram_context``, EOS before the request's
+start) come first. Each of the ``heads_per_ngram`` heads of an order maps the hash into
+its own vocabulary, ``offset[h] + hash mod size[h]`` (a non-negative remainder of the
+signed hash): one global row of the layer's table per (token, head), in vLLM's order
+(orders ascending, heads within an order).
+
+The parameters are read from the module (``layer_multipliers``, ``ngram_heads_vocab_sizes``,
+``ngram_heads_offsets``, ``eos_token_id``, ``ngram_size``, ``heads_per_ngram``), which vLLM's
+loader overwrites from the checkpoint when it holds them: read them after loading.
+``tests/test_vllm_real.py`` checks the ids against ``compute_ngram_ids`` itself, in CI's
+vLLM environment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["HostNGramIds"]
+
+
+def _int64(values: Any, what: str) -> np.ndarray:
+    """``values`` (a sequence, an array, a CPU tensor) as a 1-D C-contiguous int64 array."""
+    if hasattr(values, "is_cuda") and values.is_cuda:
+        raise InvalidArgumentError(f"{what} must be on the host, not a CUDA tensor")
+    if hasattr(values, "numpy"):
+        values = values.numpy()
+    arr = np.asarray(values)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidArgumentError(f"{what} must hold integers, not {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class HostNGramIds:
+    """One PLE layer's n-gram hash (see the module docs). Immutable; thread-safe."""
+
+    multipliers: np.ndarray
+    """``int64 [ngram_size]``: one odd multiplier per distance back."""
+    sizes: np.ndarray
+    """``int64 [heads]``: each head's vocabulary size."""
+    offsets: np.ndarray
+    """``int64 [heads]``: each head's first row in the layer's table."""
+    eos_token_id: int
+    ngram_size: int
+    heads_per_ngram: int
+
+    def __post_init__(self) -> None:
+        n, h = self.ngram_size, self.heads_per_ngram
+        if n < 2 or h < 1:
+            raise InvalidArgumentError(f"ngram_size {n} must be >= 2 and heads_per_ngram {h} >= 1")
+        if self.multipliers.shape != (n,):
+            raise InvalidArgumentError(
+                f"{self.multipliers.shape[0]} multipliers for ngram_size {n}"
+            )
+        heads = (n - 1) * h
+        if self.sizes.shape != (heads,) or self.offsets.shape != (heads,):
+            raise InvalidArgumentError(
+                f"{self.sizes.shape[0]} vocabulary sizes and {self.offsets.shape[0]} offsets "
+                f"for {heads} heads"
+            )
+        if (self.sizes <= 0).any():
+            raise InvalidArgumentError("every head's vocabulary size must be positive")
+
+    @classmethod
+    def from_module(cls, module: Any) -> HostNGramIds:
+        """The hash of a loaded ``Qwen4ExpNGramEmbedding`` (its buffers copied to the host
+        once: never call this per step)."""
+
+        def host(name: str) -> np.ndarray:
+            value = getattr(module, name, None)
+            if value is None:
+                raise InvalidArgumentError(
+                    f"{type(module).__qualname__} has no {name!r}: not a Qwen4Exp n-gram embedding"
+                )
+            return _int64(value.detach().cpu().reshape(-1), name)
+
+        return cls(
+            multipliers=host("layer_multipliers"),
+            sizes=host("ngram_heads_vocab_sizes"),
+            offsets=host("ngram_heads_offsets"),
+            eos_token_id=int(module.eos_token_id),
+            ngram_size=int(module.ngram_size),
+            heads_per_ngram=int(module.heads_per_ngram),
+        )
+
+    @property
+    def heads(self) -> int:
+        """Row ids per token."""
+        return (self.ngram_size - 1) * self.heads_per_ngram
+
+    def __call__(self, tokens: Any, query_start_loc: Any, ngram_context: Any) -> np.ndarray:
+        """``compute_ngram_ids``' result for the same arguments: ``tokens`` (``[T]``, the
+        requests' chunks back to back), ``query_start_loc`` (``[R + 1]``, non-decreasing,
+        from 0) and ``ngram_context`` (``[>= R, ngram_size - 1]``, the tokens before each
+        chunk); returns ``int64 [T, heads]``. Tokens past ``query_start_loc[R]`` belong to
+        the last request, as on the GPU."""
+        toks = _int64(tokens, "tokens").reshape(-1)
+        qsl = _int64(query_start_loc, "query_start_loc").reshape(-1)
+        c = self.ngram_size - 1
+        ctx_arr = _int64(ngram_context, "ngram_context")
+        if qsl.size < 2:
+            raise InvalidArgumentError("query_start_loc needs at least two entries (one request)")
+        reqs = qsl.size - 1
+        if qsl[0] != 0 or (np.diff(qsl) < 0).any() or qsl[-1] > toks.size:
+            raise InvalidArgumentError(
+                f"query_start_loc must rise from 0 to at most {toks.size} tokens, "
+                f"got {qsl.tolist()}"
+            )
+        ctx = ctx_arr.reshape(-1, c) if ctx_arr.size else ctx_arr.reshape(0, c)
+        if ctx.shape[0] < reqs:
+            raise InvalidArgumentError(
+                f"ngram_context has {ctx.shape[0]} rows of {c} tokens for {reqs} requests"
+            )
+        if toks.size == 0:
+            return np.zeros((0, self.heads), dtype=np.int64)
+        # Each request's chunk, with trailing tokens the last request's (as the GPU's
+        # request_indices clamp them), preceded by its context: one flat sequence.
+        ends = qsl[1:].copy()
+        ends[-1] = toks.size
+        lengths = ends - qsl[:-1]
+        seg = lengths + c
+        seg_start = np.concatenate(([0], np.cumsum(seg)[:-1]))
+        flat = np.empty(int(seg.sum()), dtype=np.int64)
+        for r in range(reqs):
+            s = int(seg_start[r])
+            flat[s : s + c] = ctx[r]
+            flat[s + c : s + c + int(lengths[r])] = toks[qsl[r] : ends[r]]
+        owner = np.repeat(np.arange(reqs), seg)
+        start_of = seg_start[owner]
+        index = np.arange(flat.size, dtype=np.int64)
+        # The last EOS strictly before each position, within its request (start - 1 if none).
+        marks = np.where(flat == self.eos_token_id, index, start_of - 1)
+        last_inclusive = np.maximum.accumulate(marks)
+        last_before = np.where(index == start_of, start_of - 1, np.roll(last_inclusive, 1))
+        in_segment = index - last_before - 1
+        # The token at distance k back, or EOS at or before that EOS (k <= c: always in
+        # the same request's row, which begins with c context tokens).
+        is_token = index >= start_of + c
+        where = index[is_token]
+        shifted = [flat[where]]
+        for k in range(1, c + 1):
+            valid = in_segment[where] >= k
+            shifted.append(np.where(valid, flat[where - k], self.eos_token_id))
+        mult = self.multipliers.view(np.uint64)
+        h = self.heads_per_ngram
+        out = np.empty((where.size, self.heads), dtype=np.int64)
+        with np.errstate(over="ignore"):
+            mixed = shifted[0].view(np.uint64) * mult[0]
+            for n in range(2, self.ngram_size + 1):
+                mixed = mixed ^ (shifted[n - 1].view(np.uint64) * mult[n - 1])
+                lo = (n - 2) * h
+                signed = mixed.view(np.int64)[:, None]
+                out[:, lo : lo + h] = (
+                    np.remainder(signed, self.sizes[lo : lo + h]) + self.offsets[lo : lo + h]
+                )
+        return out
+
+    def for_requests(
+        self,
+        token_ids: Sequence[Any],
+        computed: Sequence[int],
+        scheduled: Sequence[int],
+    ) -> np.ndarray:
+        """The ids of a step whose requests' tokens the host knows: request ``r``'s
+        ``scheduled[r]`` tokens from position ``computed[r]`` of ``token_ids[r]`` (its
+        prompt, or every token it has), its context the ``ngram_size - 1`` tokens before
+        them (EOS before position 0), as vLLM's Qwen4Exp model state builds it. Returns
+        ``int64 [sum(scheduled), heads]``, the rows in step order."""
+        if not len(token_ids) == len(computed) == len(scheduled):
+            raise InvalidArgumentError(
+                f"{len(token_ids)} token lists, {len(computed)} computed counts and "
+                f"{len(scheduled)} scheduled counts"
+            )
+        c = self.ngram_size - 1
+        chunks, ctx, qsl = (
+            [],
+            np.full((max(len(token_ids), 1), c), self.eos_token_id, np.int64),
+            [0],
+        )
+        for r, (toks, start, count) in enumerate(zip(token_ids, computed, scheduled, strict=True)):
+            arr = _int64(toks, f"token_ids[{r}]").reshape(-1)
+            start, count = int(start), int(count)
+            if start < 0 or count < 0 or start + count > arr.size:
+                raise InvalidArgumentError(
+                    f"request {r}: tokens [{start}, {start + count}) of a {arr.size}-token request"
+                )
+            chunks.append(arr[start : start + count])
+            before = arr[max(0, start - c) : start]
+            if before.size:
+                ctx[r, c - before.size :] = before
+            qsl.append(qsl[-1] + count)
+        if not chunks:
+            return np.zeros((0, self.heads), dtype=np.int64)
+        return self(np.concatenate(chunks), np.asarray(qsl), ctx)

@@ -1,0 +1,112 @@
+"""Qwen4Exp's n-gram ids on the host (:class:`ple_memops.vllm.ngram_ids.HostNGramIds`)
+against the hash written out in plain Python integers, and its typed refusals. No vLLM
+needed; ``test_vllm_real.py`` checks it against vLLM's own ``compute_ngram_ids``."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from ple_memops.errors import InvalidArgumentError, PleMemopsError
+from ple_memops.vllm.ngram_ids import HostNGramIds
+
+EOS = 2
+M64 = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    x &= M64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _hash() -> HostNGramIds:
+    rng = random.Random(3)
+    mult = [_signed(rng.getrandbits(64) | 1) for _ in range(3)]
+    sizes = [1_000_003, 999_983, 1_000_033, 7]
+    offsets = [0, 1_000_003, 1_999_986, 3_000_019]
+    return HostNGramIds(
+        multipliers=np.array(mult, dtype=np.int64),
+        sizes=np.array(sizes, dtype=np.int64),
+        offsets=np.array(offsets, dtype=np.int64),
+        eos_token_id=EOS,
+        ngram_size=3,
+        heads_per_ngram=2,
+    )
+
+
+def _reference(h: HostNGramIds, row: list[int], context: list[int]) -> list[list[int]]:
+    """One request: its context then its tokens, walked in Python integers."""
+    seq = list(context) + list(row)
+    c = h.ngram_size - 1
+    out = []
+    for t in range(c, len(seq)):
+        last_eos = max((i for i in range(t) if seq[i] == EOS), default=-1)
+
+        def back(k: int, t: int = t, last_eos: int = last_eos) -> int:
+            return seq[t - k] if t - k > last_eos else EOS
+
+        ids = []
+        for n in range(2, h.ngram_size + 1):
+            mixed = 0
+            for k in range(n):
+                mixed ^= (back(k) * int(h.multipliers[k])) & M64
+            mixed = _signed(mixed)
+            for j in range(h.heads_per_ngram):
+                head = (n - 2) * h.heads_per_ngram + j
+                ids.append(int(h.offsets[head]) + mixed % int(h.sizes[head]))
+        out.append(ids)
+    return out
+
+
+def test_ids_are_the_hash_written_out() -> None:
+    h = _hash()
+    rng = random.Random(8)
+    for _ in range(200):
+        rows = [
+            [
+                rng.choice([EOS, rng.randint(0, 50), rng.randint(0, 1 << 40)])
+                for _ in range(rng.randint(0, 7))
+            ]
+            for _ in range(rng.randint(1, 4))
+        ]
+        ctx = [[rng.choice([EOS, rng.randint(0, 50)]) for _ in range(2)] for _ in rows]
+        qsl = np.cumsum([0] + [len(r) for r in rows])
+        toks = np.array([t for r in rows for t in r], dtype=np.int64)
+        got = h(toks, qsl, np.array(ctx))
+        want = [ids for r, c in zip(rows, ctx, strict=True) for ids in _reference(h, r, c)]
+        assert got.shape == (len(toks), h.heads)
+        assert got.tolist() == want
+
+
+def test_chunks_of_a_prompt_get_the_prompts_ids() -> None:
+    h = _hash()
+    prompt = [5, 9, EOS, 11, 12, 13, EOS, EOS, 4, 8, 15, 16]
+    whole = h.for_requests([prompt], [0], [len(prompt)])
+    for start in range(len(prompt)):
+        for count in range(1, len(prompt) - start + 1):
+            got = h.for_requests([prompt, prompt], [start, 0], [count, 1])
+            assert got[:count].tolist() == whole[start : start + count].tolist()
+            assert got[count:].tolist() == whole[:1].tolist()
+
+
+def test_refusals_are_typed_and_name_the_argument() -> None:
+    h = _hash()
+    with pytest.raises(InvalidArgumentError, match="query_start_loc"):
+        h(np.arange(4), np.array([0, 5]), np.zeros((1, 2), dtype=np.int64))
+    with pytest.raises(InvalidArgumentError, match="query_start_loc"):
+        h(np.arange(4), np.array([1, 3]), np.zeros((1, 2), dtype=np.int64))
+    with pytest.raises(InvalidArgumentError, match="ngram_context has 1 rows"):
+        h(np.arange(4), np.array([0, 2, 4]), np.zeros((1, 2), dtype=np.int64))
+    with pytest.raises(InvalidArgumentError, match="must hold integers"):
+        h(np.array([1.5, 2.0]), np.array([0, 2]), np.zeros((1, 2), dtype=np.int64))
+    with pytest.raises(InvalidArgumentError, match=r"tokens \[3, 6\) of a 4-token request"):
+        h.for_requests([[1, 2, 3, 4]], [3], [3])
+    with pytest.raises(InvalidArgumentError, match="2 token lists, 1 computed"):
+        h.for_requests([[1], [2]], [0], [1, 1])
+    with pytest.raises(InvalidArgumentError, match="multipliers for ngram_size 3"):
+        HostNGramIds(np.zeros(2, np.int64), h.sizes, h.offsets, EOS, 3, 2)
+    with pytest.raises(PleMemopsError, match="no 'layer_multipliers'"):
+        HostNGramIds.from_module(object())
+    assert h(np.zeros(0, np.int64), np.array([0, 0]), np.zeros((1, 2), np.int64)).shape == (0, 4)
