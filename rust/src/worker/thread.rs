@@ -112,7 +112,14 @@ impl Shared {
 
     pub(super) fn fill_step(&self, ids: &mut Vec<i64>, rows: &mut Vec<i64>) -> Result<usize> {
         let count = self.mailbox().take(ids);
-        let extent = self.rows.step_rows().unwrap_or(0);
+        let Some(extent) = self.rows.step_rows() else {
+            // Aborted (or closed) since READY was seen: the abort's cause is the error,
+            // not the ids' count against a step that no longer exists.
+            return Err(self.rows.poison_cause().map_or_else(
+                || Error::state(Op::Fill, "no step is pending: the rows were released"),
+                |cause| Error::Poisoned { cause },
+            ));
+        };
         if count > ids.len() || count > extent {
             return Err(Error::rows(format!(
                 "the GPU published {count} ids but the step holds {extent} rows (mailbox {})",
