@@ -335,3 +335,36 @@ def test_staged_rows_hold_the_published_tensors_until_the_join() -> None:
     assert staged.join().shape == (3, WIDTH)
     gc.collect()
     assert ref() is None, "join() releases them"
+
+
+def test_expected_ids_are_gathered_early_and_the_published_ids_decide(
+    table: pm.MmapTable,
+) -> None:
+    """``begin(expected=...)``: rows the host expects are gathered before the step's ids
+    arrive; at the publish only the unknown (``-1``) and the wrongly expected rows are
+    gathered again, and the rows are always the published ids'."""
+    rows = pm.DeferredRows(64, WIDTH, device="cpu")
+    with pm.GatherWorker(rows, table) as w:
+        rng = np.random.default_rng(3)
+        for step in range(50):
+            k = int(rng.integers(4, 65))
+            ids = rng.integers(0, ROWS, k)
+            expected = ids.copy()
+            expected[: k // 4] = -1  # e.g. decode tokens, known only on the GPU
+            expected[k - 1] = (ids[k - 1] + 1) % ROWS  # a wrong expectation
+            w.begin(64, eager=step % 2 == 0, expected=expected.tolist())
+            w.publish_from_host(ids)
+            w.complete()
+            np.testing.assert_array_equal(rows.staging[:k], table.gather(ids))
+            assert not rows.staging[k:].any()
+        s = w.stats()
+        assert s.expected_steps == 50 and s.fills == 50 and s.failures == 0
+        assert s.expected_rows_late > 0 and s.expected_rows_wrong == 50
+        assert s.expected_rows_early + s.expected_rows_late == s.ids_total
+        # More expected ids than the step's rows: refused, typed, nothing armed.
+        with pytest.raises(pm.RowShapeError, match="65 expected ids for a step of 64 rows"):
+            w.begin(64, expected=np.zeros(65, dtype=np.int64))
+        assert w.in_flight == 0
+        with pytest.raises(pm.RowShapeError, match="integers"):
+            w.begin(64, expected=np.array([1.5, 2.0]))
+        assert w.in_flight == 0

@@ -486,3 +486,42 @@ def test_stage_on_a_side_branch_joined_at_the_consumer(  # type: ignore[no-untyp
             np.testing.assert_array_equal(out[:n].cpu().numpy(), want, err_msg=f"replay {i}")
         s = w.stats()
         assert s.fills == 201 and s.failures == 0 and s.publishes_captured == 1
+
+
+def test_expected_ids_wait_for_the_slot_and_the_published_ids_win(  # type: ignore[no-untyped-def]
+    torch, table: pm.MmapTable
+) -> None:
+    """Two graphs share one worker, each busy on the GPU before its ids exist; the host
+    arms the second one's step with the ids it expects (two unknown, one wrong) while the
+    first's rows are not yet consumed. The worker's early gather must wait for the first
+    step's copy (each graph reads its own rows) and the published ids decide every row."""
+    n = 48
+    rows = pm.DeferredRows(64, WIDTH, device=0, watchdog=10.0)
+    with pm.GatherWorker(rows, table) as w:
+        first = IdGraph(torch, w, n, pre_sleep_cycles=2_000_000)
+        second = IdGraph(torch, w, n, modulo=TABLE_ROWS - 17, pre_sleep_cycles=2_000_000)
+        rounds = 40
+        for i in range(1, rounds + 1):
+            expected = second.ids_for(i).copy()
+            expected[[3, 4]] = -1
+            expected[7] = (expected[7] + 1) % TABLE_ROWS
+            w.begin(64)
+            first.replay()
+            w.begin(64, eager=i % 2 == 0, expected=expected)
+            second.replay()
+            w.complete(timeout=10.0)
+            w.complete(timeout=10.0)
+            assert done(second.end), f"round {i} never finished"
+            for g in (first, second):
+                got = g.out.cpu().numpy()
+                np.testing.assert_array_equal(got[:n], table.gather(g.ids_for(i)), err_msg=f"{i}")
+                assert not got[n:].any()
+        s = w.stats()
+        assert s.failures == 0 and s.expected_steps == rounds
+        assert (s.expected_rows_early, s.expected_rows_late, s.expected_rows_wrong) == (
+            rounds * (n - 2),
+            rounds * 2,
+            rounds,
+        )
+        assert rows.stats().watchdog_releases == 0
+    rows.close()

@@ -68,6 +68,15 @@ class WorkerStats:
     their predicted READY."""
     ready_in_sleep: int = 0
     """Of those, the steps whose READY came during the sleep (seen up to 100 us late)."""
+    expected_steps: int = 0
+    """Steps begun with ``begin(expected=...)``: ids the host computed before the GPU."""
+    expected_rows_early: int = 0
+    """Their rows gathered before the step's READY (the expected ids)."""
+    expected_rows_late: int = 0
+    """Their rows gathered at READY because the host expected none there (``-1``)."""
+    expected_rows_wrong: int = 0
+    """Their rows gathered again at READY because the GPU published another id than the
+    expected one: the published ids always win; non-zero means the expectation is wrong."""
 
 
 class GatherWorker:
@@ -269,13 +278,28 @@ class GatherWorker:
         """Tests only: store ids and READY in the mailbox unchecked, as a replay would."""
         self._live()._simulate_replay_publish(np.ascontiguousarray(ids, dtype=np.int64))
 
-    def begin(self, rows: int | None = None, *, eager: bool = False) -> int:
+    def begin(self, rows: int | None = None, *, eager: bool = False, expected: Any = None) -> int:
         """Start a step of ``rows`` rows (default ``max_rows``) and arm the worker. Up to
         :attr:`depth` steps may be armed at once; the worker fills them in order.
         ``eager=True`` marks an eager forward's step (not a graph replay): the same
-        protocol, its fill counted apart in :meth:`stats` (``eager_fills``)."""
+        protocol, its fill counted apart in :meth:`stats` (``eager_fills``).
+
+        ``expected``: the ids the host expects the step to publish, where it knows them
+        before the GPU does (a prefill chunk's, from the prompt), ``-1`` where it does not
+        (host integers, any shape read in row-major order, at most ``rows``). The worker
+        gathers those rows into the slot as soon as the GPU has consumed the previous
+        step's, before this step's READY; at READY it compares and gathers only the rows
+        whose published id differs or was ``-1``. The graph publishes its ids as usual
+        and they always decide the rows: a wrong expectation costs a late gather
+        (counted in ``expected_rows_wrong``), never a wrong row."""
         core = self._live()
-        return core.begin(self._rows.max_rows if rows is None else int(rows), bool(eager))
+        n = self._rows.max_rows if rows is None else int(rows)
+        if expected is None:
+            return core.begin(n, bool(eager))
+        arr = host_ids(
+            expected, allow_device_sync=False, dtype=np.int64, flatten=True, error=RowShapeError
+        )
+        return core.begin(n, bool(eager), arr)
 
     def complete(self, timeout: float = DEFAULTS.worker_timeout) -> None:
         """Wait up to ``timeout`` seconds (GIL released) for the worker's fill of the

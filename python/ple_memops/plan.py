@@ -302,14 +302,26 @@ class RowsPlan:
             staged = layer.worker.stage(ids, rows, consumer_joins=True)
         return EagerStaged(side, ids, staged, layer.rows)
 
-    def begin(self, n: int, *, eager: bool = False) -> None:
+    def begin(
+        self, n: int, *, eager: bool = False, expected: Mapping[str, Any] | None = None
+    ) -> None:
         """Arm every table's worker for a step of ``n`` rows (``eager``: an eager forward's
-        step, not a replay; its fills are counted apart). All or none: if any refuses,
-        the plan aborts (so no captured consumer waits) and the error is raised."""
+        step, not a replay; its fills are counted apart). ``expected``: per table, the ids
+        the host expects the step to publish (``-1`` where unknown; see
+        :meth:`GatherWorker.begin`): those rows are gathered before the GPU reaches the
+        step, the published ids still decide. All or none: if any refuses, the plan
+        aborts (so no captured consumer waits) and the error is raised."""
         self._check_open()
+        if expected:
+            unknown = sorted(set(expected) - set(self._layers))
+            if unknown:
+                raise InvalidArgumentError(f"expected ids for tables not in the plan: {unknown}")
         try:
-            for w in self._workers():
-                w.begin(n, eager=eager)
+            for layer in self._layers.values():
+                if layer.worker is None:
+                    continue
+                ids = expected.get(layer.name) if expected else None
+                layer.worker.begin(n, eager=eager, expected=ids)
         except BaseException as exc:
             self.abort(f"begin({n}) failed: {exc!r}")
             raise

@@ -93,7 +93,9 @@ class PlanLike(Protocol):
     def poison_cause(self) -> str | None: ...
     def stage(self, name: str, ids: Any, *, rows: int) -> StagedLike: ...
     def stage_eager(self, name: str, ids: Any, *, rows: int) -> StagedLike: ...
-    def begin(self, rows: int, *, eager: bool = False) -> Any: ...
+    def begin(
+        self, rows: int, *, eager: bool = False, expected: Mapping[str, Any] | None = None
+    ) -> Any: ...
     def publish_host(self, name: str, ids: Any, timeout: float | None = None) -> None: ...
     def complete(self, timeout: float | None = None) -> None: ...
     def gather_now(
@@ -278,18 +280,25 @@ class StepDriver:
 
     # -- replayed steps ---------------------------------------------------------------------
 
-    def arm(self, rows: int, *, eager: bool = False) -> None:
+    def arm(
+        self, rows: int, *, eager: bool = False, expected: Mapping[str, Any] | None = None
+    ) -> None:
         """Arm every table for a step of ``rows`` rows, completing the oldest steps first
         while :attr:`depth` are armed (so under asynchronous scheduling the host waits for
         a fill only when it is ``depth`` steps ahead). ``eager``: the step of an eager
-        forward, not a replay (its fills are counted apart). A failure aborts the plan."""
+        forward, not a replay (its fills are counted apart). ``expected``: per table, the
+        ids the host expects the step to publish (``RowsPlan.begin``). A failure aborts
+        the plan."""
         self._check_open()
         with self.guard(lambda: f"arming a step of {rows} rows"):
             armed = self.in_flight
             while armed >= self.depth:
                 self._complete_one(armed)
                 armed -= 1
-            self.plan.begin(int(rows), eager=eager)
+            if expected:
+                self.plan.begin(int(rows), eager=eager, expected=expected)
+            else:
+                self.plan.begin(int(rows), eager=eager)
             self.armed_steps += 1
 
     def launch(self, rows: int, launch: Callable[[], T], *, what: str = "") -> T:

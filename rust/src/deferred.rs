@@ -439,6 +439,16 @@ impl DeferredRows {
         self.begin_step(rows, depth, true)
     }
 
+    /// Whether the GPU has handed the slot back (the last fill's consumer copied it and
+    /// reset the flag), so a fill writes it without waiting. Always true off the deferred
+    /// protocol (host mode has no consumer on a device).
+    pub(crate) fn slot_free(&self) -> bool {
+        self.shared
+            .flag
+            .as_ref()
+            .is_none_or(|f| f.filled() == HostFlag::EMPTY)
+    }
+
     /// Start the watchdog's clock for `step` now (the worker saw its ids: the GPU is at
     /// the step's wait, or about to be). Nothing without a watchdog or for a step that is
     /// no longer pending (the watchdog checks when it fires).

@@ -95,12 +95,24 @@ impl PyGatherWorker {
         self.inner.in_flight()
     }
 
-    #[pyo3(signature = (rows, eager=false))]
-    fn begin(&self, py: Python<'_>, rows: usize, eager: bool) -> PyResult<u64> {
-        if eager {
-            self.inner.begin_eager(rows).py(py)
-        } else {
-            self.inner.begin(rows).py(py)
+    #[pyo3(signature = (rows, eager=false, expected=None))]
+    fn begin(
+        &self,
+        py: Python<'_>,
+        rows: usize,
+        eager: bool,
+        expected: Option<PyReadonlyArray1<'_, i64>>,
+    ) -> PyResult<u64> {
+        match expected {
+            Some(ids) => {
+                let v = ids
+                    .as_slice()
+                    .map_err(|_| to_pyerr(py, Error::rows("expected ids must be contiguous")))?
+                    .to_vec();
+                self.inner.begin_expecting(rows, eager, v).py(py)
+            }
+            None if eager => self.inner.begin_eager(rows).py(py),
+            None => self.inner.begin(rows).py(py),
         }
     }
 
@@ -188,6 +200,10 @@ impl PyGatherWorker {
                 ("complete_wait_ns_total", s.complete_wait_ns_total),
                 ("predicted_sleeps", s.predicted_sleeps),
                 ("ready_in_sleep", s.ready_in_sleep),
+                ("expected_steps", s.expected_steps),
+                ("expected_rows_early", s.expected_rows_early),
+                ("expected_rows_late", s.expected_rows_late),
+                ("expected_rows_wrong", s.expected_rows_wrong),
             ],
         )
     }

@@ -100,6 +100,7 @@ impl GatherWorker {
                 published: false,
                 captures: Vec::new(),
                 host_published: 0,
+                expected: Vec::new(),
             }),
             cv: Condvar::new(),
             armed_seq: AtomicU64::new(0),
@@ -148,17 +149,39 @@ impl GatherWorker {
     /// Start a step of `rows` rows and arm the worker for its ids. Up to `depth` steps
     /// may be armed at once; the worker fills them in order.
     pub fn begin(&self, rows: usize) -> Result<u64> {
-        self.begin_step(rows, false)
+        self.begin_step(rows, false, None)
     }
 
     /// [`Self::begin`] for an eager forward's step: the same protocol, its fill counted
     /// apart in [`WorkerStats`] (`eager_fills`), so a replay's fill time is not averaged
     /// with a prefill chunk's.
     pub fn begin_eager(&self, rows: usize) -> Result<u64> {
-        self.begin_step(rows, true)
+        self.begin_step(rows, true, None)
     }
 
-    fn begin_step(&self, rows: usize, eager: bool) -> Result<u64> {
+    /// [`Self::begin`] (or [`Self::begin_eager`]) for a step whose ids the host expects
+    /// before the GPU publishes them (a prefill chunk's, computed from the prompt):
+    /// `expected[i]` is the id the step will publish at position `i`, or `-1` where the
+    /// host cannot know it (a decode token's). The worker gathers the expected rows into
+    /// the slot as soon as the GPU has consumed the previous step's, while the GPU still
+    /// runs the work before this step; at the step's READY it compares the published ids
+    /// with the expected ones and gathers only the rows that differ or were unknown. The
+    /// rows delivered are always the published ids' rows: an expectation only moves the
+    /// gather earlier (a wrong one costs a late gather and counts in
+    /// [`WorkerStats::expected_rows_wrong`]). The graph publishes its ids as usual.
+    /// `expected.len()` must not exceed `rows` or the mailbox's `max_ids`.
+    pub fn begin_expecting(&self, rows: usize, eager: bool, expected: Vec<i64>) -> Result<u64> {
+        if expected.len() > rows || expected.len() > self.max_ids() {
+            return Err(Error::rows(format!(
+                "{} expected ids for a step of {rows} rows (the mailbox holds {})",
+                expected.len(),
+                self.max_ids()
+            )));
+        }
+        self.begin_step(rows, eager, Some(expected))
+    }
+
+    fn begin_step(&self, rows: usize, eager: bool, expected: Option<Vec<i64>>) -> Result<u64> {
         let sh = &self.shared;
         let mut ctl = sh.ctl();
         if let Some(e) = ctl.take_failure() {
@@ -184,6 +207,10 @@ impl GatherWorker {
         ctl.armed.push_back(step);
         if eager {
             ctl.eager.push(step);
+        }
+        if let Some(ids) = expected {
+            // Under the lock that armed the step: the worker reaches it knowing.
+            ctl.expected.push((step, ids));
         }
         sh.armed_seq.store(step, Ordering::Release);
         sh.cv.notify_all();

@@ -53,6 +53,16 @@ pub struct WorkerStats {
     /// during the sleep (seen up to one sleep chunk, 100 us, late).
     pub predicted_sleeps: u64,
     pub ready_in_sleep: u64,
+    /// Steps begun with the ids the host expects
+    /// ([`GatherWorker::begin_expecting`](super::GatherWorker::begin_expecting)), and their
+    /// rows: gathered before the step's READY (expected ids), gathered at READY because
+    /// no id was expected there (`-1`), and gathered again at READY because the GPU
+    /// published another id than the expected one (the host's ids were wrong there: the
+    /// published ids win; a non-zero count is a bug in whoever computed the expectation).
+    pub expected_steps: u64,
+    pub expected_rows_early: u64,
+    pub expected_rows_late: u64,
+    pub expected_rows_wrong: u64,
 }
 
 /// How a worker is set up (beyond its rows, table and row map).

@@ -73,6 +73,18 @@ impl RowMap {
         }
         Ok(())
     }
+
+    /// The row of the id at `position` of a step's ids, or `None` where [`Self::map`]
+    /// would refuse it (no error: an expected id the GPU does not publish is no fault).
+    pub fn row_at(&self, position: usize, id: i64, rows: u64) -> Option<i64> {
+        match self {
+            RowMap::Identity => (id >= 0 && (id as u64) < rows).then_some(id),
+            RowMap::PerHead { offsets, sizes } => {
+                let h = position % offsets.len();
+                (id >= 0 && id < sizes[h]).then(|| offsets[h] + id)
+            }
+        }
+    }
 }
 
 #[cfg(test)]

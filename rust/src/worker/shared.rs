@@ -29,6 +29,10 @@ pub(super) struct Ctl {
     /// The newest step given ids by
     /// [`GatherWorker::publish_from_host`](super::GatherWorker::publish_from_host).
     pub(super) host_published: u64,
+    /// The ids the host expects of armed steps begun with
+    /// [`GatherWorker::begin_expecting`](super::GatherWorker::begin_expecting), taken by
+    /// the worker when it reaches the step.
+    pub(super) expected: Vec<(u64, Vec<i64>)>,
 }
 
 impl Ctl {
@@ -38,7 +42,14 @@ impl Ctl {
         let e = self.failure.take()?;
         self.armed.clear();
         self.eager.clear();
+        self.expected.clear();
         Some(e)
+    }
+
+    /// The ids expected of `step`, if it was begun with some (removed: taken once).
+    pub(super) fn take_expected(&mut self, step: u64) -> Option<Vec<i64>> {
+        let at = self.expected.iter().position(|(s, _)| *s == step)?;
+        Some(self.expected.swap_remove(at).1)
     }
 
     pub(super) fn next_to_fill(&self) -> Option<u64> {

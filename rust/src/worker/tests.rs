@@ -734,3 +734,194 @@ proptest::proptest! {
         w.close();
     }
 }
+
+/// [`Counting`]'s rows, recording every gathered row id in order.
+struct Recording {
+    inner: Counting,
+    gathered: std::sync::Mutex<Vec<i64>>,
+}
+
+impl RowSource for Recording {
+    fn rows(&self) -> u64 {
+        self.inner.rows()
+    }
+    fn row_bytes(&self) -> usize {
+        self.inner.row_bytes()
+    }
+    fn name(&self) -> String {
+        "recording".into()
+    }
+    fn gather_rows(&self, ids: &[i64], dst: &mut [u8]) -> Result<()> {
+        self.gathered.lock().unwrap().extend_from_slice(ids);
+        self.inner.gather_rows(ids, dst)
+    }
+}
+
+fn recording() -> Arc<Recording> {
+    Arc::new(Recording {
+        inner: Counting {
+            rows: 100,
+            width: 4,
+        },
+        gathered: std::sync::Mutex::new(Vec::new()),
+    })
+}
+
+fn wait_for(what: &str, done: impl Fn() -> bool) {
+    let t0 = Instant::now();
+    while !done() {
+        assert!(t0.elapsed() < T, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn expected_rows_are_gathered_before_ready_and_the_published_ids_win() {
+    let mut staging = vec![0u8; 8 * 4];
+    let rows = host_rows(8, 4, &mut staging);
+    let src = recording();
+    let w = GatherWorker::new(rows.clone(), src.clone(), RowMap::Identity, opts(8, 8)).unwrap();
+    // Six rows: two unknown to the host (-1), one it expects wrongly (40, the GPU says 41).
+    let expected = vec![10, 11, -1, 40, -1, 13];
+    let published = [10, 11, 20, 41, 21, 13];
+    w.begin_expecting(8, true, expected).unwrap();
+    // Before any id is published, the worker gathered every expected row.
+    wait_for("the expected rows", || {
+        src.gathered.lock().unwrap().len() == 4
+    });
+    assert_eq!(*src.gathered.lock().unwrap(), vec![10, 11, 40, 13]);
+    assert!(w.try_complete().is_none(), "filled before READY");
+    w.publish_from_host(&published, T).unwrap();
+    w.complete(T).unwrap();
+    // After READY only the unknown and the wrong rows were gathered.
+    assert_eq!(
+        *src.gathered.lock().unwrap(),
+        vec![10, 11, 40, 13, 20, 41, 21]
+    );
+    for (i, id) in published.iter().enumerate() {
+        assert!(
+            staging[i * 4..i * 4 + 4]
+                .iter()
+                .all(|&b| b == (*id % 251) as u8 + 1),
+            "row {i}"
+        );
+    }
+    assert!(staging[published.len() * 4..].iter().all(|&b| b == 0));
+    let st = w.stats();
+    assert_eq!(
+        (
+            st.expected_steps,
+            st.expected_rows_early,
+            st.expected_rows_late,
+            st.expected_rows_wrong
+        ),
+        (1, 4, 2, 1)
+    );
+    assert_eq!((st.fills, st.eager_fills, st.ids_total), (1, 1, 6));
+    w.close();
+}
+
+#[test]
+fn steps_with_and_without_expected_ids_fill_in_order() {
+    let mut staging = vec![0u8; 8 * 4];
+    let rows = host_rows(8, 4, &mut staging);
+    let src = recording();
+    let w = GatherWorker::new(rows.clone(), src.clone(), RowMap::Identity, opts(8, 8)).unwrap();
+    // Two steps in flight: a replay (ids from the GPU only), then a prefill the host knows.
+    w.begin(8).unwrap();
+    w.begin_expecting(8, true, vec![30, 31, 32]).unwrap();
+    for round in 0..10i64 {
+        // The expected step waits behind the published one: nothing of it is gathered yet.
+        std::thread::sleep(Duration::from_millis(2));
+        assert!(src.gathered.lock().unwrap().is_empty());
+        w.publish_from_host(&[round], T).unwrap();
+        w.complete(T).unwrap();
+        assert_eq!(staging[0], (round % 251) as u8 + 1);
+        wait_for("the expected rows", || {
+            src.gathered.lock().unwrap().len() == 4
+        });
+        w.publish_from_host(&[30, 31, 32], T).unwrap();
+        w.complete(T).unwrap();
+        assert_eq!(
+            &staging[..12],
+            &[31, 31, 31, 31, 32, 32, 32, 32, 33, 33, 33, 33]
+        );
+        src.gathered.lock().unwrap().clear();
+        w.begin(8).unwrap();
+        w.begin_expecting(8, true, vec![30, 31, 32]).unwrap();
+    }
+    let st = w.stats();
+    assert_eq!(
+        (st.fills, st.expected_steps, st.expected_rows_early),
+        (20, 10, 30)
+    );
+    assert_eq!((st.expected_rows_late, st.expected_rows_wrong), (0, 0));
+    w.close();
+}
+
+#[test]
+fn expected_ids_that_cannot_be_served_are_refused_or_typed() {
+    let mut staging = vec![0u8; 8 * 4];
+    let rows = host_rows(8, 4, &mut staging);
+    let src = recording();
+    let w = GatherWorker::new(rows.clone(), src.clone(), RowMap::Identity, opts(8, 8)).unwrap();
+    // More ids than the step's rows: refused, nothing armed.
+    let e = w.begin_expecting(4, false, vec![1; 5]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::RowShape, "{e}");
+    assert_eq!(w.in_flight(), 0);
+    // An expected id outside the table is no fault (the GPU's ids decide) ...
+    w.begin_expecting(8, false, vec![1, 500, 2]).unwrap();
+    w.publish_from_host(&[1, 3, 2], T).unwrap();
+    w.complete(T).unwrap();
+    assert_eq!(w.stats().expected_rows_wrong, 1);
+    assert_eq!(staging[4], 4);
+    // ... a published one is, typed, as for any step.
+    w.begin_expecting(8, false, vec![1, 2]).unwrap();
+    w.publish_from_host(&[1, 200], T).unwrap();
+    assert_eq!(w.complete(T).unwrap_err().kind(), ErrorKind::RowId);
+    w.close();
+    // More ids published than expected: typed, the step released.
+    let mut staging = vec![0u8; 8 * 4];
+    let rows = host_rows(8, 4, &mut staging);
+    let w = GatherWorker::new(rows.clone(), recording(), RowMap::Identity, opts(8, 8)).unwrap();
+    w.begin_expecting(8, false, vec![1, 2]).unwrap();
+    w.publish_from_host(&[1, 2, 3], T).unwrap();
+    let e = w.complete(T).unwrap_err();
+    assert!(e.to_string().contains("host expected 2"), "{e}");
+    assert!(rows.is_released());
+    w.close();
+}
+
+#[test]
+fn a_step_with_expected_ids_released_before_ready_never_hangs() {
+    let mut staging = vec![0u8; 8 * 4];
+    let rows = host_rows(8, 4, &mut staging);
+    let src = recording();
+    let w = GatherWorker::new(rows.clone(), src.clone(), RowMap::Identity, opts(8, 8)).unwrap();
+    w.begin_expecting(8, true, vec![5, 6]).unwrap();
+    wait_for("the expected rows", || {
+        src.gathered.lock().unwrap().len() == 2
+    });
+    // The engine aborts while the worker waits for READY inside the fill.
+    rows.abort("the engine stopped");
+    let t0 = Instant::now();
+    let e = w.complete(T).unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    assert_eq!(e.kind(), ErrorKind::Poisoned, "{e}");
+    assert!(e.to_string().contains("the engine stopped"), "{e}");
+    assert_eq!(
+        w.stats().failures,
+        0,
+        "giving up is not the worker's failure"
+    );
+    // Closing while a step with expected ids waits for READY returns at once too.
+    let mut staging = vec![0u8; 8 * 4];
+    let rows = host_rows(8, 4, &mut staging);
+    let w = GatherWorker::new(rows.clone(), recording(), RowMap::Identity, opts(8, 8)).unwrap();
+    w.begin_expecting(8, true, vec![5, 6]).unwrap();
+    std::thread::sleep(Duration::from_millis(5));
+    let t0 = Instant::now();
+    w.close();
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    assert!(rows.is_released());
+}

@@ -141,6 +141,123 @@ impl Shared {
     }
 }
 
+/// What a fill of a step with expected ids did (see [`Shared::fill_expected`]).
+pub(super) struct ExpectedFill {
+    count: usize,
+    early: usize,
+    late: usize,
+    wrong: usize,
+}
+
+/// Gather `rows[a..b]` into `dst`'s rows `a..b` for every maximal run of positions where
+/// `pick` holds (rows are contiguous per run, so a prompt's chunk is one gather).
+fn gather_runs(
+    src: &dyn super::source::RowSource,
+    rows: &[i64],
+    dst: &mut [u8],
+    rb: usize,
+    pick: impl Fn(usize) -> bool,
+) -> Result<usize> {
+    let (mut i, mut done) = (0, 0);
+    while i < rows.len() {
+        if !pick(i) {
+            i += 1;
+            continue;
+        }
+        let a = i;
+        while i < rows.len() && pick(i) {
+            i += 1;
+        }
+        src.gather_rows(&rows[a..i], &mut dst[a * rb..i * rb])?;
+        done += i - a;
+    }
+    Ok(done)
+}
+
+impl Shared {
+    /// Whether to give up on the step being waited for (stopping, or its rows released).
+    fn giving_up(&self) -> bool {
+        self.stop.load(Ordering::Acquire) || self.rows.is_released()
+    }
+
+    /// Fill `step`, begun with `expected` ids: wait for the slot (the GPU consumed the
+    /// previous step's rows), then inside one fill gather the expected rows, wait for
+    /// READY, and gather the rows whose published id differs or was not expected.
+    /// `Ok(None)`: given up before READY (released or stopping), nothing published.
+    pub(super) fn fill_expected(
+        &self,
+        step: u64,
+        expected: &[i64],
+        ids: &mut Vec<i64>,
+        rows: &mut Vec<i64>,
+        t_ready: &mut Option<Instant>,
+    ) -> Result<Option<ExpectedFill>> {
+        let t0 = Instant::now();
+        while !self.rows.slot_free() {
+            if self.giving_up() {
+                return Ok(None);
+            }
+            pause(t0.elapsed(), self.opts.spin, NAP);
+        }
+        let (table_rows, name) = (self.source.rows(), self.source.name());
+        let guess: Vec<i64> = expected
+            .iter()
+            .enumerate()
+            .map(|(i, &id)| self.map.row_at(i, id, table_rows).unwrap_or(-1))
+            .collect();
+        let (k, rb, skip) = (guess.len(), self.rows.row_bytes(), self.opts.skip_gather);
+        let src = &*self.source;
+        let mut gave_up = false;
+        let mut out = ExpectedFill {
+            count: 0,
+            early: 0,
+            late: 0,
+            wrong: 0,
+        };
+        let filled = self.rows.fill_with(k, Duration::from_secs(1), |dst| {
+            if !skip {
+                out.early = gather_runs(src, &guess, dst, rb, |i| guess[i] >= 0)?;
+            }
+            let t = Instant::now();
+            while !self.mailbox().is_ready() {
+                if self.giving_up() {
+                    gave_up = true;
+                    return Err(Error::Closed);
+                }
+                pause(t.elapsed(), self.opts.spin, NAP);
+            }
+            *t_ready = Some(Instant::now());
+            self.rows.watch(step);
+            let count = self.mailbox().take(ids);
+            if count > ids.len() || count > k {
+                return Err(Error::rows(format!(
+                    "the GPU published {count} ids but the host expected {k} (mailbox {})",
+                    ids.len().max(count)
+                )));
+            }
+            self.map.map(ids, rows, table_rows, &name)?;
+            let differs = |i: usize| guess[i] != rows[i];
+            // Unknown where the host said -1; wrong where it said an id (a row or not)
+            // and the GPU published another.
+            out.late = (0..count).filter(|&i| expected[i] < 0).count();
+            out.wrong = (0..count)
+                .filter(|&i| expected[i] >= 0 && differs(i))
+                .count();
+            out.count = count;
+            if !skip {
+                gather_runs(src, rows, dst, rb, differs)?;
+            }
+            dst[count * rb..].fill(0);
+            Ok(())
+        });
+        match filled {
+            Ok(()) => Ok(Some(out)),
+            Err(_) if gave_up => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
 pub(super) fn run(sh: &Shared) {
     crate::os::fine_timer_slack();
     let max_ids = sh.mailbox().max_ids();
@@ -151,6 +268,12 @@ pub(super) fn run(sh: &Shared) {
     let mut predictor = ReadyPredictor::default();
     while let Some(step) = sh.next_step() {
         let armed_at = Instant::now();
+        let expected = sh.ctl().take_expected(step);
+        if let Some(expected) = expected {
+            run_expected(sh, step, &expected, &mut ids, &mut rows, armed_at);
+            last_rows = expected.len();
+            continue;
+        }
         // A replay's READY is predicted from the last replays'; an eager step publishes
         // right after its arming and is neither predicted nor recorded.
         let predicted = sh.opts.predict_ready && !sh.ctl().eager.contains(&step);
@@ -217,4 +340,59 @@ pub(super) fn run(sh: &Shared) {
         ctl.handled = ctl.handled.max(step);
         sh.cv.notify_all();
     }
+}
+
+/// One step begun with expected ids: [`Shared::fill_expected`], then the same accounting
+/// as a published step's (its READY -> FILLED time counts only what followed READY).
+fn run_expected(
+    sh: &Shared,
+    step: u64,
+    expected: &[i64],
+    ids: &mut Vec<i64>,
+    rows: &mut Vec<i64>,
+    armed_at: Instant,
+) {
+    let mut t_ready = None;
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        sh.fill_expected(step, expected, ids, rows, &mut t_ready)
+    }))
+    .unwrap_or_else(|_| {
+        Err(Error::state(
+            Op::Fill,
+            "the gather worker panicked while filling this step",
+        ))
+    });
+    let mut ctl = sh.ctl();
+    match result {
+        Ok(Some(done)) => {
+            let t_ready = t_ready.unwrap_or(armed_at);
+            let ns = t_ready.elapsed().as_nanos() as u64;
+            let eager = ctl.eager.contains(&step);
+            let st = &mut ctl.stats;
+            st.fills += 1;
+            st.ids_total += done.count as u64;
+            st.ready_to_filled_ns_last = ns;
+            st.ready_to_filled_ns_max = st.ready_to_filled_ns_max.max(ns);
+            st.ready_to_filled_ns_total += ns;
+            if eager {
+                st.eager_fills += 1;
+                st.eager_fill_ns_total += ns;
+            }
+            st.armed_to_ready_ns_last = (t_ready - armed_at).as_nanos() as u64;
+            st.expected_steps += 1;
+            st.expected_rows_early += done.early as u64;
+            st.expected_rows_late += done.late as u64;
+            st.expected_rows_wrong += done.wrong as u64;
+        }
+        Ok(None) => {} // released or stopping before READY: nothing to fill
+        Err(e) => {
+            sh.rows.abort(&format!("gather worker: {e}"));
+            ctl.stats.failures += 1;
+            if ctl.failure.is_none() {
+                ctl.failure = Some(e);
+            }
+        }
+    }
+    ctl.handled = ctl.handled.max(step);
+    sh.cv.notify_all();
 }
