@@ -110,3 +110,37 @@ def test_refusals_are_typed_and_name_the_argument() -> None:
     with pytest.raises(PleMemopsError, match="no 'layer_multipliers'"):
         HostNGramIds.from_module(object())
     assert h(np.zeros(0, np.int64), np.array([0, 0]), np.zeros((1, 2), np.int64)).shape == (0, 4)
+
+
+def test_a_mixed_steps_expectations_cover_its_known_prefills_only() -> None:
+    """A step of a decode, a prefill chunk of a known prompt, a prefill of a row never
+    added (no tokens known), a chunk ending the prompt, and a resumed request past its
+    prefill: ids where the host knows the tokens, ``-1`` elsewhere, in batch order."""
+    from ple_memops.vllm.prefill import PrefillExpectations
+
+    h = _hash()
+    exp = PrefillExpectations({"a": h.for_requests, "b": h.for_requests}, h.heads)
+    prompts = {3: [5, 9, EOS, 11, 12, 13, 14], 7: [8, 8, 8, 8], 9: [1, 2, 3]}
+    for row, toks in prompts.items():
+        exp.add(row, toks)
+    rows = np.array([3, 7, 4, 9, 3])
+    computed = np.array([7, 1, 0, 1, 2])  # row 3 first as a decode (7 >= its 7 tokens)
+    scheduled = np.array([1, 2, 5, 2, 3])
+    prefill_len = np.array([7, 4, 5, 3, 7])
+    got = exp.step(rows, computed, scheduled, prefill_len)
+    assert got is not None and set(got) == {"a", "b"} and exp.steps == 1
+    H = h.heads
+    want = np.full(sum(scheduled) * H, -1, dtype=np.int64)
+    want[1 * H : 3 * H] = h.for_requests([prompts[7]], [1], [2]).reshape(-1)
+    want[8 * H : 10 * H] = h.for_requests([prompts[9]], [1], [2]).reshape(-1)
+    want[10 * H : 13 * H] = h.for_requests([prompts[3]], [2], [3]).reshape(-1)
+    assert got["a"].tolist() == want.tolist() and got["b"].tolist() == want.tolist()
+    # A row dropped, decodes only: nothing known.
+    exp.drop(7)
+    assert exp.step(np.array([7, 3]), np.array([1, 7]), np.array([1, 1]), np.array([4, 7])) is None
+    with pytest.raises(InvalidArgumentError, match="2 rows, 1 computed"):
+        exp.step(np.array([1, 2]), np.array([0]), np.array([1, 1]), np.array([1, 1]))
+    bad = PrefillExpectations({"a": lambda t, c, s: np.zeros((1, 1), np.int64)}, h.heads)
+    bad.add(0, [1, 2])
+    with pytest.raises(InvalidArgumentError, match=r"a: the host ids have shape \(1, 1\)"):
+        bad.step(np.array([0]), np.array([0]), np.array([2]), np.array([2]))

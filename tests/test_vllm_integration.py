@@ -447,6 +447,7 @@ class RecordingPlan:
         self.reason = None if mode == "deferred" else "probe said sync"
         self.armed: list[int] = []
         self.eager_begins: list[bool] = []  # begin()'s eager= for each step, in order
+        self.expected: list[Any] = []  # begin()'s expected= for each step, in order
         self.poisoned: str | None = None
         self.closed = False
         self.fail_complete: BaseException | None = None
@@ -475,12 +476,13 @@ class RecordingPlan:
         self.log.append(f"eager {name} {rows}")
         return Staged(self.log, name)
 
-    def begin(self, rows: int, *, eager: bool = False) -> None:
+    def begin(self, rows: int, *, eager: bool = False, expected: Any = None) -> None:
         self._live()
         if len(self.armed) >= self.depth:
             raise StateError("depth")
         self.armed.append(rows)
         self.eager_begins.append(eager)
+        self.expected.append(expected)
         self.log.append(f"begin {rows}")
 
     def complete(self, timeout: float | None = None) -> None:
@@ -755,6 +757,36 @@ def test_replays_keep_two_steps_armed(capturing: list[bool]) -> None:
     assert plan.log[-1] == "close"
 
 
+def test_an_eager_step_is_armed_with_the_ids_the_host_expects(capturing: list[bool]) -> None:
+    """``expect()`` before an eager forward: its step is armed with each layer's expected
+    ids, padded with -1 (unknown) to the forward's; not for a later forward of the step,
+    not when a layer expects more ids than the forward publishes, not in a dummy step."""
+    names = ["a", "b"]
+    plan = RecordingPlan(names)
+    hk = PleRunnerHooks(plan, rows_per_token=2)
+    with hk.step(dummy=False):
+        hk.expect({"a": np.arange(4), "b": np.array([[5, 6], [7, 8]])})
+        _forward(hk, names, 3)  # 6 ids a layer
+        _forward(hk, names, 3)  # a second forward inside the step: its own step
+    assert plan.log[0] == "begin 6" and plan.eager_begins == [True, True]
+    first, second = plan.expected
+    assert first["a"].tolist() == [0, 1, 2, 3, -1, -1]
+    assert first["b"].tolist() == [5, 6, 7, 8, -1, -1]
+    assert second is None and hk.expected_steps == 1
+    with hk.step(dummy=False):
+        hk.expect({"a": np.arange(8)})  # more than the forward's 6 ids: not used
+        _forward(hk, names, 3)
+    assert plan.expected[-1] is None and hk.expected_steps == 1
+    hk.expect({"a": [1]})  # outside a step: nothing to arm
+    with hk.step(dummy=True):
+        hk.expect({"a": [1]})  # a dummy step publishes no data
+        _forward(hk, names, 1)
+    assert len(plan.expected) == 3
+    with pytest.raises(InvalidArgumentError, match=r"unknown layers \['c'\]"), hk.step(dummy=False):
+        hk.expect({"c": [1]})
+    hk.shutdown()
+
+
 def test_eager_forwards_of_a_sync_plan_gather_on_the_host(capturing: list[bool]) -> None:
     names = ["a", "b"]
     plan = RecordingPlan(names, mode="sync")
@@ -970,6 +1002,19 @@ def test_settings_spin_and_stats_interval() -> None:
     known = "known: 'table_backend', 'timeout', 'copy', 'spin', 'stats_every', 'first_layer"
     with pytest.raises(InvalidArgumentError, match=known):
         S.for_engine({"ple_memops": {"spinning": 1}}, {})
+
+
+def test_settings_expect_prefill() -> None:
+    S = settings.Settings
+    assert not S.from_env({}).expect_prefill and not S().expect_prefill
+    env = {"PLE_MEMOPS_EXPECT_PREFILL": "1"}
+    assert S.from_env(env).expect_prefill
+    assert not S.for_engine({"ple_memops": {"expect_prefill": False}}, env).expect_prefill
+    assert S.for_engine({"ple_memops": {"expect_prefill": "on"}}, {}).expect_prefill
+    with pytest.raises(InvalidArgumentError, match="PLE_MEMOPS_EXPECT_PREFILL must be"):
+        S.from_env({"PLE_MEMOPS_EXPECT_PREFILL": "maybe"})
+    with pytest.raises(InvalidArgumentError, match=r"\['expect_prefill'\] must be 1 or 0"):
+        S.for_engine({"ple_memops": {"expect_prefill": 2}}, {})
 
 
 def test_settings_first_layer_threads() -> None:

@@ -524,6 +524,72 @@ def test_host_ids_of_prompt_chunks_are_the_whole_prompts(checkpoint: Path, dist:
             assert torch.equal(torch.from_numpy(got), emb.compute_ngram_ids(toks, qsl, ctx))
 
 
+def test_a_mixed_steps_expectations_are_vllms_ids_where_known(checkpoint: Path, dist: Any) -> None:
+    """Steps mixing decodes (tokens only the GPU knows) with prefill chunks: where the
+    host expects an id it is the one ``compute_ngram_ids`` gives the step, with the
+    context vLLM's Qwen4Exp model state builds; every decode token is left ``-1``."""
+    from ple_memops.vllm.ngram_ids import HostNGramIds
+    from ple_memops.vllm.prefill import PrefillExpectations
+
+    rng = random.Random(41)
+    for emb in _ngram_modules(checkpoint):
+        host = HostNGramIds.from_module(emb)
+        eos, h = host.eos_token_id, host.heads
+        exp = PrefillExpectations({"t": host.for_requests}, h)
+        for _ in range(40):
+            nreq = rng.randint(1, 6)
+            prompts = [
+                [rng.choice([eos] + [rng.randint(0, 127)] * 5) for _ in range(rng.randint(1, 30))]
+                for _ in range(nreq)
+            ]
+            outputs = [[rng.randint(0, 127) for _ in range(rng.randint(0, 4))] for _ in prompts]
+            rows = rng.sample(range(64), nreq)
+            for row, p in zip(rows, prompts, strict=True):
+                exp.add(row, p)
+            computed, scheduled, decode = [], [], []
+            for p, out in zip(prompts, outputs, strict=True):
+                if out:  # decoding: its last output is the GPU's sampled token
+                    computed.append(len(p) + len(out) - 1)
+                    scheduled.append(1)
+                    decode.append(True)
+                else:
+                    c = rng.randint(0, len(p) - 1)
+                    computed.append(c)
+                    scheduled.append(rng.randint(1, len(p) - c))
+                    decode.append(False)
+            every = [p + out for p, out in zip(prompts, outputs, strict=True)]
+            toks = torch.tensor(
+                [
+                    t
+                    for a, c, s in zip(every, computed, scheduled, strict=True)
+                    for t in a[c : c + s]
+                ],
+                dtype=torch.int32,
+            )
+            qsl = torch.tensor([0, *itertools.accumulate(scheduled)], dtype=torch.int32)
+            ctx = torch.tensor(
+                [
+                    [a[i] if i >= 0 else eos for i in (c - 2, c - 1)]
+                    for a, c in zip(every, computed, strict=True)
+                ],
+                dtype=torch.int32,
+            )
+            want = emb.compute_ngram_ids(toks, qsl, ctx).reshape(-1).numpy()
+            got = exp.step(
+                np.array(rows),
+                np.array(computed),
+                np.array(scheduled),
+                np.array([len(p) for p in prompts]),
+            )
+            unknown = np.repeat(np.repeat(decode, scheduled), h)
+            if got is None:
+                assert unknown.all()
+                continue
+            ids = got["t"]
+            assert (ids[unknown] == -1).all()
+            assert np.array_equal(ids[~unknown], want[~unknown])
+
+
 # -- the model with the mmap backend ------------------------------------------------------------
 
 
@@ -609,6 +675,13 @@ def test_model_loads_without_its_tables_and_rows_match_the_device_table(
                 layer._dequantize_embeddings(got, torch.bfloat16),
                 ref._dequantize_embeddings(want, torch.bfloat16),
             )
+            # The table's host ids are its owner's, with the buffers as loaded.
+            host = layer.ple_embedding.ngram_embedding.ple_memops_host_ids().__self__
+            assert torch.equal(
+                torch.from_numpy(host(ids.numpy(), qsl.numpy(), ctx.numpy())),
+                layer.ple_embedding.compute_ngram_ids(ids, qsl, ctx),
+            )
+        assert fake.ple_expect is None  # expect_prefill is off by default
     finally:
         hooks.shutdown()
 

@@ -20,6 +20,7 @@ from .settings import (
     BACKEND_ENV,
     COPY_ENV,
     EARLY_JOIN_ENV,
+    EXPECT_PREFILL_ENV,
     FIRST_LAYER_THREADS_ENV,
     PREDICT_READY_ENV,
     SKIP_GATHER_ENV,
@@ -78,7 +79,9 @@ def check() -> int:
         f"({FIRST_LAYER_THREADS_ENV}), stall timing {'on' if settings.time_stalls else 'off'} "
         f"({TIME_STALLS_ENV}), predicted READY {'on' if settings.predict_ready else 'off'} "
         f"({PREDICT_READY_ENV}), graph timing {'on' if settings.time_graphs else 'off'} "
-        f"({TIME_GRAPHS_ENV}); an engine's additional_config['ple_memops'] overrides them"
+        f"({TIME_GRAPHS_ENV}), prefill ids expected on the host "
+        f"{'on' if settings.expect_prefill else 'off'} ({EXPECT_PREFILL_ENV}); an engine's "
+        "additional_config['ple_memops'] overrides them"
     )
     if settings.diag_skip_gather:
         print(

@@ -148,6 +148,27 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     ),
     _signature(f"{_MR}:GPUModelRunner.sample_tokens", "(self, grammar_output)"),
     _exists("vllm.v1.worker.gpu.async_utils:AsyncOutput.get_output"),
+    # expect_prefill: the new requests' tokens and each step's batch, on the host.
+    _signature(f"{_MR}:GPUModelRunner.add_requests", "(self, scheduler_output)"),
+    _signature(
+        f"{_MR}:GPUModelRunner.prepare_inputs",
+        "(self, scheduler_output, batch_req_state, batch_desc, num_active_loras)",
+    ),
+    _source_has(
+        f"{_MR}:GPUModelRunner.add_requests",
+        "all_token_ids=new_req_data.prefill_token_ids",
+        "gives the request state each new request's prefill tokens",
+    ),
+    _source_has(
+        f"{_MR}:BatchReqState",
+        "num_computed_prefill_tokens_np",
+        "holds each request's computed prefill tokens",
+    ),
+    _source_has(
+        "vllm.models.qwen4_exp.nvidia.model_state",
+        "context_end = req_states.num_computed_tokens.gpu[request_indices]",
+        "builds the n-gram context from the tokens before the chunk",
+    ),
     _source_has(
         f"{_MR}:GPUModelRunner.initialize_kv_cache",
         "self.cudagraph_manager = ModelCudaGraphManager(",

@@ -156,6 +156,9 @@ class _Step:
     rows: int | None = None
     staged: set[str] = field(default_factory=set)
     forks: dict[str, StagedLike] = field(default_factory=dict)
+    # Per layer, the ids the host expects this step's forward to publish (:meth:`expect`),
+    # given to the step's arming; None once used.
+    expected: dict[str, Any] | None = None
 
 
 class PleRunnerHooks:
@@ -199,6 +202,8 @@ class PleRunnerHooks:
         self._ids_graphs: dict[Any, _IdsGraph] = {}
         self._ids_buffers: dict[str, Any] = {}
         self.eager_steps = 0
+        self.expected_steps = 0
+        """Eager steps armed with ids the host expected (:meth:`expect`)."""
         self.sync_replays = 0
         self.recorded_graphs = 0
         self.stats_every = stats_every
@@ -655,7 +660,10 @@ class PleRunnerHooks:
             # The forward's first PLE op (or a second forward inside one engine step).
             if scope.rows is not None:
                 self._end_eager(scope)
-            self.driver.arm(n, eager=True)
+            expected, scope.expected = _padded_expectation(scope.expected, n), None
+            self.driver.arm(n, eager=True, expected=expected)
+            if expected:
+                self.expected_steps += 1
             scope.rows = n
             scope.staged = set()
             self.eager_steps += 1
@@ -666,6 +674,23 @@ class PleRunnerHooks:
         self._check_output(name, output, n)
         scope.forks[name] = self.driver.stage_eager(name, ids.reshape(-1), rows=n)
         scope.staged.add(name)
+
+    def expect(self, expected: Mapping[str, Any]) -> None:
+        """Inside :meth:`step`, before the forward: per PLE layer, the row ids the host
+        expects this step's eager forward to publish (``int64``, ``-1`` where it cannot
+        know them, e.g. a decode token's; at most the forward's ids, padded with ``-1``).
+        The step is armed with them, so each layer's worker gathers those rows as soon as
+        the GPU has consumed the previous step's, instead of when the forward reaches
+        the layer; the ids the forward publishes still decide every row (see
+        :meth:`~ple_memops.GatherWorker.begin`). Ignored outside a real step of a
+        deferring plan, and for a forward whose ids are fewer than expected."""
+        scope = self._scope
+        if not (isinstance(scope, _Step) and not scope.dummy and self.deferred):
+            return
+        unknown = sorted(set(expected) - set(self.plan.layers))
+        if unknown:
+            raise InvalidArgumentError(f"ple-memops: expected ids for unknown layers {unknown}")
+        scope.expected = dict(expected)
 
     def _gather_pending(self, scope: _Step) -> None:
         """A synchronous plan's eager forward: every staged layer's ids to the host in one
@@ -771,6 +796,24 @@ class _Scoped:
 
 
 _LAYER_NAME = re.compile(r"layers\.\d+")
+
+
+def _padded_expectation(expected: dict[str, Any] | None, n: int) -> dict[str, Any] | None:
+    """Each layer's expected ids as ``int64 [n]`` (padded with ``-1``: unknown), or
+    ``None`` when there are none or a layer expects more ids than the forward has."""
+    if not expected:
+        return None
+    import numpy as np
+
+    out = {}
+    for name, ids in expected.items():
+        flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if flat.size > n:
+            return None
+        if flat.size < n:
+            flat = np.concatenate([flat, np.full(n - flat.size, -1, dtype=np.int64)])
+        out[name] = flat
+    return out
 
 
 def _short(name: str) -> str:

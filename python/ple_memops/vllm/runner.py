@@ -45,6 +45,7 @@ from ..step_costs import GraphClock
 from ..table import MmapTable
 from .hooks import PleRunnerHooks, build_hooks
 from .layer import find_tables
+from .prefill import PrefillExpectations
 from .settings import engine_settings
 from .tables import checkpoint_tensor_names, open_layer_table
 
@@ -215,6 +216,7 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
         raise
     for module in layers:
         module.ple_memops_bind(hooks, max_tokens)
+    runner.ple_expect = _prefill_expectations(layers, hooks, settings, rows_per_token)
     if settings.diag_skip_gather:
         logger.warning(
             "ple-memops: diagnostics: the PLE rows are NOT gathered (diag_skip_gather): every "
@@ -259,6 +261,30 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
             graphs,
         )
     return hooks
+
+
+def _prefill_expectations(
+    layers: list[Any], hooks: PleRunnerHooks, settings: Any, rows_per_token: int
+) -> PrefillExpectations | None:
+    """With ``expect_prefill`` on a deferring plan, what computes each layer's prefill ids
+    on the host; ``None`` (with a log line saying why) otherwise."""
+    if not settings.expect_prefill:
+        return None
+    host = {m.ple_memops_name: m.ple_memops_host_ids() for m in layers}
+    missing = sorted(name for name, ids in host.items() if ids is None)
+    if not hooks.deferred or missing:
+        logger.info(
+            "ple-memops: expect_prefill is on but unused: %s",
+            "the rows are not deferred"
+            if not hooks.deferred
+            else f"the host cannot compute the ids of {missing}",
+        )
+        return None
+    logger.info(
+        "ple-memops: prefill chunks' row ids computed on the host and gathered before the "
+        "GPU reaches them (expect_prefill)"
+    )
+    return PrefillExpectations(host, rows_per_token)
 
 
 # -- the classes the plugin installs -----------------------------------------------------
@@ -353,6 +379,7 @@ class PleGPUModelRunner(_BaseRunner):
     """vLLM's Model Runner V2 with the rows hooks of an mmap engine (see the module)."""
 
     ple_rows: PleRunnerHooks | None = None
+    ple_expect: PrefillExpectations | None = None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
@@ -388,6 +415,43 @@ class PleGPUModelRunner(_BaseRunner):
         dummy = bool(kwargs.get("dummy_run", args[2] if len(args) > 2 else False))
         with hooks.step(dummy=dummy):
             return super().execute_model(*args, **kwargs)
+
+    def add_requests(self, scheduler_output: Any) -> None:
+        super().add_requests(scheduler_output)
+        expect = self.ple_expect
+        if expect is None:
+            return
+        index = self.req_states.req_id_to_index
+        for new in scheduler_output.scheduled_new_reqs:
+            # What vLLM's request state received for the row (prefill_token_ids).
+            tokens = new.prefill_token_ids
+            row = index.get(new.req_id)
+            if row is not None:
+                if tokens is None:
+                    expect.drop(row)
+                else:
+                    expect.add(row, tokens)
+
+    def prepare_inputs(
+        self, scheduler_output: Any, batch_req_state: Any, batch_desc: Any, *args: Any
+    ) -> Any:
+        batch = super().prepare_inputs(scheduler_output, batch_req_state, batch_desc, *args)
+        expect, hooks = self.ple_expect, self.ple_rows
+        if (
+            expect is not None
+            and hooks is not None
+            and batch_req_state.has_prefill
+            and batch_desc.cg_mode != CUDAGraphMode.FULL
+        ):
+            expected = expect.step(
+                batch_req_state.idx_mapping_np,
+                batch_req_state.num_computed_prefill_tokens_np,
+                batch_req_state.num_scheduled_tokens,
+                batch_req_state.prefill_len_np,
+            )
+            if expected is not None:
+                hooks.expect(expected)
+        return batch
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         out = super().sample_tokens(*args, **kwargs)

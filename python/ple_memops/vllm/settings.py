@@ -7,7 +7,8 @@ Two sources, the second overriding the first field by field:
   ``PLE_MEMOPS_TABLE_BACKEND=mmap`` (``default`` or unset: off), ``PLE_MEMOPS_TIMEOUT``
   (seconds, default 30), ``PLE_MEMOPS_COPY``, ``PLE_MEMOPS_SPIN``,
   ``PLE_MEMOPS_STATS_EVERY``, ``PLE_MEMOPS_FIRST_LAYER_THREADS``, ``PLE_MEMOPS_TIME_STALLS``,
-  ``PLE_MEMOPS_PREDICT_READY``, ``PLE_MEMOPS_TIME_GRAPHS`` and the diagnostic
+  ``PLE_MEMOPS_PREDICT_READY``, ``PLE_MEMOPS_TIME_GRAPHS``, ``PLE_MEMOPS_EXPECT_PREFILL`` and
+  the diagnostic
   ``PLE_MEMOPS_DIAG_SKIP_GATHER`` (see :class:`Settings`);
 * an engine's ``additional_config={"ple_memops": {"table_backend": "mmap", "timeout": 60}}``
   (``--additional-config`` on the command line), which is part of vLLM's config hash.
@@ -37,6 +38,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "DEPTH",
     "EARLY_JOIN_ENV",
+    "EXPECT_PREFILL_ENV",
     "FIRST_LAYER_THREADS_ENV",
     "KEYS",
     "PREDICT_READY_ENV",
@@ -63,6 +65,7 @@ SKIP_GATHER_ENV = "PLE_MEMOPS_DIAG_SKIP_GATHER"
 PREDICT_READY_ENV = "PLE_MEMOPS_PREDICT_READY"
 TIME_GRAPHS_ENV = "PLE_MEMOPS_TIME_GRAPHS"
 EARLY_JOIN_ENV = "PLE_MEMOPS_DIAG_EARLY_JOIN"
+EXPECT_PREFILL_ENV = "PLE_MEMOPS_EXPECT_PREFILL"
 CONFIG_KEY = "ple_memops"
 """The key of ``additional_config`` that holds these settings."""
 BACKENDS = ("default", "mmap")
@@ -194,6 +197,13 @@ class Settings:
     """Diagnostics only: a Gemma model run eagerly joins its rows after the projection
     at the top of the forward, as a compiled one does, instead of at decoder layer 0's
     per-layer gate (the same tokens; measures what the late join saves)."""
+    expect_prefill: bool = False
+    """Qwen4Exp: the host computes a step's prefill-chunk row ids from the prompt
+    (:mod:`~ple_memops.vllm.ngram_ids`) and arms the eager step with them, so each
+    worker gathers those rows while the GPU still runs the step before, instead of after
+    the forward publishes its ids; the published ids still decide every row (a decode
+    token's, unknown on the host, is gathered at the publish as before). Off by default:
+    not yet run in the engine."""
 
     @property
     def mmap(self) -> bool:
@@ -219,6 +229,7 @@ class Settings:
             _switch(env.get(PREDICT_READY_ENV), PREDICT_READY_ENV),
             _switch(env.get(TIME_GRAPHS_ENV), TIME_GRAPHS_ENV),
             _switch(env.get(EARLY_JOIN_ENV), EARLY_JOIN_ENV),
+            _switch(env.get(EXPECT_PREFILL_ENV), EXPECT_PREFILL_ENV),
         )
 
     @classmethod
@@ -255,6 +266,7 @@ class Settings:
                 "predict_ready",
                 "time_graphs",
                 "diag_early_join",
+                "expect_prefill",
             ):
                 changes[key] = _switch(value, where)
             else:
@@ -274,6 +286,7 @@ KEYS = (
     "predict_ready",
     "time_graphs",
     "diag_early_join",
+    "expect_prefill",
 )
 """The keys ``additional_config["ple_memops"]`` may hold (:class:`Settings`' fields)."""
 

@@ -1,0 +1,118 @@
+"""A step's prefill row ids, computed on the host before the GPU publishes them.
+
+Under async scheduling the host prepares step N+1 while the GPU runs step N, and the
+row ids of a step are computed by the forward on the GPU: a worker can gather a layer's
+rows only once the forward reached that layer's ids. For a prefill chunk the host knows
+the tokens already (they are the prompt's, or a resumed request's tokens so far), so with
+the model's id function it can compute the same ids and arm the step with them
+(:meth:`~ple_memops.vllm.hooks.PleRunnerHooks.expect`): each worker then gathers those rows
+while the GPU still runs step N. Decode tokens (and speculative drafts) exist only on the
+GPU; their ids are left ``-1`` and gathered when the forward publishes, as before. The
+published ids always decide the rows (see :meth:`ple_memops.GatherWorker.begin`), so an
+expectation that is wrong costs time, never a row.
+
+:class:`PrefillExpectations` keeps each request's known tokens by its row in vLLM's
+request state (:meth:`add`, from the new requests of a step) and builds a step's
+expectations from the batch's arrays (:meth:`step`). No torch, no vLLM: the runner
+(:mod:`.runner`) feeds it vLLM's ``BatchReqState`` fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["HostIds", "PrefillExpectations"]
+
+HostIds = Callable[[Sequence[Any], Sequence[int], Sequence[int]], np.ndarray]
+"""A layer's ids on the host: ``(token_ids, computed, scheduled) -> int64 [tokens,
+ids_per_token]`` for request chunks, as
+:meth:`~ple_memops.vllm.ngram_ids.HostNGramIds.for_requests`."""
+
+
+class PrefillExpectations:
+    """Per PLE layer (by the plan's name) the function that computes its ids on the host,
+    ``ids_per_token`` ids a token. Thread-compatible (the runner's thread)."""
+
+    def __init__(self, layers: Mapping[str, HostIds], ids_per_token: int) -> None:
+        if not layers:
+            raise InvalidArgumentError("no layers to expect ids for")
+        if ids_per_token < 1:
+            raise InvalidArgumentError(f"ids_per_token must be >= 1, got {ids_per_token}")
+        self.layers = dict(layers)
+        self.ids_per_token = int(ids_per_token)
+        self._tokens: dict[int, np.ndarray] = {}
+        self.steps = 0
+        """Steps given expectations by :meth:`step`."""
+
+    def add(self, row: int, token_ids: Sequence[int] | np.ndarray) -> None:
+        """Request state row ``row`` now holds a request whose tokens so far (its prompt,
+        or a resumed request's prompt and outputs) are ``token_ids``: what vLLM's
+        ``RequestState.add_request`` receives. Replaces what the row held."""
+        self._tokens[int(row)] = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+
+    def drop(self, row: int) -> None:
+        """Forget row ``row`` (its request finished or was preempted)."""
+        self._tokens.pop(int(row), None)
+
+    def step(
+        self,
+        rows: np.ndarray,
+        computed: np.ndarray,
+        scheduled: np.ndarray,
+        prefill_len: np.ndarray,
+    ) -> dict[str, np.ndarray] | None:
+        """A step's expectations: its requests in batch order (their request state
+        ``rows``, tokens already ``computed``, tokens ``scheduled`` now, and
+        ``prefill_len``, the tokens known before the request's first output); returns per
+        layer ``int64 [sum(scheduled) * ids_per_token]``, ``-1`` for every token not
+        inside a known prefill (decodes, drafts, a row never :meth:`add`-ed), or
+        ``None`` when no token is known."""
+        rows = np.asarray(rows).reshape(-1)
+        computed = np.asarray(computed).reshape(-1)
+        scheduled = np.asarray(scheduled).reshape(-1)
+        prefill_len = np.asarray(prefill_len).reshape(-1)
+        if not (rows.size == computed.size == scheduled.size == prefill_len.size):
+            raise InvalidArgumentError(
+                f"{rows.size} rows, {computed.size} computed, {scheduled.size} scheduled and "
+                f"{prefill_len.size} prefill lengths"
+            )
+        starts = np.concatenate(([0], np.cumsum(scheduled)))
+        known: list[int] = []
+        for i in range(rows.size):
+            end = int(computed[i]) + int(scheduled[i])
+            tokens = self._tokens.get(int(rows[i]))
+            if (
+                scheduled[i] > 0
+                and end <= int(prefill_len[i])
+                and tokens is not None
+                and end <= tokens.size
+            ):
+                known.append(i)
+        if not known:
+            return None
+        h = self.ids_per_token
+        toks = [self._tokens[int(rows[i])] for i in known]
+        at = [int(computed[i]) for i in known]
+        count = [int(scheduled[i]) for i in known]
+        out: dict[str, np.ndarray] = {}
+        for name, ids_of in self.layers.items():
+            ids = np.asarray(ids_of(toks, at, count), dtype=np.int64)
+            if ids.shape != (sum(count), h):
+                raise InvalidArgumentError(
+                    f"{name}: the host ids have shape {ids.shape}, not ({sum(count)}, {h})"
+                )
+            flat = np.full(int(starts[-1]) * h, -1, dtype=np.int64)
+            done = 0
+            for i, n in zip(known, count, strict=True):
+                flat[int(starts[i]) * h : (int(starts[i]) + n) * h] = ids[done : done + n].reshape(
+                    -1
+                )
+                done += n
+            out[name] = flat
+        self.steps += 1
+        return out
