@@ -94,6 +94,7 @@ def _engine(
     copy: str = "auto",
     lead: int | None = None,
     time_stalls: bool = False,
+    expect_prefill: bool = False,
     **kw: Any,
 ) -> LLM:
     settings: dict[str, Any] = {"copy": copy}
@@ -101,6 +102,8 @@ def _engine(
         settings["first_layer_threads"] = lead
     if time_stalls:
         settings["time_stalls"] = True
+    if expect_prefill:
+        settings["expect_prefill"] = True
     return engine(ckpt, backend, settings=settings, **kw)
 
 
@@ -228,6 +231,45 @@ def test_stall_timing_keeps_the_stock_engines_tokens(
     assert set(stalls) == set(stats["own_threads"]), stalls
     for name, s in stalls.items():
         assert s["steps"] >= stats["armed"] and s["max_us"] < 30e6, (name, s)
+
+
+def _expected(worker: Any) -> dict[str, Any]:
+    """Each PLE layer's worker's counts of steps armed with expected ids."""
+    hooks = worker.model_runner.ple_rows
+    keys = ("expected_steps", "expected_rows_early", "expected_rows_late", "expected_rows_wrong")
+    return {
+        "hooks": hooks.expected_steps,
+        "runner": worker.model_runner.ple_expect is not None,
+        **{n: {k: int(getattr(w, k)) for k in keys} for n, (_, w) in hooks.plan.stats().items()},
+    }
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_expected_prefill_ids_keep_the_stock_engines_tokens(
+    checkpoints: dict[str, Path], stock_bf16: list[list[list[int]]], async_scheduling: bool
+) -> None:
+    """``expect_prefill``: the host computes prefill chunks' ids from the prompts and
+    arms the eager steps with them. The tokens stay the stock engine's, prefill rows were
+    gathered before their publish, and no expected id differed from the GPU's."""
+    llm = _engine(
+        checkpoints["bf16"], "mmap", expect_prefill=True, async_scheduling=async_scheduling
+    )
+    try:
+        got = _generate(llm)
+        (stats,) = llm.collective_rpc(_rows_stats)
+        (expected,) = llm.collective_rpc(_expected)
+    finally:
+        close(llm)
+    print(f"\nexpect_prefill async={async_scheduling}: {stats}\n{expected}")
+    assert_same_tokens(stock_bf16, got)
+    assert stats["mode"] == "deferred" and stats["watchdog_releases"] == 0, stats
+    assert expected.pop("runner") and expected.pop("hooks") >= len(WORKLOAD), expected
+    for name, counts in expected.items():
+        assert counts["expected_steps"] >= len(WORKLOAD), (name, counts)
+        assert counts["expected_rows_early"] > 0 and counts["expected_rows_wrong"] == 0, (
+            name,
+            counts,
+        )
 
 
 def _serve(llm: LLM) -> tuple[list[list[list[int]]], dict[str, Any]]:
