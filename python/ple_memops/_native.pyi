@@ -4,6 +4,7 @@ __all__ = [
     "DeferredRowsCore",
     "GatherWorkerCore",
     "MmapTableCore",
+    "NGramHashCore",
     "_bench_memory_latency_ns",
     "_bench_read_batches",
     "_bench_read_sustained",
@@ -81,6 +82,20 @@ def error_kinds() -> list[tuple[str, str]]: ...
 def _raise_kind(kind: str) -> None: ...
 
 from typing import final  # noqa: E402
+
+@final
+class NGramHashCore:
+    def __new__(
+        cls,
+        multipliers: list[int],
+        sizes: list[int],
+        offsets: list[int],
+        eos: int,
+        heads_per_ngram: int,
+    ) -> NGramHashCore: ...
+    @property
+    def heads(self) -> int: ...
+    def ids(self, tokens: Any, query_start_loc: Any, context: Any) -> Any: ...
 
 @final
 class MmapTableCore:

@@ -5,8 +5,8 @@ from the step's token ids, so under async scheduling a decode step's ids exist o
 GPU when the step is launched. A prefill chunk's tokens, and the tokens before it, are
 the prompt's: the host knows them when the step is scheduled, and with the hash's
 parameters as loaded it can compute the same ids and start the gather before the GPU
-reaches the step. :class:`HostNGramIds` is that computation, in numpy, with no torch and
-no device:
+reaches the step. :class:`HostNGramIds` is that computation (native, the GIL released:
+``ple_memops._native.NGramHashCore``), with no torch and no device:
 
     ids = HostNGramIds.from_module(ngram_embedding)     # once, after the weights load
     ids(tokens, query_start_loc, ngram_context)          # compute_ngram_ids' arguments
@@ -31,11 +31,12 @@ vLLM environment.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from .. import _native
 from ..errors import InvalidArgumentError
 
 __all__ = ["HostNGramIds"]
@@ -66,6 +67,7 @@ class HostNGramIds:
     eos_token_id: int
     ngram_size: int
     heads_per_ngram: int
+    _core: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n, h = self.ngram_size, self.heads_per_ngram
@@ -83,6 +85,14 @@ class HostNGramIds:
             )
         if (self.sizes <= 0).any():
             raise InvalidArgumentError("every head's vocabulary size must be positive")
+        core = _native.NGramHashCore(
+            self.multipliers.tolist(),
+            self.sizes.tolist(),
+            self.offsets.tolist(),
+            int(self.eos_token_id),
+            int(h),
+        )
+        object.__setattr__(self, "_core", core)
 
     @classmethod
     def from_module(cls, module: Any) -> HostNGramIds:
@@ -119,64 +129,14 @@ class HostNGramIds:
         the last request, as on the GPU."""
         toks = _int64(tokens, "tokens").reshape(-1)
         qsl = _int64(query_start_loc, "query_start_loc").reshape(-1)
+        ctx = _int64(ngram_context, "ngram_context").reshape(-1)
         c = self.ngram_size - 1
-        ctx_arr = _int64(ngram_context, "ngram_context")
-        if qsl.size < 2:
-            raise InvalidArgumentError("query_start_loc needs at least two entries (one request)")
-        reqs = qsl.size - 1
-        if qsl[0] != 0 or (np.diff(qsl) < 0).any() or qsl[-1] > toks.size:
+        if qsl.size >= 2 and ctx.size < (qsl.size - 1) * c:
             raise InvalidArgumentError(
-                f"query_start_loc must rise from 0 to at most {toks.size} tokens, "
-                f"got {qsl.tolist()}"
+                f"ngram_context has {ctx.size // c} rows of {c} tokens for {qsl.size - 1} requests"
             )
-        ctx = ctx_arr.reshape(-1, c) if ctx_arr.size else ctx_arr.reshape(0, c)
-        if ctx.shape[0] < reqs:
-            raise InvalidArgumentError(
-                f"ngram_context has {ctx.shape[0]} rows of {c} tokens for {reqs} requests"
-            )
-        if toks.size == 0:
-            return np.zeros((0, self.heads), dtype=np.int64)
-        # Each request's chunk, with trailing tokens the last request's (as the GPU's
-        # request_indices clamp them), preceded by its context: one flat sequence.
-        ends = qsl[1:].copy()
-        ends[-1] = toks.size
-        lengths = ends - qsl[:-1]
-        seg = lengths + c
-        seg_start = np.concatenate(([0], np.cumsum(seg)[:-1]))
-        flat = np.empty(int(seg.sum()), dtype=np.int64)
-        for r in range(reqs):
-            s = int(seg_start[r])
-            flat[s : s + c] = ctx[r]
-            flat[s + c : s + c + int(lengths[r])] = toks[qsl[r] : ends[r]]
-        owner = np.repeat(np.arange(reqs), seg)
-        start_of = seg_start[owner]
-        index = np.arange(flat.size, dtype=np.int64)
-        # The last EOS strictly before each position, within its request (start - 1 if none).
-        marks = np.where(flat == self.eos_token_id, index, start_of - 1)
-        last_inclusive = np.maximum.accumulate(marks)
-        last_before = np.where(index == start_of, start_of - 1, np.roll(last_inclusive, 1))
-        in_segment = index - last_before - 1
-        # The token at distance k back, or EOS at or before that EOS (k <= c: always in
-        # the same request's row, which begins with c context tokens).
-        is_token = index >= start_of + c
-        where = index[is_token]
-        shifted = [flat[where]]
-        for k in range(1, c + 1):
-            valid = in_segment[where] >= k
-            shifted.append(np.where(valid, flat[where - k], self.eos_token_id))
-        mult = self.multipliers.view(np.uint64)
-        h = self.heads_per_ngram
-        out = np.empty((where.size, self.heads), dtype=np.int64)
-        with np.errstate(over="ignore"):
-            mixed = shifted[0].view(np.uint64) * mult[0]
-            for n in range(2, self.ngram_size + 1):
-                mixed = mixed ^ (shifted[n - 1].view(np.uint64) * mult[n - 1])
-                lo = (n - 2) * h
-                signed = mixed.view(np.int64)[:, None]
-                out[:, lo : lo + h] = (
-                    np.remainder(signed, self.sizes[lo : lo + h]) + self.offsets[lo : lo + h]
-                )
-        return out
+        ids: np.ndarray = self._core.ids(toks, qsl, ctx[: max(qsl.size - 1, 0) * c])
+        return ids
 
     def for_requests(
         self,

@@ -1,0 +1,79 @@
+//! `ple_memops._native.NGramHashCore`: the native half of
+//! `ple_memops.vllm.ngram_ids.HostNGramIds` (the Python wrapper makes every argument a
+//! C-contiguous int64 array).
+
+use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray1};
+use pyo3::prelude::*;
+
+use super::to_pyerr;
+use crate::error::Error;
+use crate::ngram::NGramHash;
+
+#[pyclass(name = "NGramHashCore", module = "ple_memops._native", frozen)]
+pub(crate) struct PyNGramHash {
+    inner: NGramHash,
+}
+
+fn contiguous<'a>(
+    py: Python<'_>,
+    a: &'a PyReadonlyArray1<'_, i64>,
+    what: &str,
+) -> PyResult<&'a [i64]> {
+    a.as_slice()
+        .map_err(|_| to_pyerr(py, Error::invalid(format!("{what} must be C-contiguous"))))
+}
+
+#[pymethods]
+impl PyNGramHash {
+    #[new]
+    fn new(
+        py: Python<'_>,
+        multipliers: Vec<i64>,
+        sizes: Vec<i64>,
+        offsets: Vec<i64>,
+        eos: i64,
+        heads_per_ngram: usize,
+    ) -> PyResult<Self> {
+        NGramHash::new(multipliers, sizes, offsets, eos, heads_per_ngram)
+            .map(|inner| Self { inner })
+            .map_err(|e| to_pyerr(py, e))
+    }
+
+    #[getter]
+    fn heads(&self) -> usize {
+        self.inner.heads()
+    }
+
+    /// `int64 [tokens, heads]`, computed with the GIL released.
+    fn ids<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: PyReadonlyArray1<'py, i64>,
+        query_start_loc: PyReadonlyArray1<'py, i64>,
+        context: PyReadonlyArray1<'py, i64>,
+    ) -> PyResult<Bound<'py, PyArray2<i64>>> {
+        let (t, q, c) = (
+            contiguous(py, &tokens, "tokens")?,
+            contiguous(py, &query_start_loc, "query_start_loc")?,
+            contiguous(py, &context, "ngram_context")?,
+        );
+        let heads = self.inner.heads();
+        let out = PyArray2::<i64>::zeros(py, [t.len(), heads], false);
+        {
+            let mut rw = out
+                .try_readwrite()
+                .map_err(|e| to_pyerr(py, Error::invalid(format!("out: {e}"))))?;
+            let dst = rw
+                .as_slice_mut()
+                .map_err(|_| to_pyerr(py, Error::invalid("out must be C-contiguous")))?;
+            let inner = &self.inner;
+            py.detach(|| inner.ids(t, q, c, dst))
+                .map_err(|e| to_pyerr(py, e))?;
+        }
+        Ok(out)
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyNGramHash>()
+}
