@@ -374,54 +374,11 @@ def test_ops_compile(checkpoint: Path, dist: Any) -> None:
 # -- ids -----------------------------------------------------------------------------------------
 
 
-def test_our_ids_equal_vllms_compute_ngram_ids(checkpoint: Path, dist: Any) -> None:
-    from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
-
-    vc = _config(checkpoint, EngramConfig(cpu_offload=False))
-    cfg = vc.model_config.hf_text_config
-    rng = random.Random(11)
-    with set_current_vllm_config(vc):
-        for dense in (0, 1, 5):
-            emb = Qwen4ExpNGramEmbedding(
-                cfg,
-                64,
-                dense,
-                64,
-                data_parallel_rank=0,
-                prefix=f"x{dense}",
-                params_dtype=torch.bfloat16,
-            )
-            lay = NGramLayout.from_config(cfg, dense)
-            assert list(lay.sizes) == emb.ngram_heads_vocab_sizes.tolist()
-            assert list(lay.offsets) == emb.ngram_heads_offsets.tolist()
-            assert emb.layer_multipliers.tolist() == [
-                m - (1 << 64) if m >= 1 << 63 else m for m in lay.multipliers
-            ]
-            assert lay.rows == emb.ngram_embedding.org_vocab_size
-            ours = NGramHasher(lay)
-            for _ in range(120):
-                nreq = rng.randint(1, 6)
-                starts = [0]
-                for _r in range(nreq):
-                    starts.append(starts[-1] + rng.randint(0, 5))
-                total = starts[-1] + rng.randint(0, 4)
-                if total == 0:
-                    continue
-                toks = torch.tensor(
-                    [rng.choice([7, rng.randint(0, 127)]) for _ in range(total)], dtype=torch.int32
-                )
-                qsl = torch.tensor(starts, dtype=torch.int32)
-                ctx = torch.tensor(
-                    [[rng.choice([7, rng.randint(0, 127)]) for _ in range(2)] for _ in range(nreq)],
-                    dtype=torch.int32,
-                )
-                assert torch.equal(ours(toks, qsl, ctx), emb.compute_ngram_ids(toks, qsl, ctx))
-
-
-def _ngram_modules(checkpoint: Path) -> Iterator[Any]:
-    """vLLM's own n-gram embeddings of three PLE layers of the test model, each with its
-    multipliers then replaced by other odd values (as a checkpoint that holds them
-    would overwrite them when it loads): the host hash must read the module's."""
+def _ngram_modules(checkpoint: Path, *, reloaded: bool = True) -> Iterator[tuple[int, Any, Any]]:
+    """vLLM's own n-gram embeddings of three PLE layers of the test model (with each
+    layer's dense index and the text config); ``reloaded``: each with its multipliers then
+    replaced by other odd values (as a checkpoint that holds them would overwrite them
+    when it loads): the host hash must read the module's."""
     from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
 
     vc = _config(checkpoint, EngramConfig(cpu_offload=False))
@@ -438,9 +395,42 @@ def _ngram_modules(checkpoint: Path) -> Iterator[Any]:
                 prefix=f"h{dense}",
                 params_dtype=torch.bfloat16,
             )
-            loaded = torch.randint(-(1 << 62), 1 << 62, emb.layer_multipliers.shape, generator=gen)
-            emb.layer_multipliers.copy_(loaded * 2 + 1)
-            yield emb
+            if reloaded:
+                loaded = torch.randint(
+                    -(1 << 62), 1 << 62, emb.layer_multipliers.shape, generator=gen
+                )
+                emb.layer_multipliers.copy_(loaded * 2 + 1)
+            yield dense, cfg, emb
+
+
+def test_our_ids_equal_vllms_compute_ngram_ids(checkpoint: Path, dist: Any) -> None:
+    rng = random.Random(11)
+    for dense, cfg, emb in _ngram_modules(checkpoint, reloaded=False):
+        lay = NGramLayout.from_config(cfg, dense)
+        assert list(lay.sizes) == emb.ngram_heads_vocab_sizes.tolist()
+        assert list(lay.offsets) == emb.ngram_heads_offsets.tolist()
+        assert emb.layer_multipliers.tolist() == [
+            m - (1 << 64) if m >= 1 << 63 else m for m in lay.multipliers
+        ]
+        assert lay.rows == emb.ngram_embedding.org_vocab_size
+        ours = NGramHasher(lay)
+        for _ in range(120):
+            nreq = rng.randint(1, 6)
+            starts = [0]
+            for _r in range(nreq):
+                starts.append(starts[-1] + rng.randint(0, 5))
+            total = starts[-1] + rng.randint(0, 4)
+            if total == 0:
+                continue
+            toks = torch.tensor(
+                [rng.choice([7, rng.randint(0, 127)]) for _ in range(total)], dtype=torch.int32
+            )
+            qsl = torch.tensor(starts, dtype=torch.int32)
+            ctx = torch.tensor(
+                [[rng.choice([7, rng.randint(0, 127)]) for _ in range(2)] for _ in range(nreq)],
+                dtype=torch.int32,
+            )
+            assert torch.equal(ours(toks, qsl, ctx), emb.compute_ngram_ids(toks, qsl, ctx))
 
 
 def test_host_ids_equal_vllms_compute_ngram_ids(checkpoint: Path, dist: Any) -> None:
@@ -449,7 +439,7 @@ def test_host_ids_equal_vllms_compute_ngram_ids(checkpoint: Path, dist: Any) -> 
     from ple_memops.vllm.ngram_ids import HostNGramIds
 
     rng = random.Random(23)
-    for emb in _ngram_modules(checkpoint):
+    for _, _, emb in _ngram_modules(checkpoint):
         host = HostNGramIds.from_module(emb)
         eos = host.eos_token_id
         assert host.multipliers.tolist() == emb.layer_multipliers.tolist()
@@ -482,7 +472,7 @@ def test_host_ids_of_prompt_chunks_are_the_whole_prompts(checkpoint: Path, dist:
     from ple_memops.vllm.ngram_ids import HostNGramIds
 
     rng = random.Random(31)
-    for emb in _ngram_modules(checkpoint):
+    for _, _, emb in _ngram_modules(checkpoint):
         host = HostNGramIds.from_module(emb)
         eos = host.eos_token_id
         for _ in range(60):
@@ -532,7 +522,7 @@ def test_a_mixed_steps_expectations_are_vllms_ids_where_known(checkpoint: Path, 
     from ple_memops.vllm.prefill import PrefillExpectations
 
     rng = random.Random(41)
-    for emb in _ngram_modules(checkpoint):
+    for _, _, emb in _ngram_modules(checkpoint):
         host = HostNGramIds.from_module(emb)
         eos, h = host.eos_token_id, host.heads
         exp = PrefillExpectations({"t": host.for_requests}, h)

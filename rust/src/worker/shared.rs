@@ -3,6 +3,7 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
 
 use super::options::{WorkerOptions, WorkerStats};
 use super::row_map::RowMap;
@@ -44,6 +45,23 @@ impl Ctl {
         self.eager.clear();
         self.expected.clear();
         Some(e)
+    }
+
+    /// A filled step's counters: `count` ids, `ns` from READY seen to FILLED, `lead` from
+    /// arming to READY.
+    pub(super) fn count_fill(&mut self, step: u64, count: usize, ns: u64, lead: Duration) {
+        let eager = self.eager.contains(&step);
+        let st = &mut self.stats;
+        st.fills += 1;
+        st.ids_total += count as u64;
+        st.ready_to_filled_ns_last = ns;
+        st.ready_to_filled_ns_max = st.ready_to_filled_ns_max.max(ns);
+        st.ready_to_filled_ns_total += ns;
+        if eager {
+            st.eager_fills += 1;
+            st.eager_fill_ns_total += ns;
+        }
+        st.armed_to_ready_ns_last = lead.as_nanos() as u64;
     }
 
     /// The ids expected of `step`, if it was begun with some (removed: taken once).

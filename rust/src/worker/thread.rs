@@ -180,6 +180,16 @@ impl Shared {
         self.stop.load(Ordering::Acquire) || self.rows.is_released()
     }
 
+    /// A step's fill failed: release the GPU, count it, keep the first error for the next
+    /// call.
+    fn fail_step(&self, ctl: &mut Ctl, e: Error) {
+        self.rows.abort(&format!("gather worker: {e}"));
+        ctl.stats.failures += 1;
+        if ctl.failure.is_none() {
+            ctl.failure = Some(e);
+        }
+    }
+
     /// Fill `step`, begun with `expected` ids: wait for the slot (the GPU consumed the
     /// previous step's rows), then inside one fill gather the expected rows, wait for
     /// READY, and gather the rows whose published id differs or was not expected.
@@ -315,27 +325,8 @@ pub(super) fn run(sh: &Shared) {
         ctl.stats.predicted_sleeps += u64::from(sleep.is_some());
         ctl.stats.ready_in_sleep += u64::from(in_sleep);
         match result {
-            Ok(count) => {
-                let eager = ctl.eager.contains(&step);
-                let st = &mut ctl.stats;
-                st.fills += 1;
-                st.ids_total += count as u64;
-                st.ready_to_filled_ns_last = ns;
-                st.ready_to_filled_ns_max = st.ready_to_filled_ns_max.max(ns);
-                st.ready_to_filled_ns_total += ns;
-                if eager {
-                    st.eager_fills += 1;
-                    st.eager_fill_ns_total += ns;
-                }
-                st.armed_to_ready_ns_last = (t_ready - armed_at).as_nanos() as u64;
-            }
-            Err(e) => {
-                sh.rows.abort(&format!("gather worker: {e}"));
-                ctl.stats.failures += 1;
-                if ctl.failure.is_none() {
-                    ctl.failure = Some(e);
-                }
-            }
+            Ok(count) => ctl.count_fill(step, count, ns, t_ready - armed_at),
+            Err(e) => sh.fail_step(&mut ctl, e),
         }
         ctl.handled = ctl.handled.max(step);
         sh.cv.notify_all();
@@ -367,31 +358,15 @@ fn run_expected(
         Ok(Some(done)) => {
             let t_ready = t_ready.unwrap_or(armed_at);
             let ns = t_ready.elapsed().as_nanos() as u64;
-            let eager = ctl.eager.contains(&step);
+            ctl.count_fill(step, done.count, ns, t_ready - armed_at);
             let st = &mut ctl.stats;
-            st.fills += 1;
-            st.ids_total += done.count as u64;
-            st.ready_to_filled_ns_last = ns;
-            st.ready_to_filled_ns_max = st.ready_to_filled_ns_max.max(ns);
-            st.ready_to_filled_ns_total += ns;
-            if eager {
-                st.eager_fills += 1;
-                st.eager_fill_ns_total += ns;
-            }
-            st.armed_to_ready_ns_last = (t_ready - armed_at).as_nanos() as u64;
             st.expected_steps += 1;
             st.expected_rows_early += done.early as u64;
             st.expected_rows_late += done.late as u64;
             st.expected_rows_wrong += done.wrong as u64;
         }
         Ok(None) => {} // released or stopping before READY: nothing to fill
-        Err(e) => {
-            sh.rows.abort(&format!("gather worker: {e}"));
-            ctl.stats.failures += 1;
-            if ctl.failure.is_none() {
-                ctl.failure = Some(e);
-            }
-        }
+        Err(e) => sh.fail_step(&mut ctl, e),
     }
     ctl.handled = ctl.handled.max(step);
     sh.cv.notify_all();
