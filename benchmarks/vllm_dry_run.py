@@ -359,6 +359,8 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
                 raise AssertionError(f"{b}: time_graphs {ours.time_graphs}")
             if ours.predict_ready != (b == "mmap-predict"):
                 raise AssertionError(f"{b}: predict_ready {ours.predict_ready}")
+            if ours.expect_prefill != (b == "mmap-expect"):
+                raise AssertionError(f"{b}: expect_prefill {ours.expect_prefill}")
             engram = ea.engram_config
             offload = (
                 engram.get("cpu_offload")

@@ -27,11 +27,13 @@ _STATS = re.compile(
     r"(\d+) synchronous replays; per layer, fills, mean READY -> FILLED[^:]*: (.*)$"
 )
 # "layers.0 120 fills, 160.7 us (110 replays 35.2 us, 10 eager 1375.0 us), 0.0% rows cold,
-# 3 completes waited 41.0 us"; lines of older wheels lack the parenthesis and the completes.
+# 3 completes waited 41.0 us, 10 steps expected (20480 rows early, 0 wrong)"; lines of older
+# wheels lack the parenthesis, the completes and the expected steps.
 _LAYER_STATS = re.compile(
     r"(\S+) (\d+) fills(?:, ([\d.]+) us)?"
     r"(?: \((\d+) replays(?: ([\d.]+) us)?, (\d+) eager(?: ([\d.]+) us)?\))?"
     r"(?:, ([\d.]+)% rows cold)?(?:, (\d+) completes waited ([\d.]+) us)?"
+    r"(?:, (\d+) steps expected \((\d+) rows early, (\d+) wrong\))?"
 )
 
 
@@ -135,10 +137,16 @@ def delivery_stats(text: str) -> dict[str, Any]:
     eager: dict[str, list[tuple[int, float]]] = {}
     cold: dict[str, list[tuple[int, float]]] = {}
     late: dict[str, list[tuple[int, float]]] = {}
+    expected: dict[str, list[int]] = {}
     for m in lines:
-        for name, n, us, nr, rus, ne, eus, pct, nl, lus in _LAYER_STATS.findall(m.group(6)):
+        for found in _LAYER_STATS.findall(m.group(6)):
+            name, n, us, nr, rus, ne, eus, pct, nl, lus, ns, early, wrong = found
             if nl:
                 late.setdefault(name, []).append((int(nl), float(lus)))
+            if ns:
+                got = expected.setdefault(name, [0, 0, 0])
+                for i, x in enumerate((ns, early, wrong)):
+                    got[i] += int(x)
             for d, count, x in (
                 (fills, n, us),
                 (replay, nr, rus),
@@ -157,6 +165,11 @@ def delivery_stats(text: str) -> dict[str, Any]:
     out["late_complete_us"] = weighted(late)
     if replay or eager:
         out["replay_fill_us"], out["eager_fill_us"] = weighted(replay), weighted(eager)
+    if expected:
+        # expect_prefill: eager steps armed with the host's ids, rows gathered early, and
+        # rows the host expected wrongly (each layer's totals over the lines).
+        out["expected"] = {k: dict(zip(("steps", "early", "wrong"), v, strict=True))
+                           for k, v in expected.items()}  # fmt: skip
     return out | cost_stats(raw) | graphs
 
 

@@ -133,6 +133,10 @@ MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     # The gather workers hot only around the READY they predict from the last steps
     # (predict_ready), asleep through the step before instead of spinning, then napping.
     "mmap-predict": {"predict_ready": True},
+    # Qwen4Exp: prefill chunks' row ids computed on the host and their rows gathered
+    # before the forward publishes them (expect_prefill): the eager steps' wait at the
+    # first PLE layer, i.e. TTFT under the mixed load.
+    "mmap-expect": {"expect_prefill": True},
     # Without the instruments (no stall timing, no stats lines): what measuring costs.
     "mmap-bare": {"bare": True},
     # The GPU stall timing on (two stamps a step; off in the other mmap servers unless
@@ -329,6 +333,7 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
             "diag_skip_gather",
             "predict_ready",
             "diag_early_join",
+            "expect_prefill",
         ):
             if key in variant:
                 ours[key] = variant[key]

@@ -284,3 +284,29 @@ def test_the_report_says_where_a_profiled_graph_loses_time(tmp_path, capsys) -> 
     assert "1-token decode steps profiled on each server" in out
     assert "mmap against gpu:" in out
     assert "| +300.0 |" in out  # the norm kernel starts 300 us late in mmap's graphs
+
+
+def test_delivery_stats_read_the_expected_steps_of_each_layer() -> None:
+    """A stats line with ``expect_prefill``'s counts (and one of an older wheel without
+    them): each layer's totals, the fills still read."""
+    from vllm_report import delivery_stats
+
+    head = (
+        "ple-memops stats, last 2.0 s: 40 deferred steps (30 replays, 10 eager), 0 synchronous "
+        "replays; per layer, fills, mean READY -> FILLED (of replays', of eager steps'), rows "
+        "read cold and completes that waited: "
+    )
+    lines = [
+        head + "layers.0 9 fills, 1.0 us (9 replays 1.0 us, 0 eager), 0.0% rows cold",  # dropped
+        head + "layers.0 40 fills, 30.0 us (30 replays 10.0 us, 10 eager 90.0 us), 0.0% rows "
+        "cold, 10 steps expected (20480 rows early, 0 wrong); layers.6 40 fills, 20.0 us (30 "
+        "replays 10.0 us, 10 eager 50.0 us), 0.0% rows cold, 2 completes waited 40.0 us, 10 "
+        "steps expected (20480 rows early, 3 wrong)",
+        head + "layers.0 40 fills, 30.0 us (40 replays 30.0 us, 0 eager), 0.0% rows cold",
+    ]
+    got = delivery_stats("\n".join(lines))
+    assert got["expected"] == {
+        "layers.0": {"steps": 10, "early": 20480, "wrong": 0},
+        "layers.6": {"steps": 10, "early": 20480, "wrong": 3},
+    }
+    assert got["fill_us"]["layers.0"] == 30.0 and got["late_completes"] == {"layers.6": 2}

@@ -141,6 +141,12 @@ class StepCounters:
     """Completions that found a worker's step not yet filled and waited for it."""
     complete_wait_ns_total: int = 0
     """How long those completions waited, summed."""
+    expected_steps: int = 0
+    """Steps armed with the ids the host expected (``arm(expected=...)``)."""
+    expected_rows_early: int = 0
+    """Their rows gathered before the step's ids were published."""
+    expected_rows_wrong: int = 0
+    """Their rows expected with another id than the published one (gathered again)."""
 
     def since(self, base: StepCounters) -> StepCounters:
         """What was counted after ``base`` (an earlier :meth:`StepDriver.counters`)."""
@@ -445,6 +451,7 @@ class StepDriver:
         """The driver's step counts and the fill counters of table ``name`` (default:
         every table summed). Subtract an earlier value with :meth:`StepCounters.since`."""
         fills = fill_ns = waited = eager = eager_ns = late = late_ns = 0
+        expected = early = wrong = 0
         for table, (rows, worker) in self.plan.stats().items():
             if name is not None and table != name:
                 continue
@@ -456,6 +463,9 @@ class StepDriver:
                 eager_ns += worker.eager_fill_ns_total
                 late += worker.completes_waited
                 late_ns += worker.complete_wait_ns_total
+                expected += worker.expected_steps
+                early += worker.expected_rows_early
+                wrong += worker.expected_rows_wrong
         return StepCounters(
             armed=self.armed_steps,
             completed=self.completed_steps,
@@ -466,6 +476,9 @@ class StepDriver:
             eager_fill_ns_total=eager_ns,
             completes_waited=late,
             complete_wait_ns_total=late_ns,
+            expected_steps=expected,
+            expected_rows_early=early,
+            expected_rows_wrong=wrong,
         )
 
     # -- helpers ----------------------------------------------------------------------------

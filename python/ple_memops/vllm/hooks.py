@@ -389,6 +389,13 @@ class PleRunnerHooks:
             if late is not None:
                 # The host's completion of an armed step found it unfilled and waited.
                 cold += f", {got.completes_waited} completes waited {late:.1f} us"
+            if got.expected_steps:
+                # Eager steps armed with the host's ids (expect_prefill): rows gathered
+                # before the publish, and any the host expected wrongly (a bug if not 0).
+                cold += (
+                    f", {got.expected_steps} steps expected ({got.expected_rows_early} rows "
+                    f"early, {got.expected_rows_wrong} wrong)"
+                )
             layers.append(f"{_short(name)} {got.fills} fills{us}{cold}")
         stalls = self._stall_text()
         line = (
