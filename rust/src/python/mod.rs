@@ -53,6 +53,23 @@ pub(crate) unsafe fn stream_of(raw: u64) -> Stream {
     unsafe { Stream::from_raw(raw as usize as RawStream) }
 }
 
+/// `f` over `out`'s elements as one mutable slice (refused, typed, when another borrow
+/// holds the array or it is not C-contiguous): where a binding writes its result.
+pub(crate) fn write_into<T: numpy::Element, D: numpy::ndarray::Dimension, R>(
+    py: Python<'_>,
+    out: &Bound<'_, numpy::PyArray<T, D>>,
+    f: impl FnOnce(&mut [T]) -> PyResult<R>,
+) -> PyResult<R> {
+    use numpy::PyArrayMethods;
+    let mut rw = out
+        .try_readwrite()
+        .map_err(|e| to_pyerr(py, Error::invalid(format!("out: {e}"))))?;
+    let dst = rw
+        .as_slice_mut()
+        .map_err(|_| to_pyerr(py, Error::invalid("out must be C-contiguous")))?;
+    f(dst)
+}
+
 pub(crate) fn secs(s: f64, what: &str) -> crate::error::Result<Duration> {
     if !s.is_finite() || s < 0.0 {
         return Err(Error::invalid(format!(

@@ -2,10 +2,10 @@
 //! `ple_memops.vllm.ngram_ids.HostNGramIds` (the Python wrapper makes every argument a
 //! C-contiguous int64 array).
 
-use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray1};
+use numpy::{PyArray2, PyReadonlyArray1};
 use pyo3::prelude::*;
 
-use super::to_pyerr;
+use super::{to_pyerr, write_into};
 use crate::error::Error;
 use crate::ngram::NGramHash;
 
@@ -59,17 +59,11 @@ impl PyNGramHash {
         );
         let heads = self.inner.heads();
         let out = PyArray2::<i64>::zeros(py, [t.len(), heads], false);
-        {
-            let mut rw = out
-                .try_readwrite()
-                .map_err(|e| to_pyerr(py, Error::invalid(format!("out: {e}"))))?;
-            let dst = rw
-                .as_slice_mut()
-                .map_err(|_| to_pyerr(py, Error::invalid("out must be C-contiguous")))?;
-            let inner = &self.inner;
+        let inner = &self.inner;
+        write_into(py, &out, |dst| {
             py.detach(|| inner.ids(t, q, c, dst))
-                .map_err(|e| to_pyerr(py, e))?;
-        }
+                .map_err(|e| to_pyerr(py, e))
+        })?;
         Ok(out)
     }
 }

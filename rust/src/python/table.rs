@@ -12,7 +12,7 @@ use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArray
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::to_pyerr;
+use super::{to_pyerr, write_into};
 use crate::error::Error;
 use crate::table::{floor, Access, ColdReads, MmapTable, RowIds, Selector, TableOptions};
 
@@ -252,13 +252,7 @@ impl PyMmapTable {
                 )),
             ));
         }
-        let mut rw = arr
-            .try_readwrite()
-            .map_err(|e| to_pyerr(py, Error::invalid(format!("out: {e}"))))?;
-        let dst = rw
-            .as_slice_mut()
-            .map_err(|_| to_pyerr(py, Error::invalid("out must be C-contiguous")))?;
-        self.run(py, &ids, dst)
+        write_into(py, arr, |dst| self.run(py, &ids, dst))
     }
 
     /// Gather rows `ids` into a new uint8 array `[len(ids), row_bytes]`.
@@ -270,15 +264,7 @@ impl PyMmapTable {
         let ids = extract_ids(ids).map_err(|e| to_pyerr(py, e))?;
         let n = ids.len();
         let out = PyArray2::<u8>::zeros(py, [n, self.inner.row_bytes()], false);
-        {
-            let mut rw = out
-                .try_readwrite()
-                .map_err(|e| to_pyerr(py, Error::invalid(format!("out: {e}"))))?;
-            let dst = rw
-                .as_slice_mut()
-                .map_err(|_| to_pyerr(py, Error::invalid("out must be C-contiguous")))?;
-            self.run(py, &ids, dst)?;
-        }
+        write_into(py, &out, |dst| self.run(py, &ids, dst))?;
         Ok(out)
     }
 
