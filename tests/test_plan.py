@@ -101,6 +101,10 @@ def test_bad_ids_raise_before_anything_changes(tables: dict[str, pm.MmapTable]) 
             plan.gather_now("layer2", [1, 2, 3], rows=2)
         with pytest.raises(pm.InvalidArgumentError, match="no table"):
             plan.gather_now("layer9", [1])
+        # Expected ids for a table the plan does not have: refused before anything is armed.
+        with pytest.raises(pm.InvalidArgumentError, match=r"not in the plan: \['layer9'\]"):
+            plan.begin(4, expected={"layer9": [1]})
+        assert plan.in_flight == 0 and not plan.closed
 
 
 @pytest.mark.parametrize(

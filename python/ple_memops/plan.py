@@ -317,11 +317,14 @@ class RowsPlan:
             if unknown:
                 raise InvalidArgumentError(f"expected ids for tables not in the plan: {unknown}")
         try:
-            for layer in self._layers.values():
-                if layer.worker is None:
-                    continue
-                ids = expected.get(layer.name) if expected else None
-                layer.worker.begin(n, eager=eager, expected=ids)
+            if not expected:  # every step: the workers' tuple, nothing looked up
+                for w in self._workers():
+                    w.begin(n, eager=eager)
+            else:
+                for layer in self._layers.values():
+                    if layer.worker is not None:
+                        ids = expected.get(layer.name)
+                        layer.worker.begin(n, eager=eager, expected=ids)
         except BaseException as exc:
             self.abort(f"begin({n}) failed: {exc!r}")
             raise
