@@ -70,7 +70,6 @@ def main() -> None:
     args = ap.parse_args()
     h = (NGRAM - 1) * HEADS
     rows = args.table_mib * (1 << 20) // args.row_bytes
-    hasher = _hash(rows, 1)
     tokens_total = args.decodes + args.tokens
     rng = np.random.default_rng(2)
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,7 +79,8 @@ def main() -> None:
         del data
         table = pm.MmapTable.open(path, "t.weight")
         table.prewarm()
-        layers = {f"layer{i}": hasher.for_requests for i in range(args.layers)}
+        # Each layer its own multipliers; one step's inputs shared by all (as in Qwen4Exp).
+        layers = {f"layer{i}": _hash(rows, i + 1) for i in range(args.layers)}
         exp = PrefillExpectations(layers, h)
         host_us: list[float] = []
         fills: dict[str, list[float]] = {"published": [], "expected": []}

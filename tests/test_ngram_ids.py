@@ -21,8 +21,8 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >> 63 else x
 
 
-def _hash() -> HostNGramIds:
-    rng = random.Random(3)
+def _hash(seed: int = 3) -> HostNGramIds:
+    rng = random.Random(seed)
     mult = [_signed(rng.getrandbits(64) | 1) for _ in range(3)]
     sizes = [1_000_003, 999_983, 1_000_033, 7]
     offsets = [0, 1_000_003, 1_999_986, 3_000_019]
@@ -118,8 +118,8 @@ def test_a_mixed_steps_expectations_cover_its_known_prefills_only() -> None:
     prefill: ids where the host knows the tokens, ``-1`` elsewhere, in batch order."""
     from ple_memops.vllm.prefill import PrefillExpectations
 
-    h = _hash()
-    exp = PrefillExpectations({"a": h.for_requests, "b": h.for_requests}, h.heads)
+    h, h2 = _hash(), _hash(4)  # two layers: one step's inputs, each its own multipliers
+    exp = PrefillExpectations({"a": h, "b": h2}, h.heads)
     prompts = {3: [5, 9, EOS, 11, 12, 13, 14], 7: [8, 8, 8, 8], 9: [1, 2, 3]}
     for row, toks in prompts.items():
         exp.add(row, toks)
@@ -130,17 +130,25 @@ def test_a_mixed_steps_expectations_cover_its_known_prefills_only() -> None:
     got = exp.step(rows, computed, scheduled, prefill_len)
     assert got is not None and set(got) == {"a", "b"} and exp.steps == 1
     H = h.heads
-    want = np.full(sum(scheduled) * H, -1, dtype=np.int64)
-    want[1 * H : 3 * H] = h.for_requests([prompts[7]], [1], [2]).reshape(-1)
-    want[8 * H : 10 * H] = h.for_requests([prompts[9]], [1], [2]).reshape(-1)
-    want[10 * H : 13 * H] = h.for_requests([prompts[3]], [2], [3]).reshape(-1)
-    assert got["a"].tolist() == want.tolist() and got["b"].tolist() == want.tolist()
+    for name, layer in (("a", h), ("b", h2)):
+        want = np.full(sum(scheduled) * H, -1, dtype=np.int64)
+        want[1 * H : 3 * H] = layer.for_requests([prompts[7]], [1], [2]).reshape(-1)
+        want[8 * H : 10 * H] = layer.for_requests([prompts[9]], [1], [2]).reshape(-1)
+        want[10 * H : 13 * H] = layer.for_requests([prompts[3]], [2], [3]).reshape(-1)
+        assert got[name].tolist() == want.tolist(), name
+    assert got["a"].tolist() != got["b"].tolist()
     # A row dropped, decodes only: nothing known.
     exp.drop(7)
     assert exp.step(np.array([7, 3]), np.array([1, 7]), np.array([1, 1]), np.array([4, 7])) is None
     with pytest.raises(InvalidArgumentError, match="2 rows, 1 computed"):
         exp.step(np.array([1, 2]), np.array([0]), np.array([1, 1]), np.array([1, 1]))
-    bad = PrefillExpectations({"a": lambda t, c, s: np.zeros((1, 1), np.int64)}, h.heads)
+
+    class Short(HostNGramIds):
+        def __call__(self, *inputs: object) -> np.ndarray:
+            return np.zeros((1, 1), np.int64)
+
+    short = Short(h.multipliers, h.sizes, h.offsets, EOS, 3, 2)
+    bad = PrefillExpectations({"a": short}, h.heads)
     bad.add(0, [1, 2])
     with pytest.raises(InvalidArgumentError, match=r"a: the host ids have shape \(1, 1\)"):
         bad.step(np.array([0]), np.array([0]), np.array([2]), np.array([2]))

@@ -525,7 +525,7 @@ def test_a_mixed_steps_expectations_are_vllms_ids_where_known(checkpoint: Path, 
     for _, _, emb in _ngram_modules(checkpoint):
         host = HostNGramIds.from_module(emb)
         eos, h = host.eos_token_id, host.heads
-        exp = PrefillExpectations({"t": host.for_requests}, h)
+        exp = PrefillExpectations({"t": host}, h)
         for _ in range(40):
             nreq = rng.randint(1, 6)
             prompts = [
@@ -666,7 +666,7 @@ def test_model_loads_without_its_tables_and_rows_match_the_device_table(
                 ref._dequantize_embeddings(want, torch.bfloat16),
             )
             # The table's host ids are its owner's, with the buffers as loaded.
-            host = layer.ple_embedding.ngram_embedding.ple_memops_host_ids().__self__
+            host = layer.ple_embedding.ngram_embedding.ple_memops_host_ids()
             assert torch.equal(
                 torch.from_numpy(host(ids.numpy(), qsl.numpy(), ctx.numpy())),
                 layer.ple_embedding.compute_ngram_ids(ids, qsl, ctx),

@@ -65,7 +65,7 @@ class MmapTableLayer(ABC):
 
     def ple_memops_host_ids(self) -> Any:
         """How this table's row ids follow from a request's tokens on the host (a
-        :data:`~ple_memops.vllm.prefill.HostIds`, read once the weights are loaded), or
+        :class:`~ple_memops.vllm.prefill.HostIds`, read once the weights are loaded), or
         ``None`` (the default) when only the model's forward can compute them."""
         return None
 

@@ -138,28 +138,32 @@ class HostNGramIds:
         ids: np.ndarray = self._core.ids(toks, qsl, ctx[: max(qsl.size - 1, 0) * c])
         return ids
 
-    def for_requests(
+    @property
+    def inputs_key(self) -> tuple[int, int]:
+        """What :meth:`inputs` depends on besides the requests: hashes with equal keys
+        (the PLE layers of one model) share a step's inputs."""
+        return (self.ngram_size, self.eos_token_id)
+
+    def inputs(
         self,
         token_ids: Sequence[Any],
         computed: Sequence[int],
         scheduled: Sequence[int],
-    ) -> np.ndarray:
-        """The ids of a step whose requests' tokens the host knows: request ``r``'s
-        ``scheduled[r]`` tokens from position ``computed[r]`` of ``token_ids[r]`` (its
-        prompt, or every token it has), its context the ``ngram_size - 1`` tokens before
-        them (EOS before position 0), as vLLM's Qwen4Exp model state builds it. Returns
-        ``int64 [sum(scheduled), heads]``, the rows in step order."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(tokens, query_start_loc, ngram_context)`` of a step whose requests' tokens
+        the host knows: request ``r``'s ``scheduled[r]`` tokens from position
+        ``computed[r]`` of ``token_ids[r]`` (its prompt, or every token it has), its context
+        the ``ngram_size - 1`` tokens before them (EOS before position 0), as vLLM's
+        Qwen4Exp model state builds it."""
         if not len(token_ids) == len(computed) == len(scheduled):
             raise InvalidArgumentError(
                 f"{len(token_ids)} token lists, {len(computed)} computed counts and "
                 f"{len(scheduled)} scheduled counts"
             )
         c = self.ngram_size - 1
-        chunks, ctx, qsl = (
-            [],
-            np.full((max(len(token_ids), 1), c), self.eos_token_id, np.int64),
-            [0],
-        )
+        ctx = np.full((max(len(token_ids), 1), c), self.eos_token_id, np.int64)
+        chunks: list[np.ndarray] = []
+        qsl = [0]
         for r, (toks, start, count) in enumerate(zip(token_ids, computed, scheduled, strict=True)):
             arr = _int64(toks, f"token_ids[{r}]").reshape(-1)
             start, count = int(start), int(count)
@@ -172,6 +176,15 @@ class HostNGramIds:
             if before.size:
                 ctx[r, c - before.size :] = before
             qsl.append(qsl[-1] + count)
-        if not chunks:
-            return np.zeros((0, self.heads), dtype=np.int64)
-        return self(np.concatenate(chunks), np.asarray(qsl), ctx)
+        tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
+        return tokens, np.asarray(qsl, dtype=np.int64), ctx
+
+    def for_requests(
+        self,
+        token_ids: Sequence[Any],
+        computed: Sequence[int],
+        scheduled: Sequence[int],
+    ) -> np.ndarray:
+        """The ids of :meth:`inputs`' step: ``int64 [sum(scheduled), heads]``, the rows in
+        step order."""
+        return self(*self.inputs(token_ids, computed, scheduled))

@@ -19,8 +19,8 @@ expectations from the batch's arrays (:meth:`step`). No torch, no vLLM: the runn
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,15 +28,27 @@ from ..errors import InvalidArgumentError
 
 __all__ = ["HostIds", "PrefillExpectations"]
 
-HostIds = Callable[[Sequence[Any], Sequence[int], Sequence[int]], np.ndarray]
-"""A layer's ids on the host: ``(token_ids, computed, scheduled) -> int64 [tokens,
-ids_per_token]`` for request chunks, as
-:meth:`~ple_memops.vllm.ngram_ids.HostNGramIds.for_requests`."""
+
+class HostIds(Protocol):
+    """A layer's ids on the host (:class:`~ple_memops.vllm.ngram_ids.HostNGramIds`):
+    :meth:`inputs` builds a step's arrays from its request chunks, calling the object
+    on them gives ``int64 [tokens, ids_per_token]``; layers with equal ``inputs_key``
+    share the arrays."""
+
+    @property
+    def inputs_key(self) -> Hashable: ...
+
+    def inputs(
+        self, token_ids: Sequence[Any], computed: Sequence[int], scheduled: Sequence[int]
+    ) -> tuple[Any, ...]: ...
+
+    def __call__(self, *inputs: Any) -> np.ndarray: ...
 
 
 class PrefillExpectations:
-    """Per PLE layer (by the plan's name) the function that computes its ids on the host,
-    ``ids_per_token`` ids a token. Thread-compatible (the runner's thread)."""
+    """Per PLE layer (by the plan's name) what computes its ids on the host
+    (:class:`HostIds`), ``ids_per_token`` ids a token. Thread-compatible (the runner's
+    thread)."""
 
     def __init__(self, layers: Mapping[str, HostIds], ids_per_token: int) -> None:
         if not layers:
@@ -100,8 +112,12 @@ class PrefillExpectations:
         at = [int(computed[i]) for i in known]
         count = [int(scheduled[i]) for i in known]
         out: dict[str, np.ndarray] = {}
+        shared: dict[Hashable, tuple[Any, ...]] = {}  # one step's arrays for every layer
         for name, ids_of in self.layers.items():
-            ids = np.asarray(ids_of(toks, at, count), dtype=np.int64)
+            key = ids_of.inputs_key
+            if key not in shared:
+                shared[key] = ids_of.inputs(toks, at, count)
+            ids = np.asarray(ids_of(*shared[key]), dtype=np.int64)
             if ids.shape != (sum(count), h):
                 raise InvalidArgumentError(
                     f"{name}: the host ids have shape {ids.shape}, not ({sum(count)}, {h})"

@@ -166,7 +166,7 @@ class Qwen4ExpPLEMmapEmbedding(Qwen4ExpPLEEmbedding, MmapTableLayer):
         owner = getattr(self, "ple_memops_owner", None)
         if owner is None:
             return None
-        return HostNGramIds.from_module(owner()).for_requests
+        return HostNGramIds.from_module(owner())
 
     def allocate_embedding_weight(
         self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype

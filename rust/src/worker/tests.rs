@@ -511,9 +511,11 @@ fn own_gather_threads_are_held_awake_only_while_a_step_is_armed() {
     // the 1-row fill.
     assert_eq!(w.stats().warmed_steps, 2);
     assert_eq!(w.stats().fills, 6);
-    // Armed after an 8-row fill and never published: closing ends the warm jobs too.
+    // Armed after an 8-row fill and never published: closing ends the warm jobs too. (The
+    // worker must have reached the step before the close for it to count: 50 ms, not 5,
+    // as a loaded 2-vCPU machine once took longer.)
     w.begin(8).unwrap();
-    std::thread::sleep(Duration::from_millis(5));
+    std::thread::sleep(Duration::from_millis(50));
     w.close();
     let wait = pool_wait(&src.pool);
     assert!(
