@@ -152,3 +152,18 @@ def test_a_mixed_steps_expectations_cover_its_known_prefills_only() -> None:
     bad.add(0, [1, 2])
     with pytest.raises(InvalidArgumentError, match=r"a: the host ids have shape \(1, 1\)"):
         bad.step(np.array([0]), np.array([0]), np.array([2]), np.array([2]))
+
+
+def test_gemma_token_ids_read_row_0_outside_the_table() -> None:
+    """Gemma's host ids: a token's own row, row 0 for ids outside the table; in a step's
+    expectations one id a token, -1 for decodes."""
+    from ple_memops.vllm.prefill import HostTokenIds, PrefillExpectations
+
+    ids = HostTokenIds(100)
+    assert ids(*ids.inputs([[5, -1, 99, 100, 7]], [1], [4])).tolist() == [[0], [99], [0], [7]]
+    exp = PrefillExpectations({"t": ids}, 1)
+    exp.add(0, [3, 4, 500])
+    got = exp.step(np.array([1, 0]), np.array([9, 1]), np.array([1, 2]), np.array([5, 3]))
+    assert got is not None and got["t"].tolist() == [-1, 4, 0]
+    with pytest.raises(InvalidArgumentError, match="a table of 0 rows"):
+        HostTokenIds(0)

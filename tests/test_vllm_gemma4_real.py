@@ -137,12 +137,20 @@ def test_the_model_loads_without_its_table_and_its_inputs_are_the_stock_models(
 
     hooks = _attach(model, mmap_cfg)
     layers = mmap_cfg.compilation_config.static_forward_context
+    host = table.ple_memops_host_ids()  # what expect_prefill would arm a step with
+    staged: list[torch.Tensor] = []
+    stage = table.stage
+    table.stage = lambda ids: (staged.append(ids.clone()), stage(ids))[1]
     try:
         assert hooks.plan.mode == "host" and hooks.layer_names == [table.ple_memops_name]
         for n, seed in ((1, 1), (9, 2), (40, 3)):
             ids = _ids(n, seed)
             with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
                 got = _per_layer_inputs(model, ids)
+            # The host's ids are the ones the model staged (ids outside the table: row 0).
+            expected = host(*host.inputs([ids.numpy()], [0], [n])).reshape(-1)
+            assert staged[-1].tolist() == expected.tolist()
+            assert expected[0] == 0 and (n == 1 or expected[-1] == 0)  # ids[0], ids[-1] outside
             with set_current_vllm_config(stock_cfg):
                 want = _per_layer_inputs(stock, ids)
             assert got.shape == want.shape == (n, 4, 16) and want.abs().sum() > 0
@@ -167,6 +175,7 @@ def test_the_model_loads_without_its_table_and_its_inputs_are_the_stock_models(
             assert torch.equal(got, want), (n, (got.float() - want.float()).abs().max())
         assert differs_from_eager
     finally:
+        table.stage = stage
         hooks.shutdown()
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["HostIds", "PrefillExpectations"]
+__all__ = ["HostIds", "HostTokenIds", "PrefillExpectations"]
 
 
 class HostIds(Protocol):
@@ -43,6 +43,48 @@ class HostIds(Protocol):
     ) -> tuple[Any, ...]: ...
 
     def __call__(self, *inputs: Any) -> np.ndarray: ...
+
+
+class HostTokenIds:
+    """Gemma's per-layer table ids on the host: a token's id is its row, and a token
+    outside the table (``< 0`` or ``>= vocab``) reads row 0, as vLLM's Gemma 4 and Gemma 3n
+    mask them. One id a token. (The multimodal classes also read row 0 at image and audio
+    positions; the host expects the placeholder's own id there, so those rows count as
+    expected wrongly and are gathered at the publish: right, only later.)"""
+
+    def __init__(self, vocab: int) -> None:
+        if vocab < 1:
+            raise InvalidArgumentError(f"a table of {vocab} rows")
+        self.vocab = int(vocab)
+
+    @property
+    def inputs_key(self) -> Hashable:
+        return ("tokens",)
+
+    def inputs(
+        self, token_ids: Sequence[Any], computed: Sequence[int], scheduled: Sequence[int]
+    ) -> tuple[np.ndarray]:
+        """The step's tokens: request ``r``'s ``scheduled[r]`` from ``computed[r]``."""
+        if not len(token_ids) == len(computed) == len(scheduled):
+            raise InvalidArgumentError(
+                f"{len(token_ids)} token lists, {len(computed)} computed counts and "
+                f"{len(scheduled)} scheduled counts"
+            )
+        chunks = []
+        for r, (toks, start, count) in enumerate(zip(token_ids, computed, scheduled, strict=True)):
+            arr = np.asarray(toks, dtype=np.int64).reshape(-1)
+            start, count = int(start), int(count)
+            if start < 0 or count < 0 or start + count > arr.size:
+                raise InvalidArgumentError(
+                    f"request {r}: tokens [{start}, {start + count}) of a {arr.size}-token request"
+                )
+            chunks.append(arr[start : start + count])
+        return (np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64),)
+
+    def __call__(self, tokens: Any) -> np.ndarray:
+        """``int64 [tokens, 1]``: each token's row."""
+        t = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        return np.where((t >= 0) & (t < self.vocab), t, 0).reshape(-1, 1)
 
 
 class PrefillExpectations:

@@ -198,8 +198,9 @@ class Settings:
     at the top of the forward, as a compiled one does, instead of at decoder layer 0's
     per-layer gate (the same tokens; measures what the late join saves)."""
     expect_prefill: bool = False
-    """Qwen4Exp: the host computes a step's prefill-chunk row ids from the prompt
-    (:mod:`~ple_memops.vllm.ngram_ids`) and arms the eager step with them, so each
+    """The host computes a step's prefill-chunk row ids from the prompt (Qwen4Exp's
+    n-gram hash, :mod:`~ple_memops.vllm.ngram_ids`; Gemma's token ids) and arms the eager
+    step with them, so each
     worker gathers those rows while the GPU still runs the step before, instead of after
     the forward publishes its ids; the published ids still decide every row (a decode
     token's, unknown on the host, is gathered at the publish as before). Off by default:

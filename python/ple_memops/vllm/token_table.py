@@ -26,6 +26,7 @@ from torch import nn
 from ..errors import StateError, UnsupportedError
 from . import ops
 from .layer import MmapTableLayer, TableExpectations, find_tables
+from .prefill import HostTokenIds
 from .settings import engine_settings, parallel_refusals, raise_refusals
 from .tables import TABLE_DTYPES, LayerTable, find_per_layer_table
 
@@ -147,6 +148,10 @@ class PerLayerTokenTable(nn.Module, MmapTableLayer):
 
     def ple_memops_layer_index(self) -> int:
         return 0  # every decoder layer reads its slice of one table: layer 0 waits first
+
+    def ple_memops_host_ids(self) -> HostTokenIds:
+        """A token's row, row 0 outside the table (:class:`~.prefill.HostTokenIds`)."""
+        return HostTokenIds(self.org_vocab_size)
 
     def ple_memops_table(self, names: Iterable[str]) -> LayerTable:
         return find_per_layer_table(names)
