@@ -38,20 +38,10 @@ import numpy as np
 
 from .. import _native
 from ..errors import InvalidArgumentError
+from .prefill import as_int64 as _int64
+from .prefill import request_chunks
 
 __all__ = ["HostNGramIds"]
-
-
-def _int64(values: Any, what: str) -> np.ndarray:
-    """``values`` (a sequence, an array, a CPU tensor) as a 1-D C-contiguous int64 array."""
-    if hasattr(values, "is_cuda") and values.is_cuda:
-        raise InvalidArgumentError(f"{what} must be on the host, not a CUDA tensor")
-    if hasattr(values, "numpy"):
-        values = values.numpy()
-    arr = np.asarray(values)
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise InvalidArgumentError(f"{what} must hold integers, not {arr.dtype}")
-    return np.ascontiguousarray(arr, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -155,22 +145,11 @@ class HostNGramIds:
         ``computed[r]`` of ``token_ids[r]`` (its prompt, or every token it has), its context
         the ``ngram_size - 1`` tokens before them (EOS before position 0), as vLLM's
         Qwen4Exp model state builds it."""
-        if not len(token_ids) == len(computed) == len(scheduled):
-            raise InvalidArgumentError(
-                f"{len(token_ids)} token lists, {len(computed)} computed counts and "
-                f"{len(scheduled)} scheduled counts"
-            )
         c = self.ngram_size - 1
         ctx = np.full((max(len(token_ids), 1), c), self.eos_token_id, np.int64)
         chunks: list[np.ndarray] = []
         qsl = [0]
-        for r, (toks, start, count) in enumerate(zip(token_ids, computed, scheduled, strict=True)):
-            arr = _int64(toks, f"token_ids[{r}]").reshape(-1)
-            start, count = int(start), int(count)
-            if start < 0 or count < 0 or start + count > arr.size:
-                raise InvalidArgumentError(
-                    f"request {r}: tokens [{start}, {start + count}) of a {arr.size}-token request"
-                )
+        for r, (arr, start, count) in enumerate(request_chunks(token_ids, computed, scheduled)):
             chunks.append(arr[start : start + count])
             before = arr[max(0, start - c) : start]
             if before.size:

@@ -26,7 +26,43 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["HostIds", "HostTokenIds", "PrefillExpectations"]
+__all__ = ["HostIds", "HostTokenIds", "PrefillExpectations", "as_int64", "request_chunks"]
+
+
+def as_int64(values: Any, what: str) -> np.ndarray:
+    """``values`` (a sequence, an array, a CPU tensor) as a C-contiguous int64 array;
+    a CUDA tensor or non-integers raise :class:`~ple_memops.InvalidArgumentError` naming
+    ``what``."""
+    if hasattr(values, "is_cuda") and values.is_cuda:
+        raise InvalidArgumentError(f"{what} must be on the host, not a CUDA tensor")
+    if hasattr(values, "numpy"):
+        values = values.numpy()
+    arr = np.asarray(values)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidArgumentError(f"{what} must hold integers, not {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def request_chunks(
+    token_ids: Sequence[Any], computed: Sequence[int], scheduled: Sequence[int]
+) -> list[tuple[np.ndarray, int, int]]:
+    """Each request's tokens (int64) with its chunk's start and length, checked: request
+    ``r``'s ``scheduled[r]`` tokens from position ``computed[r]`` of ``token_ids[r]``."""
+    if not len(token_ids) == len(computed) == len(scheduled):
+        raise InvalidArgumentError(
+            f"{len(token_ids)} token lists, {len(computed)} computed counts and "
+            f"{len(scheduled)} scheduled counts"
+        )
+    out = []
+    for r, (toks, start, count) in enumerate(zip(token_ids, computed, scheduled, strict=True)):
+        arr = as_int64(toks, f"token_ids[{r}]").reshape(-1)
+        start, count = int(start), int(count)
+        if start < 0 or count < 0 or start + count > arr.size:
+            raise InvalidArgumentError(
+                f"request {r}: tokens [{start}, {start + count}) of a {arr.size}-token request"
+            )
+        out.append((arr, start, count))
+    return out
 
 
 class HostIds(Protocol):
@@ -65,20 +101,7 @@ class HostTokenIds:
         self, token_ids: Sequence[Any], computed: Sequence[int], scheduled: Sequence[int]
     ) -> tuple[np.ndarray]:
         """The step's tokens: request ``r``'s ``scheduled[r]`` from ``computed[r]``."""
-        if not len(token_ids) == len(computed) == len(scheduled):
-            raise InvalidArgumentError(
-                f"{len(token_ids)} token lists, {len(computed)} computed counts and "
-                f"{len(scheduled)} scheduled counts"
-            )
-        chunks = []
-        for r, (toks, start, count) in enumerate(zip(token_ids, computed, scheduled, strict=True)):
-            arr = np.asarray(toks, dtype=np.int64).reshape(-1)
-            start, count = int(start), int(count)
-            if start < 0 or count < 0 or start + count > arr.size:
-                raise InvalidArgumentError(
-                    f"request {r}: tokens [{start}, {start + count}) of a {arr.size}-token request"
-                )
-            chunks.append(arr[start : start + count])
+        chunks = [a[s : s + n] for a, s, n in request_chunks(token_ids, computed, scheduled)]
         return (np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64),)
 
     def __call__(self, tokens: Any) -> np.ndarray:
