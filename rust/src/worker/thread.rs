@@ -10,11 +10,12 @@ use super::warm::WarmThreads;
 use crate::error::{Error, Op, Result};
 
 impl Shared {
-    /// The next armed step to fill; `None` once stopped. While nothing is armed, stay hot
-    /// for `spin` (a serving loop arms the next step within milliseconds), then block,
-    /// waking every `IDLE_POLL`. Any READY seen meanwhile came from a replay that nobody
-    /// armed this worker for: release it (see [`Self::unarmed_replay`]).
-    pub(super) fn next_step(&self) -> Option<u64> {
+    /// The next armed step to fill, with the ids the host expects of it if any (taken
+    /// under the same lock); `None` once stopped. While nothing is armed, stay hot for
+    /// `spin` (a serving loop arms the next step within milliseconds), then block, waking
+    /// every `IDLE_POLL`. Any READY seen meanwhile came from a replay that nobody armed
+    /// this worker for: release it (see [`Self::unarmed_replay`]).
+    pub(super) fn next_step(&self) -> Option<(u64, Option<Vec<i64>>)> {
         let t0 = Instant::now();
         loop {
             let mut ctl = self.ctl();
@@ -22,7 +23,7 @@ impl Shared {
                 return None;
             }
             if let Some(s) = ctl.next_to_fill() {
-                return Some(s);
+                return Some((s, ctl.take_expected(s)));
             }
             // Holding `ctl`, nothing armed: a begin() for the ids now in the mailbox would
             // have had to happen before its replay was launched, i.e. before READY.
@@ -276,9 +277,8 @@ pub(super) fn run(sh: &Shared) {
     // Rows of the last fill: the next step's size is most likely the same (decode batches).
     let mut last_rows = 0usize;
     let mut predictor = ReadyPredictor::default();
-    while let Some(step) = sh.next_step() {
+    while let Some((step, expected)) = sh.next_step() {
         let armed_at = Instant::now();
-        let expected = sh.ctl().take_expected(step);
         if let Some(expected) = expected {
             run_expected(sh, step, &expected, &mut ids, &mut rows, armed_at);
             last_rows = expected.len();
