@@ -414,23 +414,28 @@ def test_our_ids_equal_vllms_compute_ngram_ids(checkpoint: Path, dist: Any) -> N
         ]
         assert lay.rows == emb.ngram_embedding.org_vocab_size
         ours = NGramHasher(lay)
-        for _ in range(120):
-            nreq = rng.randint(1, 6)
-            starts = [0]
-            for _r in range(nreq):
-                starts.append(starts[-1] + rng.randint(0, 5))
-            total = starts[-1] + rng.randint(0, 4)
-            if total == 0:
-                continue
-            toks = torch.tensor(
-                [rng.choice([7, rng.randint(0, 127)]) for _ in range(total)], dtype=torch.int32
-            )
-            qsl = torch.tensor(starts, dtype=torch.int32)
-            ctx = torch.tensor(
-                [[rng.choice([7, rng.randint(0, 127)]) for _ in range(2)] for _ in range(nreq)],
-                dtype=torch.int32,
-            )
+        tok = lambda: rng.choice([7, rng.randint(0, 127)])  # noqa: E731
+        for toks, qsl, ctx in _random_steps(rng, 120, tok, max_len=5):
             assert torch.equal(ours(toks, qsl, ctx), emb.compute_ngram_ids(toks, qsl, ctx))
+
+
+def _random_steps(
+    rng: random.Random, count: int, tok: Any, *, max_len: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``compute_ngram_ids``' arguments for ``count`` random steps (steps of no token
+    skipped): 1-6 requests of 0-``max_len`` tokens each, 0-4 tokens past the last
+    request's end, every token and the two context tokens a request from ``tok()``."""
+    for _ in range(count):
+        nreq = rng.randint(1, 6)
+        starts = [0]
+        for _r in range(nreq):
+            starts.append(starts[-1] + rng.randint(0, max_len))
+        total = starts[-1] + rng.randint(0, 4)
+        if total == 0:
+            continue
+        toks = torch.tensor([tok() for _ in range(total)], dtype=torch.int32)
+        ctx = torch.tensor([[tok(), tok()] for _ in range(nreq)], dtype=torch.int32)
+        yield toks, torch.tensor(starts, dtype=torch.int32), ctx
 
 
 def test_host_ids_equal_vllms_compute_ngram_ids(checkpoint: Path, dist: Any) -> None:
@@ -447,17 +452,7 @@ def test_host_ids_equal_vllms_compute_ngram_ids(checkpoint: Path, dist: Any) -> 
         def tok(eos: int = eos) -> int:
             return rng.choice([eos, rng.randint(0, 127), rng.randint(0, 1 << 30)])
 
-        for _ in range(150):
-            nreq = rng.randint(1, 6)
-            starts = [0]
-            for _r in range(nreq):
-                starts.append(starts[-1] + rng.randint(0, 9))
-            total = starts[-1] + rng.randint(0, 4)
-            if total == 0:
-                continue
-            toks = torch.tensor([tok() for _ in range(total)], dtype=torch.int32)
-            qsl = torch.tensor(starts, dtype=torch.int32)
-            ctx = torch.tensor([[tok(), tok()] for _ in range(nreq)], dtype=torch.int32)
+        for toks, qsl, ctx in _random_steps(rng, 150, tok, max_len=9):
             want = emb.compute_ngram_ids(toks, qsl, ctx)
             got = host(toks.numpy(), qsl.numpy(), ctx.numpy())
             assert got.dtype == np.int64
