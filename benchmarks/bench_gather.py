@@ -3,6 +3,8 @@ indexing on an np.memmap of the same file (the vLLM PR #54129 approach) and agai
 thread-pool numpy gather.
 
     python benchmarks/bench_gather.py [--reps 3000] [--rows 1048576]
+    python benchmarks/bench_gather.py --row-bytes 15360,21504 --sizes 64,2048 --rows 65536
+        # Gemma's rows: 3n E2B's 30 x 256 BF16, Gemma 4 E4B's 42 x 256
 
 Each cell is the median and p99 of `--reps` timed calls (time.perf_counter_ns around
 the call, from Python), rotating among 16 random id sets; the destination array is
@@ -48,11 +50,24 @@ def _data_offset(path: Path) -> int:
     return 8 + n  # the only tensor starts the data section
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--reps", type=int, default=3000)
     ap.add_argument("--rows", type=int, default=1 << 20)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument(
+        "--row-bytes",
+        type=_ints,
+        default=ROW_BYTES,
+        help="row widths, comma-separated (160: FP8 rows, the rest BF16; default 160,320)",
+    )
+    ap.add_argument(
+        "--sizes", type=_ints, default=SIZES, help="rows a gather (default 16,256,4096)"
+    )
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     pool = ThreadPoolExecutor(args.threads)
@@ -68,7 +83,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     with tempfile.TemporaryDirectory() as tmp:
-        for row_bytes in ROW_BYTES:
+        for row_bytes in args.row_bytes:
             path = Path(tmp) / f"table{row_bytes}.safetensors"
             # FP8 rows of 160 B (Qwen4Exp), BF16 rows of 320 B: random bytes, viewed.
             data = torch.from_numpy(rng.integers(0, 256, (args.rows, row_bytes), dtype=np.uint8))
@@ -80,7 +95,7 @@ def main() -> None:
             mm: np.memmap[Any, np.dtype[np.uint8]] = np.memmap(
                 path, np.uint8, "r", _data_offset(path), (args.rows, row_bytes)
             )
-            for n in SIZES:
+            for n in args.sizes:
                 sets = [rng.integers(0, args.rows, n, dtype=np.int64) for _ in range(16)]
                 out = np.empty((n, row_bytes), np.uint8)
                 # Correctness first: the three methods agree.

@@ -69,13 +69,22 @@ pub(crate) fn own_pool(n: usize) -> crate::error::Result<rayon::ThreadPool> {
 /// Rows prefetched ahead of the copy (measured: 4-16 give the same speed-up on x86-64).
 const PREFETCH_AHEAD: usize = 8;
 
-/// Hint the CPU to load row bytes `off..off + len` of `data` (every cache line of it).
+/// Bytes of a row prefetched: its first cache lines. A PLE row of one layer (160-320 B)
+/// is prefetched whole; of a longer row (Gemma's rows hold every layer's slice, 15-21 KiB)
+/// only its start, which starts the miss and the page walk, and the hardware prefetcher
+/// streams the rest as the copy reads it. Prefetching such a row whole, 8 rows ahead,
+/// issues 240-340 prefetches a row into a 48 KiB L1 (BENCHMARKS.md, "Row gather from a
+/// warm table", what it cost); 256 B here made 320 B rows slower.
+const PREFETCH_BYTES: usize = 512;
+
+/// Hint the CPU to load the first [`PREFETCH_BYTES`] of row bytes `off..off + len` of
+/// `data` (every cache line of a row that short).
 #[inline(always)]
 fn prefetch_row(data: &[u8], off: usize, len: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let Some(row) = data.get(off..off.saturating_add(len)) else {
+        let Some(row) = data.get(off..off.saturating_add(len.min(PREFETCH_BYTES))) else {
             return;
         };
         let mut p = 0;
@@ -89,8 +98,8 @@ fn prefetch_row(data: &[u8], off: usize, len: usize) {
             };
             p += 64;
         }
-        if len % 64 != 0 || off % 64 != 0 {
-            // SAFETY: as above; the last byte of the row (its last cache line).
+        if !row.is_empty() && (row.len() % 64 != 0 || off % 64 != 0) {
+            // SAFETY: as above; the last byte of the prefetched part (its last line).
             #[allow(unused_unsafe)]
             unsafe {
                 _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().add(row.len() - 1).cast::<i8>())
