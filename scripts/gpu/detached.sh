@@ -16,9 +16,10 @@
 #       collect again); 2 when NAME was never started on this machine.
 #   bash scripts/gpu/detached.sh status NAME
 #
-# Example, the 10-minute soak of issue 25 (DEADLINE bounds the bench; the first call
+# Example, a 10-minute soak (DEADLINE bounds the bench: the checkpoint, the server's start
+# and 45 s after the soak fit in the 240 s beside its 600; the first call
 # returns at once, the next ones wait):
-#   bash scripts/gpu/detached.sh start soak env DEADLINE=760 TAG=soak \
+#   bash scripts/gpu/detached.sh start soak env DEADLINE=840 TAG=soak \
 #       BENCH_ARGS="--soak 10" bash scripts/gpu/vllm_bench.sh
 #   bash scripts/gpu/detached.sh collect soak 540     # exit 3: still running
 #   bash scripts/gpu/detached.sh collect soak 540     # the soak's verdict
@@ -27,7 +28,7 @@ ROOT=${PLE_DETACHED_ROOT:-/tmp/ple-detached}
 cmd=${1:-}
 name=${2:-}
 if [ -z "$cmd" ] || [ -z "$name" ]; then
-    sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//' >&2
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2
     exit 2
 fi
 case "$name" in
