@@ -6,8 +6,9 @@
 # with the next calls (other work, or `collect` waiting), and collect its outputs.
 #
 #   bash scripts/gpu/detached.sh start NAME command [args...]
-#       runs `command` in a new session with OUT=/tmp/ple-detached/NAME/out (its own
-#       $OUT, which survives the call), stdout and stderr in /tmp/ple-detached/NAME/log;
+#       runs `command` in a new session, in a copy of this folder (NAME/src: the next call
+#       rewrites the working tree), with OUT=/tmp/ple-detached/NAME/out (its own $OUT,
+#       which survives the call), stdout and stderr in /tmp/ple-detached/NAME/log;
 #       returns at once. A NAME already running is refused (exit 2).
 #   bash scripts/gpu/detached.sh collect NAME [WAIT_S]
 #       waits up to WAIT_S seconds (default 540) for NAME to end, then copies its outputs
@@ -44,13 +45,23 @@ case "$cmd" in
             echo "detached.sh: $name is already running (pid $(cat "$dir/pid"))" >&2
             exit 2
         fi
-        rm -rf "$dir" && mkdir -p "$dir/out" || exit 2
+        if [ ! -f scripts/gpu/detached.sh ]; then
+            echo "detached.sh start: run it from the repository root" >&2
+            exit 2
+        fi
+        rm -rf "$dir" && mkdir -p "$dir/out" "$dir/src" || exit 2
+        # It runs in a copy of the repository (the dot-folders and dist/ left out): the
+        # next call copies the working tree here again, under a script bash still reads.
+        shopt -s nullglob
+        for f in *; do
+            [ "$f" = dist ] || cp -r "$f" "$dir/src/" || exit 2
+        done
         # The status file is written by the new session itself, so it is there however
         # the command ends; the command's own $OUT is the folder that survives the call.
         # The session's shell writes its own pid (setsid may fork, so $! would not be it).
-        OUT=$dir/out setsid bash -c \
+        (cd "$dir/src" && OUT=$dir/out exec setsid bash -c \
             'echo $$ >"$0/pid"; "$@" >"$0/log" 2>&1 </dev/null; echo $? >"$0/rc"' \
-            "$dir" "$@" </dev/null >/dev/null 2>&1 &
+            "$dir" "$@" </dev/null >/dev/null 2>&1) &
         for _ in $(seq 50); do [ -f "$dir/pid" ] && break; sleep 0.1; done
         if [ ! -f "$dir/pid" ]; then
             echo "detached.sh: $name did not start" >&2
