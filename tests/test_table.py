@@ -159,6 +159,36 @@ def test_sharded_checkpoint_matches_index_select(tmp_path: Path, dtype: str, fil
     assert not bad
 
 
+@pytest.mark.parametrize("dtype", ["BF16", "F32"])
+def test_a_column_window_serves_each_rows_slice(tmp_path: Path, dtype: str) -> None:
+    # Gemma's per-layer table: a row holds every layer's slice (here 5 layers of 32).
+    t = _rand(700, 5 * 32, DTYPES[dtype], 4)
+    path = tmp_path / "model.safetensors"
+    save_file({GEMMA: t}, str(path))
+    loaded = load_file(str(path))[GEMMA]
+    ids = np.random.default_rng(5).integers(0, 700, 3000)
+    for first, count in [(0, 32), (32, 4 * 32), (159, 1)]:
+        want = loaded[:, first : first + count][torch.from_numpy(ids)]
+        for pool in (None, 0):
+            with MmapTable.open(path, GEMMA, columns=(first, count), parallel_min_bytes=pool) as w:
+                assert w.columns == (first, count)
+                assert w.shape == (700, count)
+                assert w.row_bytes == count * t.element_size()
+                np.testing.assert_array_equal(w.gather(ids), _bytes(want).numpy())
+                out = torch.empty((len(ids), w.row_bytes), dtype=torch.uint8)
+                w.gather_into(torch.from_numpy(ids), out)
+                np.testing.assert_array_equal(out.numpy(), _bytes(want).numpy())
+    with MmapTable.open(path, GEMMA) as whole:
+        assert whole.columns is None and whole.shape == (700, 160)
+
+
+@pytest.mark.parametrize("columns", [(0, 0), (160, 1), (100, 61), (-1, 2), (1.0, 2), [0, 2], (0,)])
+def test_a_column_window_outside_the_row_is_refused(tmp_path: Path, columns: object) -> None:
+    save_file({GEMMA: _rand(8, 160, torch.bfloat16, 1)}, str(tmp_path / "m.safetensors"))
+    with pytest.raises(InvalidArgumentError, match="columns"):
+        MmapTable.open(tmp_path / "m.safetensors", GEMMA, columns=columns)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("threads", [0, 1, 65, True, 2.0, "4"])
 def test_gather_threads_is_checked(tmp_path: Path, threads: object) -> None:
     save_file({"w": _rand(8, 8, torch.float32, 1)}, str(tmp_path / "m.safetensors"))

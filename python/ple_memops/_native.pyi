@@ -112,7 +112,10 @@ class MmapTableCore:
         access: str = "random",
         cold_reads: str = "auto",
         adopt_resident: bool = True,
+        columns: tuple[int, int] | None = None,
     ) -> MmapTableCore: ...
+    @property
+    def columns(self) -> tuple[int, int] | None: ...
     @property
     def gather_threads(self) -> int | None: ...
     @property

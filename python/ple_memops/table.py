@@ -83,6 +83,7 @@ class MmapTable:
         access: Access = "random",
         cold_reads: ColdReads = "auto",
         adopt_resident: bool = True,
+        columns: tuple[int, int] | None = None,
     ) -> MmapTable:
         """Open a table.
 
@@ -125,6 +126,12 @@ class MmapTable:
                 straight from the mapping instead of reading each cold first (measured:
                 1024 rows of 256 B from a warm 1 GiB table, 670 -> 60 us a gather). Not
                 under an RSS budget (it accounts for the pages the table read itself).
+            columns: ``(first, count)``: serve columns ``first .. first + count`` of each
+                row only, as a table of ``count`` columns (:attr:`row_bytes`,
+                :attr:`shape` and every gather are the window's; a gather reads only those
+                bytes of a row). Gemma's per-layer table holds every decoder layer's
+                slice in one row; a window serves a layer's slice as a table of its own.
+                ``None`` (default): whole rows.
 
         Raises:
             TableError: the checkpoint or tensor is missing, malformed or inconsistent.
@@ -132,8 +139,8 @@ class MmapTable:
                 where io_uring cannot be used.
             InvalidArgumentError: neither or both of ``name`` and ``pattern``, a pattern
                 without exactly one ``{}``, an unknown ``access`` or ``cold_reads``,
-                ``gather_threads`` outside 2-64, or ``readahead=True`` with
-                ``cold_reads="fault"``.
+                ``gather_threads`` outside 2-64, ``readahead=True`` with
+                ``cold_reads="fault"``, or ``columns`` not a non-empty window of the row.
         """
         if (name is None) == (pattern is None):
             raise InvalidArgumentError("give exactly one of name= and pattern=")
@@ -152,6 +159,15 @@ class MmapTable:
             raise InvalidArgumentError(
                 f"gather_threads must be an int from 2 to 64 or None (the shared pool), "
                 f"got {gather_threads!r}"
+            )
+        if columns is not None and not (
+            isinstance(columns, tuple)
+            and len(columns) == 2
+            and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in columns)
+        ):
+            raise InvalidArgumentError(
+                f"columns must be a (first, count) tuple of non-negative ints or None, "
+                f"got {columns!r}"
             )
         for what, choice, allowed in (
             ("access", access, get_args(Access)),
@@ -173,6 +189,7 @@ class MmapTable:
             access,
             cold_reads,
             bool(adopt_resident),
+            columns,
         )
         return cls(core)
 
@@ -190,13 +207,19 @@ class MmapTable:
         return threads
 
     @property
+    def columns(self) -> tuple[int, int] | None:
+        """The column window served, ``(first, count)`` (``None``: whole rows)."""
+        window: tuple[int, int] | None = self._live().columns
+        return window
+
+    @property
     def parallel_min_bytes(self) -> int:
         """Gathers of at least this many bytes run on a pool, smaller ones inline."""
         return int(self._live().parallel_min_bytes)
 
     @property
     def row_bytes(self) -> int:
-        """Bytes per row."""
+        """Bytes per row (of the column window, with ``columns``)."""
         return self._live().row_bytes
 
     @property

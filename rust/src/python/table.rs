@@ -102,7 +102,7 @@ impl IntoUsize for Range<*const u8> {
 impl PyMmapTable {
     /// Open a table; exactly one of `name` and `pattern`.
     #[new]
-    #[pyo3(signature = (path, name=None, pattern=None, prewarm_bytes=None, readahead=false, rss_budget_bytes=None, parallel_min_bytes=None, gather_threads=None, access="random", cold_reads="auto", adopt_resident=true))]
+    #[pyo3(signature = (path, name=None, pattern=None, prewarm_bytes=None, readahead=false, rss_budget_bytes=None, parallel_min_bytes=None, gather_threads=None, access="random", cold_reads="auto", adopt_resident=true, columns=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -117,6 +117,7 @@ impl PyMmapTable {
         access: &str,
         cold_reads: &str,
         adopt_resident: bool,
+        columns: Option<(usize, usize)>,
     ) -> PyResult<Self> {
         let selector = match (name, pattern) {
             (Some(n), None) => Selector::Name(n),
@@ -138,6 +139,7 @@ impl PyMmapTable {
             cold_reads,
             adopt_resident,
             gather_threads,
+            columns,
             ..TableOptions::default()
         };
         if let Some(m) = parallel_min_bytes {
@@ -152,6 +154,11 @@ impl PyMmapTable {
     #[getter]
     fn gather_threads(&self) -> Option<usize> {
         self.inner.options().gather_threads
+    }
+
+    #[getter]
+    fn columns(&self) -> Option<(usize, usize)> {
+        self.inner.options().columns
     }
 
     #[getter]

@@ -112,21 +112,23 @@ fn prefetch_row(data: &[u8], off: usize, len: usize) {
     }
 }
 
-/// [`MappedRows::copy_if`] for one shard and rows of exactly `N` bytes; `start` is the
-/// shard's offset in its file (for `known`).
+/// [`MappedRows::copy_if`] for one shard and rows of exactly `N` bytes, `N` bytes read
+/// at byte `skip` of each stored row of `stride` bytes; `start` is the shard's offset in
+/// its file (for `known`).
 #[inline(always)]
 fn copy_fixed<T: Id, const N: usize, K: Fn(usize, usize) -> bool>(
     data: &[u8],
     start: usize,
+    (stride, skip): (usize, usize),
     ids: &[T],
     dst: &mut [u8],
     known: &K,
 ) -> bool {
     for (i, (&id, out)) in ids.iter().zip(dst.chunks_exact_mut(N)).enumerate() {
         if let Some(&next) = ids.get(i + PREFETCH_AHEAD) {
-            prefetch_row(data, next.as_i64() as usize * N, N);
+            prefetch_row(data, next.as_i64() as usize * stride + skip, N);
         }
-        let off = id.as_i64() as usize * N;
+        let off = id.as_i64() as usize * stride + skip;
         if !known(0, start + off) {
             return false;
         }
@@ -178,11 +180,18 @@ pub(crate) struct MappedRows<'a> {
     pub segments: &'a [Segment],
     /// `ends[i]` is one past segment i's last table row.
     pub ends: &'a [u64],
+    /// Bytes a row is read: the stored row, or its column window
+    /// ([`super::TableOptions::columns`]).
     pub row_bytes: usize,
+    /// Bytes a row is stored in (`row_bytes` without a window).
+    pub stride: usize,
+    /// Where the bytes read begin in a stored row (0 without a window).
+    pub skip: usize,
 }
 
 impl MappedRows<'_> {
-    /// Segment index and byte offset (in its file's mapping) of row `id` (in range).
+    /// Segment index and byte offset (in its file's mapping) of row `id`'s bytes to read
+    /// (`id` in range).
     #[inline(always)]
     pub fn locate(&self, id: u64) -> (usize, usize) {
         let si = if self.segments.len() == 1 {
@@ -191,9 +200,9 @@ impl MappedRows<'_> {
             self.ends.partition_point(|&e| e <= id)
         };
         let seg = &self.segments[si];
-        // id - first_row < seg.rows, and rows * row_bytes == seg.len fits usize (checked
-        // at open), so neither the cast nor the product can overflow.
-        let off = seg.start + (id - seg.first_row) as usize * self.row_bytes;
+        // id - first_row < seg.rows, rows * stride == seg.len fits usize (checked at open)
+        // and skip + row_bytes <= stride, so neither the cast nor the sum can overflow.
+        let off = seg.start + (id - seg.first_row) as usize * self.stride + self.skip;
         (si, off)
     }
 
@@ -222,14 +231,15 @@ impl MappedRows<'_> {
         dst: &mut [u8],
         known: &K,
     ) -> bool {
-        let rb = self.row_bytes;
+        let (rb, stride, skip) = (self.row_bytes, self.stride, self.skip);
         if let [seg] = self.segments {
             let data = &self.files[seg.file].map[seg.start..seg.start + seg.len];
             // The PLE row widths (160 B FP8, 320 B BF16) get a copy of a compile-time size:
             // inlined vector moves instead of a memcpy call per row.
+            let at = (stride, skip);
             match rb {
-                160 => return copy_fixed::<T, 160, K>(data, seg.start, ids, dst, known),
-                320 => return copy_fixed::<T, 320, K>(data, seg.start, ids, dst, known),
+                160 => return copy_fixed::<T, 160, K>(data, seg.start, at, ids, dst, known),
+                320 => return copy_fixed::<T, 320, K>(data, seg.start, at, ids, dst, known),
                 _ => {}
             }
             // One shard (the common case): no search, one bounds-checked slice.
@@ -237,9 +247,9 @@ impl MappedRows<'_> {
                 // Random rows of a large table miss every cache level (and the TLB);
                 // prefetching a few rows ahead keeps several misses in flight.
                 if let Some(&next) = ids.get(i + PREFETCH_AHEAD) {
-                    prefetch_row(data, next.as_i64() as usize * rb, rb);
+                    prefetch_row(data, next.as_i64() as usize * stride + skip, rb);
                 }
-                let off = id.as_i64() as usize * rb;
+                let off = id.as_i64() as usize * stride + skip;
                 if !known(0, seg.start + off) {
                     return false;
                 }

@@ -212,6 +212,13 @@ pub struct TableOptions {
     /// straight from the mapping instead of reading each one cold first. Ignored under
     /// an RSS budget (the budget accounts for the pages the table read itself).
     pub adopt_resident: bool,
+    /// `Some((first, count))`: serve columns `first..first + count` of each row only, as
+    /// rows of `count` columns (a gather reads only those bytes of a row, and
+    /// [`MmapTable::row_bytes`] and [`MmapTable::cols`] are the window's). Gemma's
+    /// per-layer table holds every decoder layer's slice in one row: a window serves one
+    /// layer's (or a run of layers') slices as a table of their own. `None` (default):
+    /// whole rows.
+    pub columns: Option<(usize, usize)>,
 }
 
 impl Default for TableOptions {
@@ -225,6 +232,7 @@ impl Default for TableOptions {
             access: Access::Random,
             cold_reads: ColdReads::Auto,
             adopt_resident: true,
+            columns: None,
         }
     }
 }
@@ -290,6 +298,44 @@ struct Inner {
     drop_state: Mutex<Option<String>>,
     /// The table's own gather threads ([`TableOptions::gather_threads`]).
     own_pool: Option<rayon::ThreadPool>,
+    /// The bytes of a stored row that are served ([`TableOptions::columns`]).
+    view: RowView,
+}
+
+/// The part of each stored row a table serves: `bytes` bytes from byte `skip`, `cols`
+/// columns (the whole row without [`TableOptions::columns`]).
+#[derive(Debug, Clone, Copy)]
+struct RowView {
+    skip: usize,
+    bytes: usize,
+    cols: usize,
+}
+
+impl RowView {
+    /// The view of `layout`'s rows that `columns` asks for; `Error::InvalidArgument` for a
+    /// window that is empty or not inside the row.
+    fn new(layout: &Layout, columns: Option<(usize, usize)>) -> Result<Self> {
+        let Some((first, count)) = columns else {
+            return Ok(Self {
+                skip: 0,
+                bytes: layout.row_bytes,
+                cols: layout.cols,
+            });
+        };
+        if count == 0 || first >= layout.cols || count > layout.cols - first {
+            return Err(Error::invalid(format!(
+                "columns=({first}, {count}) is not a non-empty window of the table's {} \
+                 columns (first column, column count)",
+                layout.cols
+            )));
+        }
+        let size = layout.row_bytes / layout.cols;
+        Ok(Self {
+            skip: first * size,
+            bytes: count * size,
+            cols: count,
+        })
+    }
 }
 
 /// A memory-mapped embedding table; see the module docs. `Clone` shares the mapping.
@@ -324,7 +370,16 @@ impl MmapTable {
     ) -> Result<Self> {
         let path = path.as_ref();
         let layout = discover::discover(path, selector)?;
-        let label = format!("{:?} in {}", selector.text(), path.display());
+        let view = RowView::new(&layout, options.columns)?;
+        let label = match options.columns {
+            None => format!("{:?} in {}", selector.text(), path.display()),
+            Some((first, count)) => format!(
+                "{:?} columns {first}..{} in {}",
+                selector.text(),
+                first + count,
+                path.display()
+            ),
+        };
         let own_pool = match options.gather_threads {
             None => None,
             Some(n) if (2..=MAX_GATHER_THREADS).contains(&n) => Some(gather::own_pool(n)?),
@@ -394,6 +449,7 @@ impl MmapTable {
                 last_fallback: Mutex::new(None),
                 drop_state: Mutex::new(None),
                 own_pool,
+                view,
             }),
         };
         if let Some(budget) = table.inner.opts.prewarm_bytes {
@@ -415,14 +471,14 @@ impl MmapTable {
         self.inner.layout.rows
     }
 
-    /// Bytes per row.
+    /// Bytes per row (of the column window, with [`TableOptions::columns`]).
     pub fn row_bytes(&self) -> usize {
-        self.inner.layout.row_bytes
+        self.inner.view.bytes
     }
 
     /// Elements per row.
     pub fn cols(&self) -> usize {
-        self.inner.layout.cols
+        self.inner.view.cols
     }
 
     /// Element type.
@@ -471,7 +527,8 @@ impl MmapTable {
         &self.inner.label
     }
 
-    /// Bytes of row data (`rows * row_bytes`).
+    /// Bytes of the stored rows in the files (every column, whatever
+    /// [`TableOptions::columns`] serves).
     pub fn data_bytes(&self) -> u64 {
         self.inner
             .layout
@@ -505,7 +562,9 @@ impl MmapTable {
             files: &self.inner.layout.files,
             segments: &self.inner.layout.segments,
             ends: &self.inner.ends,
-            row_bytes: self.inner.layout.row_bytes,
+            row_bytes: self.inner.view.bytes,
+            stride: self.inner.layout.row_bytes,
+            skip: self.inner.view.skip,
         }
     }
 

@@ -1073,6 +1073,82 @@ proptest! {
         let parts: Vec<&[u8]> = ts.iter().map(|t| t.3.as_slice()).collect();
         prop_assert_eq!(t.gather(RowIds::I64(&ids)).unwrap(), reference(&parts, cols * 2, &ids));
     }
+
+    #[test]
+    fn a_column_window_gathers_the_window_of_each_row(
+        rows in proptest::collection::vec(1usize..40, 1..4),
+        // F16 rows: narrow ones, a Gemma token's width, and widths whose windows take the
+        // fixed-size copies (80 and 160 columns: 160 and 320 B).
+        cols in prop_oneof![1usize..24, 160usize..170, 5370usize..5390],
+        window in (any::<u16>(), any::<u16>()),
+        ids in proptest::collection::vec(any::<u32>(), 0..200),
+        mode in 0u8..4,
+    ) {
+        let d = TempDir::new();
+        let ts: Vec<T> = rows.iter().enumerate().map(|(k, &r)| tensor(&format!("p.{k}.w"), Dtype::F16, &[r, cols], k as u8)).collect();
+        let p = d.write("t.safetensors", &st(&ts));
+        let first = usize::from(window.0) % cols;
+        let count = match usize::from(window.1) % 3 {
+            0 => (cols - first).min(80),
+            1 => (cols - first).min(160),
+            _ => 1 + usize::from(window.1) % (cols - first),
+        };
+        // Inline, the shared pool, a pool of the table's own, and the cold path (pages
+        // not adopted: every row read cold first).
+        let opts = TableOptions {
+            parallel_min_bytes: if mode == 0 { usize::MAX } else { 0 },
+            gather_threads: (mode == 2).then_some(2),
+            adopt_resident: mode != 3,
+            columns: Some((first, count)),
+            ..Default::default()
+        };
+        let t = MmapTable::open(&p, &pattern("p.{}.w"), opts).unwrap();
+        prop_assert_eq!((t.cols(), t.row_bytes()), (count, count * 2));
+        let total: usize = rows.iter().sum();
+        let ids: Vec<i64> = ids.iter().map(|&i| i64::from(i) % total as i64).collect();
+        let parts: Vec<&[u8]> = ts.iter().map(|t| t.3.as_slice()).collect();
+        let whole = reference(&parts, cols * 2, &ids);
+        let want: Vec<u8> = whole
+            .chunks_exact(cols * 2)
+            .flat_map(|row| row[first * 2..(first + count) * 2].iter().copied())
+            .collect();
+        prop_assert_eq!(t.gather(RowIds::I64(&ids)).unwrap(), want);
+    }
+}
+
+#[test]
+fn a_column_window_outside_the_row_is_refused() {
+    let d = TempDir::new();
+    let t = tensor("w", Dtype::BF16, &[8, 6], 1);
+    let p = d.write("t.safetensors", &st(std::slice::from_ref(&t)));
+    for bad in [
+        (0, 0),
+        (6, 1),
+        (0, 7),
+        (5, 2),
+        (usize::MAX, 2),
+        (1, usize::MAX),
+    ] {
+        let opts = TableOptions {
+            columns: Some(bad),
+            ..Default::default()
+        };
+        let e = MmapTable::open(&p, &name("w"), opts).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{bad:?}: {e}");
+        assert!(e.to_string().contains("6 columns"), "{e}");
+    }
+    let opts = TableOptions {
+        columns: Some((5, 1)),
+        ..Default::default()
+    };
+    let w = MmapTable::open(&p, &name("w"), opts).unwrap();
+    assert_eq!((w.cols(), w.row_bytes(), w.rows()), (1, 2, 8));
+    assert!(w.label().contains("columns 5..6"), "{}", w.label());
+    let rows = w.gather(RowIds::I64(&[7, 0])).unwrap();
+    assert_eq!(
+        rows,
+        [&t.3[7 * 12 + 10..7 * 12 + 12], &t.3[10..12]].concat()
+    );
 }
 
 #[test]
