@@ -361,6 +361,8 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
                 raise AssertionError(f"{b}: predict_ready {ours.predict_ready}")
             if ours.expect_prefill != (b == "mmap-expect"):
                 raise AssertionError(f"{b}: expect_prefill {ours.expect_prefill}")
+            if ours.split_rows != b.startswith("mmap-split"):
+                raise AssertionError(f"{b}: split_rows {ours.split_rows}")
             engram = ea.engram_config
             offload = (
                 engram.get("cpu_offload")

@@ -287,14 +287,18 @@ def breakdown_markdown(
 
     for (load, b), s in summary.items():
         st = s.get("stall") or {}
-        first = min(st, key=_layer_index) if st else None
-        stall = "-"
-        if first is not None:
-            x = st[first]
-            stall = (
-                f"{first}: {x['stalled_pct']:.0f}%, {x['p50_us']:.1f} / {x['p99_us']:.1f} / "
-                f"{x['mean_us']:.1f}"
+        # The first PLE layer's (the one every step waits for); a Gemma table split in
+        # two (split_rows): both parts, layer 0's slice first.
+        order = sorted(st, key=lambda n: (_layer_index(n), len(n)))
+        shown = order if len(order) == 2 and order[1].endswith(".rest") else order[:1]
+        stall = (
+            "; ".join(
+                f"{name}: {st[name]['stalled_pct']:.0f}%, {st[name]['p50_us']:.1f} / "
+                f"{st[name]['p99_us']:.1f} / {st[name]['mean_us']:.1f}"
+                for name in shown
             )
+            or "-"
+        )
         h = s.get("host_us")
         host = "-"
         if h:

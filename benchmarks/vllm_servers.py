@@ -137,6 +137,11 @@ MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     # before the forward publishes them (expect_prefill): the eager steps' wait at the
     # first PLE layer, i.e. TTFT under the mixed load.
     "mmap-expect": {"expect_prefill": True},
+    # A Gemma model run eagerly: decoder layer 0's slice of each row a table of its own,
+    # joined at layer 0's gate, the rest of the row at layer 1's (split_rows); with the
+    # GPU stall timing too, for the stall column.
+    "mmap-split": {"split_rows": True},
+    "mmap-split-stalls": {"split_rows": True, "stalls": True},
     # Without the instruments (no stall timing, no stats lines): what measuring costs.
     "mmap-bare": {"bare": True},
     # The GPU stall timing on (two stamps a step; off in the other mmap servers unless
@@ -334,6 +339,7 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
             "predict_ready",
             "diag_early_join",
             "expect_prefill",
+            "split_rows",
         ):
             if key in variant:
                 ours[key] = variant[key]

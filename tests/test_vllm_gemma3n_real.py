@@ -200,6 +200,49 @@ def test_run_eagerly_the_rows_join_at_layer_0s_gate_with_the_stock_models_bits(
         hooks.shutdown()
 
 
+def test_split_rows_layer_0s_slice_joins_at_its_gate_and_the_rest_at_layer_1s(
+    checkpoint: Path, dist: Any, installed: Any
+) -> None:
+    # split_rows: decoder layer 0's slice of each row and the rest are two tables (column
+    # windows of the one tensor); the same bits as the stock model's, each part joined
+    # right before its first consumer (layer 1 may be in the cross-decoder).
+    mmap_cfg = _config(checkpoint, mmap=True, eager=True)
+    mmap_cfg.additional_config["ple_memops"]["split_rows"] = True
+    model, _ = vllm_cpu.load_model(mmap_cfg)
+    stock_cfg = _config(checkpoint, mmap=False, eager=True)
+    stock, _ = vllm_cpu.load_model(stock_cfg)
+    first, rest = gemma3n.find_mmap_tables(model)
+    layers_n = ckpts.GEMMA3N_CONFIG["num_hidden_layers"]
+    width = ckpts.GEMMA3N_CONFIG["hidden_size_per_layer_input"]
+    assert first.rest is rest
+    assert first.columns == (0, width) and rest.columns == (width, (layers_n - 1) * width)
+    ours, theirs = model.language_model.model.self_decoder, stock.language_model.model.self_decoder
+    gates = [layer.per_layer_input_gate for layer in model.language_model.model.layers[:2]]
+    hidden = ckpts.GEMMA3N_CONFIG["hidden_size"]
+    hooks = _attach(model, mmap_cfg)
+    layers = mmap_cfg.compilation_config.static_forward_context
+    try:
+        assert hooks.layer_names == [first.ple_memops_name, rest.ple_memops_name]
+        for n, seed in ((1, 1), (9, 2), (40, 3)):
+            ids = _ids(n, seed)
+            with set_current_vllm_config(stock_cfg):
+                want = theirs.get_per_layer_inputs(
+                    stock.embed_input_ids(ids), stock.per_layer_embeddings[:n]
+                )
+            with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
+                embeds = model.embed_input_ids(ids)
+                staged = ours.get_per_layer_input_embeddings(model.ple_memops_ids[:n])
+                got = ours.get_per_layer_inputs(embeds, staged)
+                projection = ours.get_per_layer_inputs(embeds, None)
+                gates[0](torch.zeros(n, hidden, dtype=torch.bfloat16))
+                assert torch.equal(got[:, 0], want[:, 0])
+                assert torch.equal(got[:, 1:], projection[:, 1:])  # not joined yet
+                gates[1](torch.zeros(n, hidden, dtype=torch.bfloat16))
+            assert torch.equal(got, want), (n, (got.float() - want.float()).abs().max())
+    finally:
+        hooks.shutdown()
+
+
 def test_the_plugin_adds_a_config_hook_for_gemma3n(installed: Any) -> None:
     from vllm.config.compilation import CUDAGraphMode
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP

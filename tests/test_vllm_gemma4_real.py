@@ -87,12 +87,15 @@ def _per_layer_inputs(model: Any, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _joined_at_gate(model: Any, stock: Any, mmap_cfg: Any, stock_cfg: Any, layers_n: int) -> None:
+def _joined_at_gate(
+    model: Any, stock: Any, mmap_cfg: Any, stock_cfg: Any, layers_n: int, split: bool = False
+) -> None:
     """Run eagerly, our per-layer inputs are still the projection after
     ``project_per_layer_inputs`` and become the stock model's, bit for bit, once decoder
-    layer 0's per-layer input gate (their first consumer) is called."""
+    layer 0's per-layer input gate (their first consumer) is called. ``split``: only
+    layer 0's slice then, every later one's once layer 1's gate is called."""
     lm = _language(model)
-    gate = lm.layers[0].per_layer_input_gate
+    gates = [lm.layers[0].per_layer_input_gate, lm.layers[1].per_layer_input_gate]
     hidden = ckpts.GEMMA4_CONFIG["hidden_size"]
     hooks = _attach(model, mmap_cfg)
     layers = mmap_cfg.compilation_config.static_forward_context
@@ -107,11 +110,17 @@ def _joined_at_gate(model: Any, stock: Any, mmap_cfg: Any, stock_cfg: Any, layer
                     lm.embed_input_ids(ids.clamp(0, 127)), None
                 )
                 assert torch.equal(got, projection)  # not joined yet
-                gate(torch.zeros(n, hidden, dtype=torch.bfloat16))
+                gates[0](torch.zeros(n, hidden, dtype=torch.bfloat16))
+                if split:
+                    assert torch.equal(got[:, 0], want[:, 0])
+                    assert torch.equal(got[:, 1:], projection[:, 1:])  # not joined yet
+                    gates[1](torch.zeros(n, hidden, dtype=torch.bfloat16))
             assert got.shape == want.shape == (n, layers_n, 16) and want.abs().sum() > 0
             assert torch.equal(got, want), (n, (got.float() - want.float()).abs().max())
         with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
             _per_layer_inputs(model, _ids(4, 7))
+            if split:  # layer 0's slice joined, the rest not: refused too
+                gates[0](torch.zeros(4, hidden, dtype=torch.bfloat16))
             with pytest.raises(pm.StateError, match="never joined"):
                 _per_layer_inputs(model, _ids(4, 7))
     finally:
@@ -228,6 +237,44 @@ def test_run_eagerly_the_rows_join_at_layer_0s_gate_with_the_stock_models_bits(
     model, _ = vllm_cpu.load_model(mmap_cfg)
     stock, _ = vllm_cpu.load_model(stock_cfg)
     _joined_at_gate(model, stock, mmap_cfg, stock_cfg, layers_n=4)
+
+
+SPLIT = {"ple_memops": {"table_backend": "mmap", "split_rows": True}}
+
+
+@pytest.mark.parametrize("structure", ["default", "released"])
+def test_split_rows_layer_0s_slice_joins_at_its_gate_and_the_rest_at_layer_1s(
+    tmp_path: Path, dist: Any, installed: Any, structure: str
+) -> None:
+    # split_rows: two tables of one checkpoint tensor (column windows), the rows of the
+    # stock model, bit for bit, each slice joined right before its first consumer.
+    kw = RELEASED_STRUCTURE if structure == "released" else {}
+    ckpt = ckpts.write_gemma4_checkpoint(tmp_path / structure, **kw)
+    layers_n = int(kw.get("num_hidden_layers", 4))
+    eager = CompilationConfig(mode=0)
+    mmap_cfg = _config(ckpt, mmap=True, compilation_config=eager)
+    mmap_cfg.additional_config = SPLIT
+    stock_cfg = _config(ckpt, mmap=False, compilation_config=CompilationConfig(mode=0))
+    model, _ = vllm_cpu.load_model(mmap_cfg)
+    stock, _ = vllm_cpu.load_model(stock_cfg)
+    first, rest = gemma4.find_mmap_tables(model)
+    assert first.rest is rest and rest.rest is None
+    assert first.columns == (0, 16) and rest.columns == (16, (layers_n - 1) * 16)
+    assert (first.ple_memops_layer_index(), rest.ple_memops_layer_index()) == (0, 1)
+    assert (first.row_bytes, rest.row_bytes) == (32, (layers_n - 1) * 32)
+    assert rest.ple_memops_name == first.ple_memops_name + ".rest"
+    hooks = _attach(model, mmap_cfg)
+    try:
+        assert hooks.layer_names == [first.ple_memops_name, rest.ple_memops_name]
+    finally:
+        hooks.shutdown()
+    _joined_at_gate(model, stock, mmap_cfg, stock_cfg, layers_n=layers_n, split=True)
+    # Compiled, the setting changes nothing: one table, joined where Inductor places it.
+    compiled_cfg = _config(ckpt, mmap=True)
+    compiled_cfg.additional_config = SPLIT
+    compiled, _ = vllm_cpu.load_model(compiled_cfg)
+    (table,) = gemma4.find_mmap_tables(compiled)
+    assert table.columns is None and not table.joins_late
 
 
 def test_compiled_the_ids_are_staged_before_the_projection_and_joined_after(

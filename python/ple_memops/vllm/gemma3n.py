@@ -25,7 +25,9 @@ and each decoder layer reads its slice at its end. With ``mmap`` settings:
   consumer (the combination then completes the projection in place there), so the
   host's gather overlaps all of layer 0's attention and MLP; in a compiled model, after
   the projection, where Inductor places it within the first of vLLM's graph pieces
-  (the token embedding, the projection and layer 0 up to its attention).
+  (the token embedding, the projection and layer 0 up to its attention). With
+  ``split_rows`` (eager only) layer 0's slice of each row and the rest are two tables,
+  joined at layer 0's and layer 1's gates (:meth:`~.token_table.PerLayerTokenTable.split_before`).
 
 Refusals and the graph mode are Gemma 4's (:func:`~.token_table.verify_and_update_config`).
 The text-only ``Gemma3nForCausalLM`` is left as vLLM has it: in vLLM 0.33.0 its forward is
@@ -120,10 +122,18 @@ class Gemma3nMmapForConditionalGeneration(RecordsRowIds, Gemma3nForConditionalGe
                 f"vLLM's {Gemma3nSelfDecoder.__qualname__}"
             )
         decoder.__class__ = _MmapSelfDecoder
-        if runs_eagerly(vllm_config) and not engine_settings(vllm_config).diag_early_join:
-            decoder.embed_tokens_per_layer.join_before(
-                decoder.decoder_layers[0].per_layer_input_gate
-            )
+        settings = engine_settings(vllm_config)
+        if runs_eagerly(vllm_config) and not settings.diag_early_join:
+            table: PerLayerTokenTable = decoder.embed_tokens_per_layer
+            layers = self.language_model.model.layers  # all of them, both decoders'
+            if settings.split_rows and len(layers) >= 2:
+                table.split_before(
+                    layers[0].per_layer_input_gate,
+                    layers[1].per_layer_input_gate,
+                    int(decoder.config.hidden_size_per_layer_input),
+                )
+            else:
+                table.join_before(decoder.decoder_layers[0].per_layer_input_gate)
         self.ple_memops_ids = replace_rows_buffer(self)
 
     def ple_memops_per_layer_inputs(

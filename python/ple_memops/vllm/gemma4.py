@@ -24,7 +24,9 @@ checkpoint's files:
   vLLM compiles Gemma 4), so the tokens are the stock engine's. Where the rows join: in
   a model run eagerly (``-O0``), right before decoder layer 0's per-layer input gate,
   their first consumer (:meth:`~.token_table.PerLayerTokenTable.join_before`: the host's
-  gather hides behind layer 0's attention and MLP); compiled, where Inductor places
+  gather hides behind layer 0's attention and MLP; with ``split_rows``, layer 0's slice
+  of each row there and the rest, a second table of the same tensor, at layer 1's gate:
+  :meth:`~.token_table.PerLayerTokenTable.split_before`); compiled, where Inductor places
   ``read_rows`` (right before its first consumer in the first of vLLM's graph pieces);
 * :class:`Gemma4MmapForCausalLM` and :class:`Gemma4MmapForConditionalGeneration`,
   registered under vLLM's own architecture names, build that for an engine whose
@@ -100,10 +102,11 @@ class _MmapSelfDecoderLayers(Gemma4SelfDecoderLayers):
         )
 
 
-def _finish_mmap_model(model: Any, eager: bool) -> bool:
+def _finish_mmap_model(model: Any, eager: bool, split: bool = False) -> bool:
     """Switch the built ``Gemma4Model``'s self-decoder to the staging one (``eager``: the
-    rows join at decoder layer 0's per-layer gate); whether the model has an mmap table
-    (a Gemma 4 without per-layer inputs has none)."""
+    rows join at decoder layer 0's per-layer gate; ``split`` too: layer 0's slice there,
+    the rest at layer 1's); whether the model has an mmap table (a Gemma 4 without
+    per-layer inputs has none)."""
     table = getattr(model, "embed_tokens_per_layer", None)
     if not isinstance(table, PerLayerTokenTable):
         return False
@@ -121,7 +124,17 @@ def _finish_mmap_model(model: Any, eager: bool) -> bool:
                 "ple-memops: Gemma 4's first decoder layer has no per-layer input gate, "
                 "though the model has a per-layer table"
             )
-        table.join_before(gate)
+        layers = model.end_layer - model.start_layer
+        if split and layers >= 2:
+            then = getattr(model.layers[model.start_layer + 1], "per_layer_input_gate", None)
+            if then is None:
+                raise UnsupportedError(
+                    "ple-memops: Gemma 4's second decoder layer has no per-layer input "
+                    "gate, though the model has a per-layer table"
+                )
+            table.split_before(gate, then, int(model.hidden_size_per_layer_input))
+        else:
+            table.join_before(gate)
     return True
 
 
@@ -133,8 +146,9 @@ class Gemma4MmapForCausalLM(Gemma4ForCausalLM):
         mmap = engine_settings(vllm_config).mmap
         with table_class(vllm_gemma4, _TABLE_SUFFIX) if mmap else contextlib.nullcontext():
             super().__init__(vllm_config=vllm_config, prefix=prefix)
-        late = runs_eagerly(vllm_config) and not engine_settings(vllm_config).diag_early_join
-        if mmap and _finish_mmap_model(self.model, late):
+        settings = engine_settings(vllm_config)
+        late = runs_eagerly(vllm_config) and not settings.diag_early_join
+        if mmap and _finish_mmap_model(self.model, late, settings.split_rows):
             self.is_unused_checkpoint_weight = is_per_layer_table_weight
 
 

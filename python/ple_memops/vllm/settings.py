@@ -7,8 +7,8 @@ Two sources, the second overriding the first field by field:
   ``PLE_MEMOPS_TABLE_BACKEND=mmap`` (``default`` or unset: off), ``PLE_MEMOPS_TIMEOUT``
   (seconds, default 30), ``PLE_MEMOPS_COPY``, ``PLE_MEMOPS_SPIN``,
   ``PLE_MEMOPS_STATS_EVERY``, ``PLE_MEMOPS_FIRST_LAYER_THREADS``, ``PLE_MEMOPS_TIME_STALLS``,
-  ``PLE_MEMOPS_PREDICT_READY``, ``PLE_MEMOPS_TIME_GRAPHS``, ``PLE_MEMOPS_EXPECT_PREFILL`` and
-  the diagnostic
+  ``PLE_MEMOPS_PREDICT_READY``, ``PLE_MEMOPS_TIME_GRAPHS``, ``PLE_MEMOPS_EXPECT_PREFILL``,
+  ``PLE_MEMOPS_SPLIT_ROWS`` and the diagnostic
   ``PLE_MEMOPS_DIAG_SKIP_GATHER`` (see :class:`Settings`);
 * an engine's ``additional_config={"ple_memops": {"table_backend": "mmap", "timeout": 60}}``
   (``--additional-config`` on the command line), which is part of vLLM's config hash.
@@ -44,6 +44,7 @@ __all__ = [
     "PREDICT_READY_ENV",
     "SKIP_GATHER_ENV",
     "SPIN_ENV",
+    "SPLIT_ROWS_ENV",
     "STATS_ENV",
     "TIMEOUT_ENV",
     "TIME_GRAPHS_ENV",
@@ -66,6 +67,7 @@ PREDICT_READY_ENV = "PLE_MEMOPS_PREDICT_READY"
 TIME_GRAPHS_ENV = "PLE_MEMOPS_TIME_GRAPHS"
 EARLY_JOIN_ENV = "PLE_MEMOPS_DIAG_EARLY_JOIN"
 EXPECT_PREFILL_ENV = "PLE_MEMOPS_EXPECT_PREFILL"
+SPLIT_ROWS_ENV = "PLE_MEMOPS_SPLIT_ROWS"
 CONFIG_KEY = "ple_memops"
 """The key of ``additional_config`` that holds these settings."""
 BACKENDS = ("default", "mmap")
@@ -206,6 +208,14 @@ class Settings:
     token's, unknown on the host, is gathered at the publish as before). Off by default:
     the engine's tests on an H200 give the stock engine's tokens with it, but its speed
     in the engine is not yet measured."""
+    split_rows: bool = False
+    """A Gemma model run eagerly (``-O0``) serves its per-layer table as two tables of the
+    same checkpoint tensor (column windows): decoder layer 0's slice of each row, joined
+    at layer 0's per-layer gate, and every later layer's slices, joined at layer 1's.
+    The GPU then waits at layer 0 for 512 B a token instead of the whole 15-21 KiB row,
+    and the rest of the gather hides behind a second decoder layer; the host arms, and
+    the graph waits for and copies, two tables a step. The same tokens. No effect on a
+    compiled model (Inductor places its join) or on Qwen4Exp (a row is one layer's)."""
 
     @property
     def mmap(self) -> bool:
@@ -232,6 +242,7 @@ class Settings:
             _switch(env.get(TIME_GRAPHS_ENV), TIME_GRAPHS_ENV),
             _switch(env.get(EARLY_JOIN_ENV), EARLY_JOIN_ENV),
             _switch(env.get(EXPECT_PREFILL_ENV), EXPECT_PREFILL_ENV),
+            _switch(env.get(SPLIT_ROWS_ENV), SPLIT_ROWS_ENV),
         )
 
     @classmethod
@@ -269,6 +280,7 @@ class Settings:
                 "time_graphs",
                 "diag_early_join",
                 "expect_prefill",
+                "split_rows",
             ):
                 changes[key] = _switch(value, where)
             else:
@@ -289,6 +301,7 @@ KEYS = (
     "time_graphs",
     "diag_early_join",
     "expect_prefill",
+    "split_rows",
 )
 """The keys ``additional_config["ple_memops"]`` may hold (:class:`Settings`' fields)."""
 

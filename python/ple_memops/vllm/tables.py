@@ -94,11 +94,13 @@ def checkpoint_tensor_names(checkpoint: str | os.PathLike[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class LayerTable:
-    """How to open one layer's table: exactly one of ``name`` and ``pattern``."""
+    """How to open one layer's table: exactly one of ``name`` and ``pattern``; ``columns``
+    (``(first, count)``): only that window of each row (:meth:`MmapTable.open`)."""
 
     layer_index: int
     name: str | None = None
     pattern: str | None = None
+    columns: tuple[int, int] | None = None
 
 
 def find_layer_table(names: Iterable[str], layer_index: int) -> LayerTable:
@@ -158,9 +160,15 @@ def open_layer_table(
     naming the layer and the tensors, and closes the table. ``gather_threads``: see
     :meth:`MmapTable.open`."""
     table = MmapTable.open(
-        checkpoint, spec.name, pattern=spec.pattern, gather_threads=gather_threads
+        checkpoint,
+        spec.name,
+        pattern=spec.pattern,
+        gather_threads=gather_threads,
+        columns=spec.columns,
     )
     what = spec.pattern or spec.name
+    if spec.columns is not None:
+        what = f"{what}, columns {spec.columns[0]}..{sum(spec.columns)}"
     problems = []
     if rows is not None and table.rows != rows:
         problems.append(f"{table.rows} rows, the model has {rows}")

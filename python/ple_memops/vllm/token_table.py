@@ -16,6 +16,7 @@ for the custom ops of :mod:`.ops`, whose :meth:`~PerLayerTokenTable.stage` and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, cast
@@ -113,6 +114,15 @@ class PerLayerTokenTable(nn.Module, MmapTableLayer):
         self._joins_late = False  # see join_before
         self._deferred: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
         self._deferred = None
+        # See split_before: the columns of the checkpoint's rows this table serves (None:
+        # whole rows), the decoder layer that first waits for them, and the table serving
+        # the rest of each row (with the rows it staged, until its join).
+        self.columns: tuple[int, int] | None = None
+        self._layer_index = 0
+        self._rest: PerLayerTokenTable | None = None
+        self._rest_staged: torch.Tensor | None = None
+        self._rest_deferred: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+        self._rest_deferred = None
         from vllm.config import get_current_vllm_config
 
         layers = get_current_vllm_config().compilation_config.static_forward_context
@@ -122,7 +132,14 @@ class PerLayerTokenTable(nn.Module, MmapTableLayer):
 
     @property
     def row_bytes(self) -> int:
-        return self.embedding_dim * self.dtype.itemsize
+        """Bytes of a row this table serves (its column window's, when split)."""
+        cols = self.embedding_dim if self.columns is None else self.columns[1]
+        return cols * self.dtype.itemsize
+
+    @property
+    def rest(self) -> PerLayerTokenTable | None:
+        """The table serving the rest of each row once :meth:`split_before` split it."""
+        return self._rest
 
     @property
     def joins_late(self) -> bool:
@@ -147,14 +164,16 @@ class PerLayerTokenTable(nn.Module, MmapTableLayer):
     # -- the runner's view (MmapTableLayer) ------------------------------------------------
 
     def ple_memops_layer_index(self) -> int:
-        return 0  # every decoder layer reads its slice of one table: layer 0 waits first
+        # Every decoder layer reads its slice of one table: layer 0 waits first; a split
+        # table's rest is waited for first by layer 1.
+        return self._layer_index
 
     def ple_memops_host_ids(self) -> HostTokenIds:
         """A token's row, row 0 outside the table (:class:`~.prefill.HostTokenIds`)."""
         return HostTokenIds(self.org_vocab_size)
 
     def ple_memops_table(self, names: Iterable[str]) -> LayerTable:
-        return find_per_layer_table(names)
+        return dataclasses.replace(find_per_layer_table(names), columns=self.columns)
 
     def ple_memops_expect(self) -> TableExpectations:
         return TableExpectations(
@@ -172,8 +191,12 @@ class PerLayerTokenTable(nn.Module, MmapTableLayer):
 
     def stage(self, ids: torch.Tensor) -> torch.Tensor:
         """Stage the rows of ``ids`` (``[T]``, already masked into the table) with the
-        functional ops of a compiled model; returns the token :meth:`join` takes."""
-        return ops.stage_ids(ids, self.ple_memops_name)
+        functional ops of a compiled model; returns the token :meth:`join` takes. A split
+        table stages its rest's rows too (its token kept here until :meth:`combine`)."""
+        staged = ops.stage_ids(ids, self.ple_memops_name)
+        if self._rest is not None:
+            self._rest_staged = self._rest.stage(ids)
+        return staged
 
     def join(self, staged: torch.Tensor) -> torch.Tensor:
         """The rows :meth:`stage` staged, ready: ``[T, embedding_dim]`` in the table's
@@ -196,12 +219,20 @@ class PerLayerTokenTable(nn.Module, MmapTableLayer):
         ``projection`` itself is returned and completed in place, the same operations in
         the same order (eager, so the same bits), right before that consumer runs."""
         if self._joins_late:
-            if self._deferred is not None:
+            if self._deferred is not None or self._rest_deferred is not None:
                 raise StateError(
                     f"ple-memops: {self.ple_memops_name}: the previous forward's rows were "
-                    "never joined (decoder layer 0's per-layer gate did not run)"
+                    "never joined (a decoder layer's per-layer gate did not run)"
                 )
             self._deferred = (projection, staged, rows_scale, inputs_scale)
+            if self._rest is not None:
+                rest, self._rest_staged = self._rest_staged, None
+                if rest is None:
+                    raise StateError(
+                        f"ple-memops: {self.ple_memops_name}: the rest of the rows was not "
+                        "staged with decoder layer 0's slice"
+                    )
+                self._rest_deferred = (projection, rest, rows_scale, inputs_scale)
             return projection
         rows = self.join(staged) * rows_scale
         combined: torch.Tensor = (projection + rows.reshape(projection.shape)) * inputs_scale
@@ -220,14 +251,58 @@ class PerLayerTokenTable(nn.Module, MmapTableLayer):
         self._joins_late = True
         consumer.register_forward_pre_hook(self._join_deferred)
 
+    def split_before(self, consumer: nn.Module, rest_consumer: nn.Module, layer_cols: int) -> None:
+        """As :meth:`join_before`, with each row split in two tables of the same checkpoint
+        tensor (column windows, :meth:`~ple_memops.MmapTable.open`'s ``columns``): this
+        one serves decoder layer 0's slice (the first ``layer_cols`` columns) and joins it
+        right before ``consumer`` (layer 0's per-layer gate); :attr:`rest` serves every
+        later layer's slices and joins them right before ``rest_consumer`` (layer 1's
+        gate). The GPU then waits at layer 0 for a row's first slice only (512 B of a
+        Gemma row's 15-21 KiB), and the rest of the gather hides behind a second decoder
+        layer. The same operations on the same elements: the same bits."""
+        layers, rem = divmod(self.embedding_dim, layer_cols)
+        if rem or layers < 2 or layer_cols <= 0:
+            raise ValueError(
+                f"{self.ple_memops_name}: rows of {self.embedding_dim} columns do not split "
+                f"into at least two layers' slices of {layer_cols}"
+            )
+        rest = PerLayerTokenTable(
+            self.org_vocab_size,
+            self.embedding_dim,
+            params_dtype=self.dtype,
+            prefix=f"{self.ple_memops_name}.rest",
+        )
+        rest.columns = (layer_cols, self.embedding_dim - layer_cols)
+        rest._layer_index = 1
+        rest._joins_late = True
+        self.columns = (0, layer_cols)
+        self._rest = rest  # a child module: the runner finds it among the model's tables
+        self.join_before(consumer)
+        rest_consumer.register_forward_pre_hook(self._join_rest)
+
     def _join_deferred(self, module: nn.Module, args: Any) -> None:
         deferred, self._deferred = self._deferred, None
         if deferred is None:
             return  # a profiling pass, without rows
         projection, staged, rows_scale, inputs_scale = deferred
         rows = self.join(staged) * rows_scale
-        projection.add_(rows.reshape(projection.shape))
-        projection.mul_(inputs_scale)
+        if self._rest is None:
+            projection.add_(rows.reshape(projection.shape))
+            projection.mul_(inputs_scale)
+            return
+        first = projection[:, 0, :]  # [T, L, d]: decoder layer 0's slice
+        first.add_(rows.reshape(first.shape))
+        first.mul_(inputs_scale)
+
+    def _join_rest(self, module: nn.Module, args: Any) -> None:
+        deferred, self._rest_deferred = self._rest_deferred, None
+        if deferred is None or self._rest is None:
+            return  # a profiling pass, without rows
+        projection, staged, rows_scale, inputs_scale = deferred
+        rows = self._rest.join(staged) * rows_scale
+        later = projection[:, 1:, :]
+        later.add_(rows.reshape(later.shape))
+        later.mul_(inputs_scale)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(
