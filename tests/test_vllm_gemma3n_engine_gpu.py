@@ -53,7 +53,7 @@ def test_gemma3n_multimodal_class(tmp_path: Path) -> None:
     assert stats["joins_late"] == [False], stats  # compiled: Inductor places the join
 
 
-def test_gemma3n_run_eagerly_its_rows_join_at_layer_0s_gate(tmp_path: Path) -> None:
+def test_gemma3n_run_eagerly_its_rows_join_at_layer_0s_gate_whole_or_split(tmp_path: Path) -> None:
     # vLLM's -O0: the rows join right before decoder layer 0's per-layer gate (the host's
     # gather hides behind the layer), and the tokens are the stock engine's in -O0.
     ckpt = ckpts.write_gemma3n_checkpoint(tmp_path)
@@ -66,3 +66,12 @@ def test_gemma3n_run_eagerly_its_rows_join_at_layer_0s_gate(tmp_path: Path) -> N
     assert got.tokens == reference.tokens
     assert_gemma_deferred(stats)
     assert stats["joins_late"] == [True], stats
+    # split_rows: layer 0's slice of each row and the rest are two tables, joined at layer
+    # 0's and layer 1's gates; the same tokens.
+    split = {"ple_memops": {"table_backend": "mmap", "split_rows": True}}
+    got, stats = serve_gemma(gemma4_engine(ckpt, "mmap", **gemma_eager(additional_config=split)))
+    print(f"\ngemma3n mmap, -O0, split rows: {stats}")
+    assert got.tokens == reference.tokens
+    assert_gemma_deferred(stats)
+    assert len(stats["layers"]) == 2 and stats["layers"][1].endswith(".rest"), stats
+    assert stats["joins_late"] == [True, True], stats

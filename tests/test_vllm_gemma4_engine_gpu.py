@@ -148,7 +148,7 @@ def test_a_sync_plan_serves_without_graphs(
     assert stats["cudagraph_mode"].endswith("NONE"), stats
 
 
-def test_text_model_run_eagerly_its_rows_join_at_layer_0s_gate(
+def test_text_model_run_eagerly_its_rows_join_at_layer_0s_gate_whole_or_split(
     checkpoints: dict[str, Path],
 ) -> None:
     # vLLM's -O0: the rows join right before decoder layer 0's per-layer gate, and the
@@ -161,3 +161,14 @@ def test_text_model_run_eagerly_its_rows_join_at_layer_0s_gate(
     assert got.tokens == reference.tokens
     assert_gemma_deferred(stats)
     assert stats["joins_late"] == [True], stats
+    # split_rows: layer 0's slice of each row a table of its own (joined at layer 0's
+    # gate), the rest another (at layer 1's): two tables deferred, the same tokens.
+    split = {"ple_memops": {"table_backend": "mmap", "split_rows": True}}
+    got, stats = serve_gemma(
+        _engine(checkpoints["text"], "mmap", **gemma_eager(additional_config=split))
+    )
+    print(f"\ntext mmap, -O0, split rows: {stats}")
+    assert got.tokens == reference.tokens
+    assert_gemma_deferred(stats)
+    assert len(stats["layers"]) == 2 and stats["layers"][1].endswith(".rest"), stats
+    assert stats["joins_late"] == [True, True], stats
