@@ -142,6 +142,8 @@ MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     # GPU stall timing too, for the stall column.
     "mmap-split": {"split_rows": True},
     "mmap-split-stalls": {"split_rows": True, "stalls": True},
+    # split_rows with the rest's table on 8 gather threads of its own kept awake.
+    "mmap-split-lead": {"split_rows": True, "first_layer_threads": 8},
     # Without the instruments (no stall timing, no stats lines): what measuring costs.
     "mmap-bare": {"bare": True},
     # The GPU stall timing on (two stamps a step; off in the other mmap servers unless

@@ -263,11 +263,17 @@ def test_split_rows_layer_0s_slice_joins_at_its_gate_and_the_rest_at_layer_1s(
     assert (first.ple_memops_layer_index(), rest.ple_memops_layer_index()) == (0, 1)
     assert (first.row_bytes, rest.row_bytes) == (32, (layers_n - 1) * 32)
     assert rest.ple_memops_name == first.ple_memops_name + ".rest"
+    # first_layer_threads go to the rest (layer 0's slices are gathered inline).
+    mmap_cfg.additional_config = {"ple_memops": SPLIT["ple_memops"] | {"first_layer_threads": 3}}
     hooks = _attach(model, mmap_cfg)
     try:
         assert hooks.layer_names == [first.ple_memops_name, rest.ple_memops_name]
+        threads = {n: layer.table.gather_threads for n, layer in hooks.plan.layers.items()}
+        assert threads == {first.ple_memops_name: None, rest.ple_memops_name: 3}
+        assert hooks.plan.layers[rest.ple_memops_name].table.columns == rest.columns
     finally:
         hooks.shutdown()
+    mmap_cfg.additional_config = SPLIT
     _joined_at_gate(model, stock, mmap_cfg, stock_cfg, layers_n=layers_n, split=True)
     # Compiled, the setting changes nothing: one table, joined where Inductor places it.
     compiled_cfg = _config(ckpt, mmap=True)

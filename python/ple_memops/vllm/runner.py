@@ -171,10 +171,12 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
     ids_source = all(m.ple_memops_ids_source for m in layers)
     tables: dict[str, MmapTable] = {}
     try:
-        index = {m.ple_memops_name: m.ple_memops_layer_index() for m in layers}
-        first = min(index.values())  # the PLE layer every step waits for
+        # first_layer_threads: for the first PLE layer's table, whose fill every step
+        # waits for; a Gemma table split in two (split_rows) gathers that layer's slices
+        # inline (512 B a token), so its rest gets them: the fill a step waits for longest.
+        lead = min(layers, key=lambda m: m.ple_memops_layer_index())
+        lead = getattr(lead, "rest", None) or lead
         for module in layers:
-            layer = index[module.ple_memops_name]
             expect = module.ple_memops_expect()
             tables[module.ple_memops_name] = open_layer_table(
                 ckpt,
@@ -183,7 +185,7 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
                 row_bytes=expect.row_bytes,
                 dtype=expect.dtype,
                 scale=expect.scale,
-                gather_threads=settings.first_layer_threads if layer == first else None,
+                gather_threads=settings.first_layer_threads if module is lead else None,
             )
         build: dict[str, Any] = dict(
             rows_per_token=rows_per_token,

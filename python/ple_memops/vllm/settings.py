@@ -171,8 +171,9 @@ class Settings:
     and its first PLE layer is decoder layer 0). Its parallel gathers (256 KiB and up:
     1,024 BF16 rows, a 64-token decode step) run on them, never queued behind the later
     layers' on the shared pool, and the worker keeps them awake (20 us naps) while a step
-    is armed, so the fill after READY does not begin by waking sleeping threads. ``None``
-    (default): every table on the shared pool."""
+    is armed, so the fill after READY does not begin by waking sleeping threads. With
+    ``split_rows`` they go to the rest of the split table (layer 0's slices are gathered
+    inline). ``None`` (default): every table on the shared pool."""
     time_stalls: bool = False
     """Time on the GPU how long each step's first consumer of every PLE layer waited for
     its rows (two one-thread kernels a layer a step, stamping the GPU's clock); the stats
