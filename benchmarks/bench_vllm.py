@@ -605,7 +605,8 @@ def _solo(
     an equal share of what is left after the starts and stops still to come (each
     estimated by the last one measured), so a slow first start (vLLM's Triton kernels
     compile on a fresh host) costs every backend a little rather than the first one its
-    loads. A server is started only if its start and ``SOLO_MIN_LOADS_S`` of loads fit.
+    loads. A server is started only if its start and ``SOLO_MIN_LOADS_S`` of loads fit,
+    and a started one gets at least ``SOLO_MIN_LOADS_S``.
     An interrupt leaves the running server to ``main``, which reports first."""
     start_s, stop_s = SOLO_START_GUESS_S, SOLO_STOP_GUESS_S
     for k, b in enumerate(args.backends):
@@ -625,7 +626,12 @@ def _solo(
         start_s = time.monotonic() - t0
         srv.facts = log_facts(srv.log_path)
         still = todo * stop_s + (todo - 1) * start_s
+        # A started server measures at least SOLO_MIN_LOADS_S (within the deadline), at the
+        # cost of the servers after it (not started when the rest does not fit): a first
+        # start that compiled vLLM's kernels (104 s on a fresh H200, the next ones 53-65 s)
+        # made every later start look as slow, and left a started reference no loads.
         loads_s = max(0.0, left() - still) / todo
+        loads_s = min(max(loads_s, SOLO_MIN_LOADS_S), max(0.0, left() - stop_s))
         log(f"{b}: {loads_s:.0f} s for its loads")
         whole = vllm_clock.DEADLINE
         vllm_clock.DEADLINE = min(whole, time.monotonic() + loads_s)
