@@ -1017,6 +1017,19 @@ def test_settings_expect_prefill() -> None:
         S.for_engine({"ple_memops": {"expect_prefill": 2}}, {})
 
 
+def test_settings_split_rows() -> None:
+    S = settings.Settings
+    assert not S.from_env({}).split_rows and not S().split_rows
+    env = {"PLE_MEMOPS_SPLIT_ROWS": "1"}
+    assert S.from_env(env).split_rows
+    assert not S.for_engine({"ple_memops": {"split_rows": False}}, env).split_rows
+    assert S.for_engine({"ple_memops": {"split_rows": "on"}}, {}).split_rows
+    with pytest.raises(InvalidArgumentError, match="PLE_MEMOPS_SPLIT_ROWS must be"):
+        S.from_env({"PLE_MEMOPS_SPLIT_ROWS": "maybe"})
+    with pytest.raises(InvalidArgumentError, match=r"\['split_rows'\] must be 1 or 0"):
+        S.for_engine({"ple_memops": {"split_rows": 2}}, {})
+
+
 def test_settings_first_layer_threads() -> None:
     S = settings.Settings
     assert S.from_env({}).first_layer_threads is None

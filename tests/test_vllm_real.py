@@ -318,6 +318,8 @@ def test_check_command_reports(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> 
         ("PLE_MEMOPS_STATS_EVERY", "10", 0, "stats lines every 10 s (PLE_MEMOPS_STATS_EVERY)"),
         ("PLE_MEMOPS_FIRST_LAYER_THREADS", "6", 0, "first PLE layer's gathers on 6 threads"),
         ("PLE_MEMOPS_FIRST_LAYER_THREADS", "1", 1, "PLE_MEMOPS_FIRST_LAYER_THREADS must be"),
+        ("PLE_MEMOPS_SPLIT_ROWS", "1", 0, "split at decoder layer 0 on (PLE_MEMOPS_SPLIT_ROWS)"),
+        ("PLE_MEMOPS_SPLIT_ROWS", "2", 1, "PLE_MEMOPS_SPLIT_ROWS must be 1 or 0"),
     ):
         monkeypatch.setenv(var, value)
         assert main(["check"]) == rc, (var, value)

@@ -25,6 +25,7 @@ from .settings import (
     PREDICT_READY_ENV,
     SKIP_GATHER_ENV,
     SPIN_ENV,
+    SPLIT_ROWS_ENV,
     STATS_ENV,
     TIME_GRAPHS_ENV,
     TIME_STALLS_ENV,
@@ -80,7 +81,9 @@ def check() -> int:
         f"({TIME_STALLS_ENV}), predicted READY {'on' if settings.predict_ready else 'off'} "
         f"({PREDICT_READY_ENV}), graph timing {'on' if settings.time_graphs else 'off'} "
         f"({TIME_GRAPHS_ENV}), prefill ids expected on the host "
-        f"{'on' if settings.expect_prefill else 'off'} ({EXPECT_PREFILL_ENV}); an engine's "
+        f"{'on' if settings.expect_prefill else 'off'} ({EXPECT_PREFILL_ENV}), a Gemma's rows "
+        f"split at decoder layer 0 {'on' if settings.split_rows else 'off'} "
+        f"({SPLIT_ROWS_ENV}); an engine's "
         "additional_config['ple_memops'] overrides them"
     )
     if settings.diag_skip_gather:
