@@ -319,3 +319,31 @@ def test_delivery_stats_read_the_expected_steps_of_each_layer() -> None:
         "layers.6": {"steps": 10, "early": 20480, "wrong": 3},
     }
     assert got["fill_us"]["layers.0"] == 30.0 and got["late_completes"] == {"layers.6": 2}
+
+
+def test_the_breakdown_shows_both_parts_of_a_split_gemma_table() -> None:
+    """A Gemma table split at decoder layer 0 (``split_rows``) is two tables, neither named
+    after a layer: the stall column shows both, layer 0's slice first; a Qwen4Exp server's
+    shows its first PLE layer only."""
+    from vllm_report import breakdown_markdown
+
+    def stall(p50: float) -> dict[str, float]:
+        return {"steps": 100, "stalled_pct": 50.0, "p50_us": p50, "p99_us": 2 * p50,
+                "max_us": 3 * p50, "mean_us": p50}  # fmt: skip
+
+    gemma = "model.embed_tokens_per_layer"
+    summary = {
+        ("c64", "mmap-split"): {
+            "n": 1, "itl_p50_ms": 6.6, "gpu_busy_pct": 70.0,
+            "stall": {f"{gemma}.rest": stall(20.0), gemma: stall(1.5)},
+        },
+        ("c64", "mmap"): {
+            "n": 1, "itl_p50_ms": 6.8, "gpu_busy_pct": 70.0,
+            "stall": {"model.layers.6.ple": stall(9.0), "model.layers.0.ple": stall(150.0)},
+        },
+    }  # fmt: skip
+    out = breakdown_markdown([], summary, "gpu")
+    split_row = next(ln for ln in out.splitlines() if "| mmap-split |" in ln)
+    assert f"{gemma}: 50%, 1.5 / 3.0 / 1.5; {gemma}.rest: 50%, 20.0 / 40.0 / 20.0" in split_row
+    qwen_row = next(ln for ln in out.splitlines() if "| mmap |" in ln)
+    assert "model.layers.0.ple: 50%, 150.0" in qwen_row and "layers.6" not in qwen_row
