@@ -242,13 +242,16 @@ def test_run_eagerly_the_rows_join_at_layer_0s_gate_with_the_stock_models_bits(
 SPLIT = {"ple_memops": {"table_backend": "mmap", "split_rows": True}}
 
 
-@pytest.mark.parametrize("structure", ["default", "released"])
+@pytest.mark.parametrize("structure", ["default", "released", "multimodal"])
 def test_split_rows_layer_0s_slice_joins_at_its_gate_and_the_rest_at_layer_1s(
     tmp_path: Path, dist: Any, installed: Any, structure: str
 ) -> None:
     # split_rows: two tables of one checkpoint tensor (column windows), the rows of the
-    # stock model, bit for bit, each slice joined right before its first consumer.
-    kw = RELEASED_STRUCTURE if structure == "released" else {}
+    # stock model, bit for bit, each slice joined right before its first consumer (the
+    # text class at the default and the released structure, and the multimodal class).
+    kw: dict[str, Any] = RELEASED_STRUCTURE if structure == "released" else {}
+    if structure == "multimodal":
+        kw = {"multimodal": True}
     ckpt = ckpts.write_gemma4_checkpoint(tmp_path / structure, **kw)
     layers_n = int(kw.get("num_hidden_layers", 4))
     eager = CompilationConfig(mode=0)
@@ -257,6 +260,8 @@ def test_split_rows_layer_0s_slice_joins_at_its_gate_and_the_rest_at_layer_1s(
     stock_cfg = _config(ckpt, mmap=False, compilation_config=CompilationConfig(mode=0))
     model, _ = vllm_cpu.load_model(mmap_cfg)
     stock, _ = vllm_cpu.load_model(stock_cfg)
+    want_class = {"multimodal": gemma4.Gemma4MmapForConditionalGeneration}
+    assert type(model) is want_class.get(structure, gemma4.Gemma4MmapForCausalLM)
     first, rest = gemma4.find_mmap_tables(model)
     assert first.rest is rest and rest.rest is None
     assert first.columns == (0, 16) and rest.columns == (16, (layers_n - 1) * 16)
