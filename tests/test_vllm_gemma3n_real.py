@@ -140,6 +140,27 @@ def test_the_model_loads_without_its_table_and_its_inputs_are_the_stock_models(
         hooks.shutdown()
 
 
+def _stock_inputs(stock: Any, stock_cfg: VllmConfig, ids: torch.Tensor) -> torch.Tensor:
+    """The stock model's per-layer inputs for ``ids`` (its rows buffer as its
+    ``embed_input_ids`` filled it)."""
+    with set_current_vllm_config(stock_cfg):
+        embeds = stock.embed_input_ids(ids)
+        out: torch.Tensor = stock.language_model.model.self_decoder.get_per_layer_inputs(
+            embeds, stock.per_layer_embeddings[: len(ids)]
+        )
+    return out
+
+
+def _our_inputs(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our model's per-layer inputs for ``ids`` (joined or still to be joined) and its
+    projection alone; inside the mmap config, the hooks' eager scope and the layers."""
+    ours = model.language_model.model.self_decoder
+    embeds = model.embed_input_ids(ids)
+    staged = ours.get_per_layer_input_embeddings(model.ple_memops_ids[: len(ids)])
+    got = ours.get_per_layer_inputs(embeds, staged)
+    return got, ours.get_per_layer_inputs(embeds, None)
+
+
 def test_run_eagerly_the_rows_join_at_layer_0s_gate_with_the_stock_models_bits(
     checkpoint: Path, dist: Any, installed: Any
 ) -> None:
@@ -151,22 +172,16 @@ def test_run_eagerly_the_rows_join_at_layer_0s_gate_with_the_stock_models_bits(
     model, _ = vllm_cpu.load_model(mmap_cfg)
     stock_cfg = _config(checkpoint, mmap=False, eager=True)
     stock, _ = vllm_cpu.load_model(stock_cfg)
-    ours, theirs = model.language_model.model.self_decoder, stock.language_model.model.self_decoder
+    ours = model.language_model.model.self_decoder
     gate = ours.decoder_layers[0].per_layer_input_gate
     hooks = _attach(model, mmap_cfg)
     layers = mmap_cfg.compilation_config.static_forward_context
     try:
         for n, seed in ((1, 1), (9, 2), (40, 3)):
             ids = _ids(n, seed)
-            with set_current_vllm_config(stock_cfg):
-                want = theirs.get_per_layer_inputs(
-                    stock.embed_input_ids(ids), stock.per_layer_embeddings[:n]
-                )
+            want = _stock_inputs(stock, stock_cfg, ids)
             with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
-                embeds = model.embed_input_ids(ids)
-                staged = ours.get_per_layer_input_embeddings(model.ple_memops_ids[:n])
-                got = ours.get_per_layer_inputs(embeds, staged)
-                projection = ours.get_per_layer_inputs(embeds, None)
+                got, projection = _our_inputs(model, ids)
                 assert torch.equal(got, projection)  # not joined yet
                 gate(torch.zeros(n, ckpts.GEMMA3N_CONFIG["hidden_size"], dtype=torch.bfloat16))
             assert torch.equal(got, want), (n, (got.float() - want.float()).abs().max())
@@ -182,20 +197,13 @@ def test_run_eagerly_the_rows_join_at_layer_0s_gate_with_the_stock_models_bits(
     early_cfg = _config(checkpoint, mmap=True, eager=True)
     early_cfg.additional_config["ple_memops"]["diag_early_join"] = True
     early, _ = vllm_cpu.load_model(early_cfg)
-    decoder = early.language_model.model.self_decoder
     hooks = _attach(early, early_cfg)
     layers = early_cfg.compilation_config.static_forward_context
     try:
         ids = _ids(9, 2)
-        with set_current_vllm_config(stock_cfg):
-            want = theirs.get_per_layer_inputs(
-                stock.embed_input_ids(ids), stock.per_layer_embeddings[:9]
-            )
         with set_current_vllm_config(early_cfg), hooks.eager(dummy=False), ops.layers(layers):
-            embeds = early.embed_input_ids(ids)
-            staged = decoder.get_per_layer_input_embeddings(early.ple_memops_ids[:9])
-            got = decoder.get_per_layer_inputs(embeds, staged)
-        assert torch.equal(got, want)
+            got, _ = _our_inputs(early, ids)
+        assert torch.equal(got, _stock_inputs(stock, stock_cfg, ids))
     finally:
         hooks.shutdown()
 
@@ -216,7 +224,6 @@ def test_split_rows_layer_0s_slice_joins_at_its_gate_and_the_rest_at_layer_1s(
     width = ckpts.GEMMA3N_CONFIG["hidden_size_per_layer_input"]
     assert first.rest is rest
     assert first.columns == (0, width) and rest.columns == (width, (layers_n - 1) * width)
-    ours, theirs = model.language_model.model.self_decoder, stock.language_model.model.self_decoder
     gates = [layer.per_layer_input_gate for layer in model.language_model.model.layers[:2]]
     hidden = ckpts.GEMMA3N_CONFIG["hidden_size"]
     hooks = _attach(model, mmap_cfg)
@@ -225,15 +232,9 @@ def test_split_rows_layer_0s_slice_joins_at_its_gate_and_the_rest_at_layer_1s(
         assert hooks.layer_names == [first.ple_memops_name, rest.ple_memops_name]
         for n, seed in ((1, 1), (9, 2), (40, 3)):
             ids = _ids(n, seed)
-            with set_current_vllm_config(stock_cfg):
-                want = theirs.get_per_layer_inputs(
-                    stock.embed_input_ids(ids), stock.per_layer_embeddings[:n]
-                )
+            want = _stock_inputs(stock, stock_cfg, ids)
             with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
-                embeds = model.embed_input_ids(ids)
-                staged = ours.get_per_layer_input_embeddings(model.ple_memops_ids[:n])
-                got = ours.get_per_layer_inputs(embeds, staged)
-                projection = ours.get_per_layer_inputs(embeds, None)
+                got, projection = _our_inputs(model, ids)
                 gates[0](torch.zeros(n, hidden, dtype=torch.bfloat16))
                 assert torch.equal(got[:, 0], want[:, 0])
                 assert torch.equal(got[:, 1:], projection[:, 1:])  # not joined yet
