@@ -182,6 +182,40 @@ def test_a_column_window_serves_each_rows_slice(tmp_path: Path, dtype: str) -> N
         assert whole.columns is None and whole.shape == (700, 160)
 
 
+def test_windows_of_one_table_share_its_mapping(tmp_path: Path) -> None:
+    t = _rand(300, 4 * 32, torch.bfloat16, 6)
+    path = tmp_path / "model.safetensors"
+    save_file({GEMMA: t}, str(path))
+
+    def mappings() -> int:
+        # Areas of a mapping of the file that begin at its offset 0: one a mapping (advice
+        # on part of a mapping splits it into areas at other offsets).
+        areas = [m.split() for m in Path("/proc/self/maps").read_text().splitlines()]
+        return sum(m[-1] == str(path) and int(m[2], 16) == 0 for m in areas)
+
+    before = mappings()
+    base = MmapTable.open(path, GEMMA)
+    first = base.window((0, 32))
+    rest = base.window((32, 96), gather_threads=2)
+    assert mappings() - before == 1  # one mapping for the three
+    assert (first.columns, rest.columns, base.columns) == ((0, 32), (32, 96), None)
+    assert (rest.gather_threads, base.gather_threads) == (2, None)
+    ids = np.random.default_rng(7).integers(0, 300, 500)
+    base.close()  # the windows keep the mapping
+    np.testing.assert_array_equal(first.gather(ids), _bytes(t[:, :32][ids]).numpy())
+    np.testing.assert_array_equal(rest.gather(ids), _bytes(t[:, 32:][ids]).numpy())
+    assert rest.page_stats()["row_hits"] == first.page_stats()["row_hits"]  # shared
+    with pytest.raises(ClosedError):
+        base.window((0, 1))
+    with pytest.raises(InvalidArgumentError, match="columns"):
+        first.window((120, 9))
+    with pytest.raises(InvalidArgumentError, match="gather_threads"):
+        first.window((0, 1), gather_threads=1)
+    first.close()
+    rest.close()
+    assert mappings() == before
+
+
 @pytest.mark.parametrize("columns", [(0, 0), (160, 1), (100, 61), (-1, 2), (1.0, 2), [0, 2], (0,)])
 def test_a_column_window_outside_the_row_is_refused(tmp_path: Path, columns: object) -> None:
     save_file({GEMMA: _rand(8, 160, torch.bfloat16, 1)}, str(tmp_path / "m.safetensors"))

@@ -242,6 +242,13 @@ def test_run_eagerly_the_rows_join_at_layer_0s_gate_with_the_stock_models_bits(
 SPLIT = {"ple_memops": {"table_backend": "mmap", "split_rows": True}}
 
 
+def _table_mappings() -> int:
+    """Mappings of a per-layer table file in this process: areas that begin at the file's
+    offset 0 (advice on part of a mapping splits it into areas at other offsets)."""
+    areas = [m.split() for m in Path("/proc/self/maps").read_text().splitlines()]
+    return sum(a[-1].endswith("model-ple.safetensors") and int(a[2], 16) == 0 for a in areas)
+
+
 @pytest.mark.parametrize("structure", ["default", "released", "multimodal"])
 def test_split_rows_layer_0s_slice_joins_at_its_gate_and_the_rest_at_layer_1s(
     tmp_path: Path, dist: Any, installed: Any, structure: str
@@ -270,12 +277,15 @@ def test_split_rows_layer_0s_slice_joins_at_its_gate_and_the_rest_at_layer_1s(
     assert rest.ple_memops_name == first.ple_memops_name + ".rest"
     # first_layer_threads go to the rest (layer 0's slices are gathered inline).
     mmap_cfg.additional_config = {"ple_memops": SPLIT["ple_memops"] | {"first_layer_threads": 3}}
+    before = _table_mappings()
     hooks = _attach(model, mmap_cfg)
     try:
         assert hooks.layer_names == [first.ple_memops_name, rest.ple_memops_name]
         threads = {n: layer.table.gather_threads for n, layer in hooks.plan.layers.items()}
         assert threads == {first.ple_memops_name: None, rest.ple_memops_name: 3}
         assert hooks.plan.layers[rest.ple_memops_name].table.columns == rest.columns
+        # One mapping of the table's file serves both windows.
+        assert _table_mappings() == before + 1
     finally:
         hooks.shutdown()
     mmap_cfg.additional_config = SPLIT

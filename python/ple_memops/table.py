@@ -52,6 +52,29 @@ def _as_out(out: Any) -> Any:
     )
 
 
+def _check_columns(columns: object) -> None:
+    if columns is not None and not (
+        isinstance(columns, tuple)
+        and len(columns) == 2
+        and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in columns)
+    ):
+        raise InvalidArgumentError(
+            f"columns must be a (first, count) tuple of non-negative ints or None, got {columns!r}"
+        )
+
+
+def _check_threads(gather_threads: object) -> None:
+    if gather_threads is not None and (
+        not isinstance(gather_threads, int)
+        or isinstance(gather_threads, bool)
+        or not 2 <= gather_threads <= 64
+    ):
+        raise InvalidArgumentError(
+            f"gather_threads must be an int from 2 to 64 or None (the shared pool), "
+            f"got {gather_threads!r}"
+        )
+
+
 class MmapTable:
     """A 2-D embedding table (or its row shards) in a safetensors checkpoint, memory-mapped
     read-only; :meth:`gather` copies rows by id in native code with the GIL released.
@@ -151,24 +174,8 @@ class MmapTable:
         ):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise InvalidArgumentError(f"{what} must be a non-negative int or None, got {v!r}")
-        if gather_threads is not None and (
-            not isinstance(gather_threads, int)
-            or isinstance(gather_threads, bool)
-            or not 2 <= gather_threads <= 64
-        ):
-            raise InvalidArgumentError(
-                f"gather_threads must be an int from 2 to 64 or None (the shared pool), "
-                f"got {gather_threads!r}"
-            )
-        if columns is not None and not (
-            isinstance(columns, tuple)
-            and len(columns) == 2
-            and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in columns)
-        ):
-            raise InvalidArgumentError(
-                f"columns must be a (first, count) tuple of non-negative ints or None, "
-                f"got {columns!r}"
-            )
+        _check_threads(gather_threads)
+        _check_columns(columns)
         for what, choice, allowed in (
             ("access", access, get_args(Access)),
             ("cold_reads", cold_reads, get_args(ColdReads)),
@@ -350,9 +357,29 @@ class MmapTable:
 
     # -- lifecycle --------------------------------------------------------------------
 
+    def window(
+        self, columns: tuple[int, int] | None = None, *, gather_threads: int | None = None
+    ) -> MmapTable:
+        """Another table on the same open checkpoint, serving ``columns`` (``(first,
+        count)`` of each stored row, as :meth:`open`'s ``columns``; ``None``: whole rows)
+        with ``gather_threads`` of its own (as :meth:`open`'s). It shares this table's
+        mappings, the pages it knows resident and its page counters (:meth:`page_stats`),
+        so a process that serves one tensor as several windows maps it once (and its
+        RSS counts the pages once). Closing either leaves the other open.
+
+        Raises:
+            InvalidArgumentError: ``columns`` not a non-empty window of the row, or
+                ``gather_threads`` outside 2-64.
+            ClosedError: this table is closed.
+        """
+        _check_columns(columns)
+        _check_threads(gather_threads)
+        return type(self)(self._live().window(columns, gather_threads))
+
     def close(self) -> None:
-        """Release the mapping (idempotent). A gather running in another thread keeps it
-        alive until it returns; every later call raises :class:`~ple_memops.ClosedError`."""
+        """Release the mapping (idempotent; it stays while a :meth:`window` of it is
+        open). A gather running in another thread keeps it alive until it returns; every
+        later call raises :class:`~ple_memops.ClosedError`."""
         self._core = None
 
     def __enter__(self) -> MmapTable:

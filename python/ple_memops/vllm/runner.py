@@ -170,6 +170,9 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
     )
     ids_source = all(m.ple_memops_ids_source for m in layers)
     tables: dict[str, MmapTable] = {}
+    # A tensor served as several column windows (a Gemma table split in two) is opened
+    # once, and each window shares its mapping.
+    bases: dict[tuple[str | None, str | None], MmapTable] = {}
     try:
         # first_layer_threads: for the first PLE layer's table, whose fill every step
         # waits for; a Gemma table split in two (split_rows) gathers that layer's slices
@@ -178,9 +181,17 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
         lead = getattr(lead, "rest", None) or lead
         for module in layers:
             expect = module.ple_memops_expect()
+            spec = module.ple_memops_table(names)
+            base = None
+            if spec.columns is not None:
+                key = (spec.name, spec.pattern)
+                if key not in bases:
+                    bases[key] = MmapTable.open(ckpt, spec.name, pattern=spec.pattern)
+                base = bases[key]
             tables[module.ple_memops_name] = open_layer_table(
                 ckpt,
-                module.ple_memops_table(names),
+                spec,
+                base=base,
                 rows=expect.rows,
                 row_bytes=expect.row_bytes,
                 dtype=expect.dtype,
@@ -216,6 +227,9 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
         for t in tables.values():
             t.close()
         raise
+    finally:
+        for t in bases.values():
+            t.close()  # its windows keep the mapping
     for module in layers:
         module.ple_memops_bind(hooks, max_tokens)
     runner.ple_expect = _prefill_expectations(layers, hooks, settings, rows_per_token)

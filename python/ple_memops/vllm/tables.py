@@ -154,18 +154,23 @@ def open_layer_table(
     dtype: str | None = None,
     scale: float | None = None,
     gather_threads: int | None = None,
+    base: MmapTable | None = None,
 ) -> MmapTable:
     """Open ``spec`` in ``checkpoint`` and check it against what the model expects
     (each check only when its value is given); a mismatch raises :class:`TableError`
     naming the layer and the tensors, and closes the table. ``gather_threads``: see
-    :meth:`MmapTable.open`."""
-    table = MmapTable.open(
-        checkpoint,
-        spec.name,
-        pattern=spec.pattern,
-        gather_threads=gather_threads,
-        columns=spec.columns,
-    )
+    :meth:`MmapTable.open`. ``base``: ``spec``'s tensor opened already; the table is a
+    :meth:`~MmapTable.window` of it (one mapping for every window of a tensor)."""
+    if base is not None:
+        table = base.window(spec.columns, gather_threads=gather_threads)
+    else:
+        table = MmapTable.open(
+            checkpoint,
+            spec.name,
+            pattern=spec.pattern,
+            gather_threads=gather_threads,
+            columns=spec.columns,
+        )
     what = spec.pattern or spec.name
     if spec.columns is not None:
         what = f"{what}, columns {spec.columns[0]}..{sum(spec.columns)}"

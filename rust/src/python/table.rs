@@ -219,6 +219,21 @@ impl PyMmapTable {
         self.inner.label().to_owned()
     }
 
+    /// Another handle serving `columns` of each stored row, sharing this one's mappings.
+    #[pyo3(signature = (columns=None, gather_threads=None))]
+    fn window(
+        &self,
+        py: Python<'_>,
+        columns: Option<(usize, usize)>,
+        gather_threads: Option<usize>,
+    ) -> PyResult<Self> {
+        let inner = self
+            .inner
+            .window(columns, gather_threads)
+            .map_err(|e| to_pyerr(py, e))?;
+        Ok(Self { inner })
+    }
+
     /// The cold-read way in use (`"auto"` resolved).
     #[getter]
     fn cold_reads(&self) -> &'static str {

@@ -279,9 +279,12 @@ struct Counters {
     cold_fallbacks: AtomicU64,
 }
 
+/// What every handle of one opened table shares ([`MmapTable::window`]): the mappings,
+/// the known-resident pages, the counters.
 struct Inner {
     layout: Layout,
-    label: String,
+    /// The selector and the checkpoint, as a label names them.
+    names: (String, String),
     ends: Vec<u64>,
     opts: TableOptions,
     /// The cold-read way in use (never `Auto`).
@@ -296,10 +299,27 @@ struct Inner {
     last_fallback: Mutex<Option<String>>,
     /// Serialises drops and evictions and holds the last eviction failure.
     drop_state: Mutex<Option<String>>,
-    /// The table's own gather threads ([`TableOptions::gather_threads`]).
-    own_pool: Option<rayon::ThreadPool>,
-    /// The bytes of a stored row that are served ([`TableOptions::columns`]).
-    view: RowView,
+}
+
+/// A handle's label: the tensor, its columns when windowed, the checkpoint.
+fn label_of((what, path): &(String, String), columns: Option<(usize, usize)>) -> String {
+    match columns {
+        None => format!("{what} in {path}"),
+        Some((first, count)) => format!("{what} columns {first}..{} in {path}", first + count),
+    }
+}
+
+/// The gather threads of a handle's own ([`TableOptions::gather_threads`]), checked.
+fn own_pool_of(threads: Option<usize>) -> Result<Option<Arc<rayon::ThreadPool>>> {
+    match threads {
+        None => Ok(None),
+        Some(n) if (2..=MAX_GATHER_THREADS).contains(&n) => {
+            Ok(Some(Arc::new(gather::own_pool(n)?)))
+        }
+        Some(n) => Err(Error::invalid(format!(
+            "gather_threads must be 2 to {MAX_GATHER_THREADS} (or None: the shared pool), got {n}"
+        ))),
+    }
 }
 
 /// The part of each stored row a table serves: `bytes` bytes from byte `skip`, `cols`
@@ -338,16 +358,24 @@ impl RowView {
     }
 }
 
-/// A memory-mapped embedding table; see the module docs. `Clone` shares the mapping.
+/// A memory-mapped embedding table; see the module docs. `Clone` shares the mapping, and
+/// so does [`MmapTable::window`].
 #[derive(Clone)]
 pub struct MmapTable {
     inner: Arc<Inner>,
+    /// The bytes of a stored row this handle serves ([`TableOptions::columns`]).
+    view: RowView,
+    /// This handle's own gather threads ([`TableOptions::gather_threads`]).
+    own_pool: Option<Arc<rayon::ThreadPool>>,
+    /// The options as this handle was opened (`columns` and `gather_threads` its own).
+    opts: TableOptions,
+    label: String,
 }
 
 impl std::fmt::Debug for MmapTable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MmapTable")
-            .field("table", &self.inner.label)
+            .field("table", &self.label)
             .field("dtype", &self.inner.layout.dtype)
             .field("rows", &self.inner.layout.rows)
             .field("cols", &self.inner.layout.cols)
@@ -371,24 +399,9 @@ impl MmapTable {
         let path = path.as_ref();
         let layout = discover::discover(path, selector)?;
         let view = RowView::new(&layout, options.columns)?;
-        let label = match options.columns {
-            None => format!("{:?} in {}", selector.text(), path.display()),
-            Some((first, count)) => format!(
-                "{:?} columns {first}..{} in {}",
-                selector.text(),
-                first + count,
-                path.display()
-            ),
-        };
-        let own_pool = match options.gather_threads {
-            None => None,
-            Some(n) if (2..=MAX_GATHER_THREADS).contains(&n) => Some(gather::own_pool(n)?),
-            Some(n) => {
-                return Err(Error::invalid(format!(
-                    "gather_threads must be 2 to {MAX_GATHER_THREADS} (or None: the shared pool), got {n}"
-                )))
-            }
-        };
+        let names = (format!("{:?}", selector.text()), path.display().to_string());
+        let label = label_of(&names, options.columns);
+        let own_pool = own_pool_of(options.gather_threads)?;
         if options.readahead && options.cold_reads == ColdReads::Fault {
             return Err(Error::invalid(
                 "readahead=True asks for a gather's cold reads to go out together; \
@@ -435,10 +448,11 @@ impl MmapTable {
                 .unwrap_or(usize::MAX)
                 .max(1 << 16),
         };
+        let handle_opts = options.clone();
         let table = Self {
             inner: Arc::new(Inner {
                 layout,
-                label,
+                names,
                 ends,
                 opts: options,
                 cold,
@@ -448,9 +462,11 @@ impl MmapTable {
                 counters: Counters::default(),
                 last_fallback: Mutex::new(None),
                 drop_state: Mutex::new(None),
-                own_pool,
-                view,
             }),
+            view,
+            own_pool,
+            opts: handle_opts,
+            label,
         };
         if let Some(budget) = table.inner.opts.prewarm_bytes {
             table.prewarm(budget)?;
@@ -459,6 +475,30 @@ impl MmapTable {
             table.adopt_resident()?;
         }
         Ok(table)
+    }
+
+    /// Another handle on this table, serving `columns` of each stored row (`None`: whole
+    /// rows; see [`TableOptions::columns`]) with `gather_threads` of its own (see
+    /// [`TableOptions::gather_threads`]). It shares this table's mappings, its known
+    /// pages and its counters: a process that serves one tensor as several windows maps
+    /// it once. Lives on after this handle is dropped.
+    pub fn window(
+        &self,
+        columns: Option<(usize, usize)>,
+        gather_threads: Option<usize>,
+    ) -> Result<Self> {
+        let view = RowView::new(&self.inner.layout, columns)?;
+        let own_pool = own_pool_of(gather_threads)?;
+        let mut opts = self.inner.opts.clone();
+        opts.columns = columns;
+        opts.gather_threads = gather_threads;
+        Ok(Self {
+            inner: Arc::clone(&self.inner),
+            view,
+            own_pool,
+            opts,
+            label: label_of(&self.inner.names, columns),
+        })
     }
 
     /// The cold-read way in use (`Auto` resolved), and why `Auto` did not take io_uring.
@@ -473,12 +513,12 @@ impl MmapTable {
 
     /// Bytes per row (of the column window, with [`TableOptions::columns`]).
     pub fn row_bytes(&self) -> usize {
-        self.inner.view.bytes
+        self.view.bytes
     }
 
     /// Elements per row.
     pub fn cols(&self) -> usize {
-        self.inner.view.cols
+        self.view.cols
     }
 
     /// Element type.
@@ -524,7 +564,7 @@ impl MmapTable {
 
     /// What errors call this table: the name or pattern and the checkpoint path.
     pub fn label(&self) -> &str {
-        &self.inner.label
+        &self.label
     }
 
     /// Bytes of the stored rows in the files (every column, whatever
@@ -551,7 +591,7 @@ impl MmapTable {
                 id,
                 position,
                 rows,
-                table: self.inner.label.clone(),
+                table: self.label.clone(),
             }),
         }
     }
@@ -562,9 +602,9 @@ impl MmapTable {
             files: &self.inner.layout.files,
             segments: &self.inner.layout.segments,
             ends: &self.inner.ends,
-            row_bytes: self.inner.view.bytes,
+            row_bytes: self.view.bytes,
             stride: self.inner.layout.row_bytes,
-            skip: self.inner.view.skip,
+            skip: self.view.skip,
         }
     }
 
@@ -573,9 +613,8 @@ impl MmapTable {
     /// [`TableOptions::gather_threads`]).
     pub fn own_pool_for(&self, rows: usize) -> Option<&rayon::ThreadPool> {
         let bytes = rows.saturating_mul(self.row_bytes());
-        self.inner
-            .own_pool
-            .as_ref()
+        self.own_pool
+            .as_deref()
             .filter(|_| gather::goes_parallel(rows, bytes, self.inner.opts.parallel_min_bytes))
     }
 
@@ -642,7 +681,7 @@ impl MmapTable {
             pm.all_known(span)
         };
         let min = self.inner.opts.parallel_min_bytes;
-        let own = self.inner.own_pool.as_ref();
+        let own = self.own_pool.as_deref();
         let warm = if pm.all_known_uncounted() {
             // The whole table is known resident (e.g. prewarmed): no check at all.
             src.copy_if_maybe_parallel(ids, dst, min, own, &|_, _| true)
@@ -917,9 +956,10 @@ impl MmapTable {
         }
     }
 
-    /// The options the table was opened with.
+    /// The options the table was opened with (a [`Self::window`]'s `columns` and
+    /// `gather_threads` its own).
     pub fn options(&self) -> &TableOptions {
-        &self.inner.opts
+        &self.opts
     }
 }
 

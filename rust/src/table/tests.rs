@@ -1152,6 +1152,41 @@ fn a_column_window_outside_the_row_is_refused() {
 }
 
 #[test]
+fn a_window_shares_the_tables_mapping_and_counters() {
+    let d = TempDir::new();
+    let t = tensor("w", Dtype::BF16, &[64, 6], 2);
+    let p = d.write("t.safetensors", &st(std::slice::from_ref(&t)));
+    let base = MmapTable::open(&p, &name("w"), TableOptions::default()).unwrap();
+    let rest = base.window(Some((1, 5)), Some(2)).unwrap();
+    let first = rest.window(Some((0, 1)), None).unwrap(); // columns of the stored row
+    assert_eq!((rest.cols(), rest.row_bytes(), first.cols()), (5, 10, 1));
+    assert_eq!(rest.options().gather_threads, Some(2));
+    assert_eq!(base.options().gather_threads, None);
+    assert_eq!(rest.options().columns, Some((1, 5)));
+    assert!(rest.label().contains("columns 1..6"), "{}", rest.label());
+    let ids = [63i64, 0, 7, 7];
+    let hits = base.page_stats().row_hits;
+    let got = rest.gather(RowIds::I64(&ids)).unwrap();
+    let want: Vec<u8> = ids
+        .iter()
+        .flat_map(|&i| t.3[i as usize * 12 + 2..i as usize * 12 + 12].to_vec())
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(base.page_stats().row_hits, hits + 4, "one table's counters");
+    drop(base);
+    assert_eq!(
+        first.gather(RowIds::I64(&[1])).unwrap(),
+        t.3[12..14].to_vec()
+    );
+    for bad in [Some((6, 1)), Some((0, 0))] {
+        let e = rest.window(bad, None).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    }
+    let e = rest.window(None, Some(1)).unwrap_err();
+    assert!(e.to_string().contains("gather_threads"), "{e}");
+}
+
+#[test]
 fn a_table_of_its_own_threads_gathers_beside_the_shared_pool() {
     let d = TempDir::new();
     let (rows, cols) = (4096usize, 64usize);
