@@ -43,12 +43,16 @@ class MmapTableLayer(ABC):
         ple_memops_ids_source: whether the model gives a synchronous plan's FULL graphs an
             ids source (:meth:`~ple_memops.vllm.hooks.PleRunnerHooks.note_ids_source`);
             when not, a plan that cannot defer runs without CUDA graphs.
+        ple_memops_lead_threads: whether this table may take ``first_layer_threads`` (they
+            go to the earliest-waited table that does): ``False`` for a table whose fill
+            is too small to need them (a split Gemma row's first slice).
     """
 
     ple_memops_name: str
     ple_memops_heads: int
     ple_memops_hooks: Any = None
     ple_memops_ids_source: ClassVar[bool] = False
+    ple_memops_lead_threads: bool = True
 
     @abstractmethod
     def ple_memops_layer_index(self) -> int:

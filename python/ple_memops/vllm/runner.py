@@ -175,10 +175,10 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
     bases: dict[tuple[str | None, str | None], MmapTable] = {}
     try:
         # first_layer_threads: for the first PLE layer's table, whose fill every step
-        # waits for; a Gemma table split in two (split_rows) gathers that layer's slices
-        # inline (512 B a token), so its rest gets them: the fill a step waits for longest.
-        lead = min(layers, key=lambda m: m.ple_memops_layer_index())
-        lead = getattr(lead, "rest", None) or lead
+        # waits for, among the tables that take them (a split Gemma row's first slice,
+        # 512 B a token, does not: its rest's fill is the one a step waits for longest).
+        leads = [m for m in layers if m.ple_memops_lead_threads]
+        lead = min(leads, key=lambda m: m.ple_memops_layer_index()) if leads else None
         for module in layers:
             expect = module.ple_memops_expect()
             spec = module.ple_memops_table(names)

@@ -276,38 +276,41 @@ class PerLayerTokenTable(nn.Module, MmapTableLayer):
         rest._layer_index = 1
         rest._joins_late = True
         self.columns = (0, layer_cols)
+        self.ple_memops_lead_threads = False  # 512 B a token: the rest's fill is the long one
         self._rest = rest  # a child module: the runner finds it among the model's tables
         self.join_before(consumer)
         rest_consumer.register_forward_pre_hook(self._join_rest)
 
     def _join_deferred(self, module: nn.Module, args: Any) -> None:
         deferred, self._deferred = self._deferred, None
-        if deferred is None:
-            return  # a profiling pass, without rows
-        projection, staged, rows_scale, inputs_scale = deferred
-        rows = self.join(staged) * rows_scale
-        if self._rest is None:
-            projection.add_(rows.reshape(projection.shape))
-            projection.mul_(inputs_scale)
-            return
-        first = projection[:, 0, :]  # [T, L, d]: decoder layer 0's slice
-        first.add_(rows.reshape(first.shape))
-        first.mul_(inputs_scale)
+        if deferred is not None:  # else a profiling pass, without rows
+            # [T, L, d]: every layer's slice, or decoder layer 0's of a split row.
+            _complete(self, deferred, slice(None) if self._rest is None else slice(0, 1))
 
     def _join_rest(self, module: nn.Module, args: Any) -> None:
         deferred, self._rest_deferred = self._rest_deferred, None
-        if deferred is None or self._rest is None:
-            return  # a profiling pass, without rows
-        projection, staged, rows_scale, inputs_scale = deferred
-        rows = self._rest.join(staged) * rows_scale
-        later = projection[:, 1:, :]
-        later.add_(rows.reshape(later.shape))
-        later.mul_(inputs_scale)
+        if deferred is not None and self._rest is not None:
+            _complete(self._rest, deferred, slice(1, None))  # every later layer's slices
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(
             "mmap per-layer embedding: rows are staged by stage() and read after join()"
         )
+
+
+def _complete(
+    table: PerLayerTokenTable,
+    deferred: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    layers: slice,
+) -> None:
+    """vLLM's combination, in place on ``layers`` of the deferred projection (``[T, L,
+    d]``), with ``table``'s staged rows: ``(projection + rows * rows_scale) *
+    inputs_scale``, the same operations in the same order as the stock model's."""
+    projection, staged, rows_scale, inputs_scale = deferred
+    part = projection[:, layers, :]
+    rows = table.join(staged) * rows_scale
+    part.add_(rows.reshape(part.shape))
+    part.mul_(inputs_scale)
 
 
 @contextlib.contextmanager
