@@ -361,8 +361,10 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
                 raise AssertionError(f"{b}: predict_ready {ours.predict_ready}")
             if ours.expect_prefill != (b == "mmap-expect"):
                 raise AssertionError(f"{b}: expect_prefill {ours.expect_prefill}")
-            if ours.split_rows != b.startswith("mmap-split"):
+            if ours.split_rows != (b != "mmap-whole"):
                 raise AssertionError(f"{b}: split_rows {ours.split_rows}")
+            if ours.first_layer_threads != variant.get("first_layer_threads"):
+                raise AssertionError(f"{b}: first_layer_threads {ours.first_layer_threads}")
             engram = ea.engram_config
             offload = (
                 engram.get("cpu_offload")

@@ -684,6 +684,8 @@ def gemma_rows_stats(worker: Any) -> dict[str, Any]:
         "hooks": True,
         "mode": hooks.plan.mode,
         "layers": hooks.layer_names,
+        # Each table's gather threads of its own (None: the shared pool).
+        "threads": [hooks.plan.layers[n].table.gather_threads for n in hooks.layer_names],
         "armed": hooks.armed_steps,
         "eager": hooks.eager_steps,
         "graphs": len(hooks.wait_descs),

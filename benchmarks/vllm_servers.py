@@ -137,12 +137,16 @@ MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     # before the forward publishes them (expect_prefill): the eager steps' wait at the
     # first PLE layer, i.e. TTFT under the mixed load.
     "mmap-expect": {"expect_prefill": True},
+    # A Gemma model run eagerly: whole rows joined at decoder layer 0's gate (the default
+    # before split_rows was).
+    "mmap-whole": {"split_rows": False},
     # A Gemma model run eagerly: decoder layer 0's slice of each row a table of its own,
-    # joined at layer 0's gate, the rest of the row at layer 1's (split_rows); with the
-    # GPU stall timing too, for the stall column.
-    "mmap-split": {"split_rows": True},
-    "mmap-split-stalls": {"split_rows": True, "stalls": True},
-    # split_rows with the rest's table on 8 gather threads of its own kept awake.
+    # joined at layer 0's gate, the rest of the row at layer 1's (split_rows), the rest on
+    # the shared pool; with the GPU stall timing too, for the stall column.
+    "mmap-split": {"split_rows": True, "first_layer_threads": 0},
+    "mmap-split-stalls": {"split_rows": True, "first_layer_threads": 0, "stalls": True},
+    # split_rows with the rest's table on 8 gather threads of its own kept awake: the
+    # default (mmap), spelt out.
     "mmap-split-lead": {"split_rows": True, "first_layer_threads": 8},
     # Without the instruments (no stall timing, no stats lines): what measuring costs.
     "mmap-bare": {"bare": True},

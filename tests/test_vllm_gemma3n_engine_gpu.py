@@ -59,19 +59,21 @@ def test_gemma3n_run_eagerly_its_rows_join_at_layer_0s_gate_whole_or_split(tmp_p
     ckpt = ckpts.write_gemma3n_checkpoint(tmp_path)
     reference, stats = serve_gemma(gemma4_engine(ckpt, "default", **gemma_eager()))
     assert stats == {"hooks": False}
-    got, stats = serve_gemma(gemma4_engine(ckpt, "mmap", **gemma_eager()))
-    print(f"\ngemma3n mmap, -O0: {stats}; tokens identical: {got.tokens == reference.tokens}")
+    whole = {"ple_memops": {"table_backend": "mmap", "split_rows": False}}
+    got, stats = serve_gemma(gemma4_engine(ckpt, "mmap", **gemma_eager(additional_config=whole)))
+    same = got.tokens == reference.tokens
+    print(f"\ngemma3n mmap, -O0, whole rows: {stats}; tokens identical: {same}")
     # Not compiled: both engines run the same kernels in the same order but ours, so
     # the same bits, and every token equal (not only up to a near tie).
     assert got.tokens == reference.tokens
     assert_gemma_deferred(stats)
-    assert stats["joins_late"] == [True], stats
-    # split_rows: layer 0's slice of each row and the rest are two tables, joined at layer
-    # 0's and layer 1's gates; the same tokens.
-    split = {"ple_memops": {"table_backend": "mmap", "split_rows": True}}
-    got, stats = serve_gemma(gemma4_engine(ckpt, "mmap", **gemma_eager(additional_config=split)))
-    print(f"\ngemma3n mmap, -O0, split rows: {stats}")
+    assert stats["joins_late"] == [True] and stats["threads"] == [None], stats
+    # split_rows (the default): layer 0's slice of each row and the rest are two tables,
+    # joined at layer 0's and layer 1's gates, the rest on 8 threads of its own; the same
+    # tokens.
+    got, stats = serve_gemma(gemma4_engine(ckpt, "mmap", **gemma_eager()))
+    print(f"\ngemma3n mmap, -O0, split rows (the default): {stats}")
     assert got.tokens == reference.tokens
     assert_gemma_deferred(stats)
     assert len(stats["layers"]) == 2 and stats["layers"][1].endswith(".rest"), stats
-    assert stats["joins_late"] == [True, True], stats
+    assert stats["joins_late"] == [True, True] and stats["threads"] == [None, 8], stats

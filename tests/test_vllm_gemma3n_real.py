@@ -169,6 +169,7 @@ def test_run_eagerly_the_rows_join_at_layer_0s_gate_with_the_stock_models_bits(
     # per-layer input gate (their first consumer) is called; a forward whose gate never
     # ran is refused at the next one.
     mmap_cfg = _config(checkpoint, mmap=True, eager=True)
+    mmap_cfg.additional_config["ple_memops"]["split_rows"] = False  # on by default
     model, _ = vllm_cpu.load_model(mmap_cfg)
     stock_cfg = _config(checkpoint, mmap=False, eager=True)
     stock, _ = vllm_cpu.load_model(stock_cfg)
@@ -211,11 +212,10 @@ def test_run_eagerly_the_rows_join_at_layer_0s_gate_with_the_stock_models_bits(
 def test_split_rows_layer_0s_slice_joins_at_its_gate_and_the_rest_at_layer_1s(
     checkpoint: Path, dist: Any, installed: Any
 ) -> None:
-    # split_rows: decoder layer 0's slice of each row and the rest are two tables (column
-    # windows of the one tensor); the same bits as the stock model's, each part joined
-    # right before its first consumer (layer 1 may be in the cross-decoder).
+    # split_rows (the default): decoder layer 0's slice of each row and the rest are two
+    # tables (column windows of the one tensor); the same bits as the stock model's, each
+    # part joined right before its first consumer (layer 1 may be in the cross-decoder).
     mmap_cfg = _config(checkpoint, mmap=True, eager=True)
-    mmap_cfg.additional_config["ple_memops"]["split_rows"] = True
     model, _ = vllm_cpu.load_model(mmap_cfg)
     stock_cfg = _config(checkpoint, mmap=False, eager=True)
     stock, _ = vllm_cpu.load_model(stock_cfg)

@@ -154,21 +154,23 @@ def test_text_model_run_eagerly_its_rows_join_at_layer_0s_gate_whole_or_split(
     # vLLM's -O0: the rows join right before decoder layer 0's per-layer gate, and the
     # tokens are the stock engine's in -O0 (its own reference: the module's is compiled).
     reference, stats = serve_gemma(_engine(checkpoints["text"], "default", **gemma_eager()))
-    got, stats = serve_gemma(_engine(checkpoints["text"], "mmap", **gemma_eager()))
-    print(f"\ntext mmap, -O0: {stats}; tokens identical: {got.tokens == reference.tokens}")
+    whole = {"ple_memops": {"table_backend": "mmap", "split_rows": False}}
+    got, stats = serve_gemma(
+        _engine(checkpoints["text"], "mmap", **gemma_eager(additional_config=whole))
+    )
+    same = got.tokens == reference.tokens
+    print(f"\ntext mmap, -O0, whole rows: {stats}; tokens identical: {same}")
     # Not compiled: both engines run the same kernels in the same order but ours, so
     # the same bits, and every token equal (not only up to a near tie).
     assert got.tokens == reference.tokens
     assert_gemma_deferred(stats)
-    assert stats["joins_late"] == [True], stats
-    # split_rows: layer 0's slice of each row a table of its own (joined at layer 0's
-    # gate), the rest another (at layer 1's): two tables deferred, the same tokens.
-    split = {"ple_memops": {"table_backend": "mmap", "split_rows": True}}
-    got, stats = serve_gemma(
-        _engine(checkpoints["text"], "mmap", **gemma_eager(additional_config=split))
-    )
-    print(f"\ntext mmap, -O0, split rows: {stats}")
+    assert stats["joins_late"] == [True] and stats["threads"] == [None], stats
+    # split_rows (the default): layer 0's slice of each row a table of its own (joined at
+    # layer 0's gate), the rest another (at layer 1's) on 8 gather threads of its own:
+    # two tables deferred, the same tokens.
+    got, stats = serve_gemma(_engine(checkpoints["text"], "mmap", **gemma_eager()))
+    print(f"\ntext mmap, -O0, split rows (the default): {stats}")
     assert got.tokens == reference.tokens
     assert_gemma_deferred(stats)
     assert len(stats["layers"]) == 2 and stats["layers"][1].endswith(".rest"), stats
-    assert stats["joins_late"] == [True, True], stats
+    assert stats["joins_late"] == [True, True] and stats["threads"] == [None, 8], stats

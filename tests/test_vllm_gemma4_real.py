@@ -17,6 +17,7 @@ engine on the GPU: ``test_vllm_gemma4_engine_gpu.py``.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 from pathlib import Path
@@ -56,6 +57,8 @@ def _ids(n: int, seed: int) -> torch.Tensor:
 
 
 MMAP = {"ple_memops": {"table_backend": "mmap"}}
+# Whole rows joined at decoder layer 0's gate, run eagerly (split_rows is on by default).
+WHOLE = {"ple_memops": {"table_backend": "mmap", "split_rows": False}}
 TABLE_ROWS = ckpts.GEMMA4_CONFIG["vocab_size_per_layer_input"]
 
 
@@ -207,6 +210,7 @@ def test_the_released_structure_kv_shared_layers_double_wide_mlps(
     ckpt = ckpts.write_gemma4_checkpoint(tmp_path / "shared", **RELEASED_STRUCTURE)
     kept = vllm_cpu.spy_loaded_files(monkeypatch)
     mmap_cfg = _config(ckpt, mmap=True, compilation_config=CompilationConfig(mode=0))
+    mmap_cfg.additional_config = WHOLE
     model, _ = vllm_cpu.load_model(mmap_cfg)
     assert kept == [["model-rest.safetensors"]]  # the table's file was not read
     monkeypatch.undo()
@@ -233,13 +237,11 @@ def test_run_eagerly_the_rows_join_at_layer_0s_gate_with_the_stock_models_bits(
     # gate never ran is refused at the next one.
     eager = CompilationConfig(mode=0)
     mmap_cfg = _config(checkpoint, mmap=True, compilation_config=eager)
+    mmap_cfg.additional_config = WHOLE
     stock_cfg = _config(checkpoint, mmap=False, compilation_config=CompilationConfig(mode=0))
     model, _ = vllm_cpu.load_model(mmap_cfg)
     stock, _ = vllm_cpu.load_model(stock_cfg)
     _joined_at_gate(model, stock, mmap_cfg, stock_cfg, layers_n=4)
-
-
-SPLIT = {"ple_memops": {"table_backend": "mmap", "split_rows": True}}
 
 
 def _table_mappings() -> int:
@@ -253,9 +255,10 @@ def _table_mappings() -> int:
 def test_split_rows_layer_0s_slice_joins_at_its_gate_and_the_rest_at_layer_1s(
     tmp_path: Path, dist: Any, installed: Any, structure: str
 ) -> None:
-    # split_rows: two tables of one checkpoint tensor (column windows), the rows of the
-    # stock model, bit for bit, each slice joined right before its first consumer (the
-    # text class at the default and the released structure, and the multimodal class).
+    # split_rows (the default): two tables of one checkpoint tensor (column windows), the
+    # rows of the stock model, bit for bit, each slice joined right before its first
+    # consumer (the text class at the default and the released structure, and the
+    # multimodal class).
     kw: dict[str, Any] = RELEASED_STRUCTURE if structure == "released" else {}
     if structure == "multimodal":
         kw = {"multimodal": True}
@@ -263,7 +266,7 @@ def test_split_rows_layer_0s_slice_joins_at_its_gate_and_the_rest_at_layer_1s(
     layers_n = int(kw.get("num_hidden_layers", 4))
     eager = CompilationConfig(mode=0)
     mmap_cfg = _config(ckpt, mmap=True, compilation_config=eager)
-    mmap_cfg.additional_config = SPLIT
+    assert mmap_cfg.additional_config == MMAP  # split_rows unnamed: the default
     stock_cfg = _config(ckpt, mmap=False, compilation_config=CompilationConfig(mode=0))
     model, _ = vllm_cpu.load_model(mmap_cfg)
     stock, _ = vllm_cpu.load_model(stock_cfg)
@@ -275,24 +278,31 @@ def test_split_rows_layer_0s_slice_joins_at_its_gate_and_the_rest_at_layer_1s(
     assert (first.ple_memops_layer_index(), rest.ple_memops_layer_index()) == (0, 1)
     assert (first.row_bytes, rest.row_bytes) == (32, (layers_n - 1) * 32)
     assert rest.ple_memops_name == first.ple_memops_name + ".rest"
-    # first_layer_threads go to the rest (layer 0's slices are gathered inline).
-    mmap_cfg.additional_config = {"ple_memops": SPLIT["ple_memops"] | {"first_layer_threads": 3}}
-    before = _table_mappings()
-    hooks = _attach(model, mmap_cfg)
-    try:
-        assert hooks.layer_names == [first.ple_memops_name, rest.ple_memops_name]
-        threads = {n: layer.table.gather_threads for n, layer in hooks.plan.layers.items()}
-        assert threads == {first.ple_memops_name: None, rest.ple_memops_name: 3}
-        assert hooks.plan.layers[rest.ple_memops_name].table.columns == rest.columns
-        # One mapping of the table's file serves both windows.
-        assert _table_mappings() == before + 1
-    finally:
-        hooks.shutdown()
-    mmap_cfg.additional_config = SPLIT
+    # The rest's table gets threads of its own: 8 by default, first_layer_threads' count
+    # when set, the shared pool at 0; layer 0's slices are gathered inline.
+    for lead, want in ((None, 8), (3, 3), (0, None)):
+        lead_cfg = {} if lead is None else {"first_layer_threads": lead}
+        mmap_cfg.additional_config = {"ple_memops": MMAP["ple_memops"] | lead_cfg}
+        gc.collect()  # the last round's tables, unmapped
+        before = _table_mappings()
+        hooks = _attach(model, mmap_cfg)
+        try:
+            assert hooks.layer_names == [first.ple_memops_name, rest.ple_memops_name]
+            threads = {n: layer.table.gather_threads for n, layer in hooks.plan.layers.items()}
+            assert threads == {first.ple_memops_name: None, rest.ple_memops_name: want}
+            assert hooks.plan.layers[rest.ple_memops_name].table.columns == rest.columns
+            # One mapping of the table's file serves both windows.
+            assert _table_mappings() == before + 1
+        finally:
+            hooks.shutdown()
+            for table in (first, rest):  # as the runner's shutdown does
+                table.ple_memops_bind(None, 0)
+            del hooks
+    mmap_cfg.additional_config = MMAP
     _joined_at_gate(model, stock, mmap_cfg, stock_cfg, layers_n=layers_n, split=True)
     # Compiled, the setting changes nothing: one table, joined where Inductor places it.
     compiled_cfg = _config(ckpt, mmap=True)
-    compiled_cfg.additional_config = SPLIT
+    compiled_cfg.additional_config = {"ple_memops": MMAP["ple_memops"] | {"split_rows": True}}
     compiled, _ = vllm_cpu.load_model(compiled_cfg)
     (table,) = gemma4.find_mmap_tables(compiled)
     assert table.columns is None and not table.joins_late

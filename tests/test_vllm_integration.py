@@ -1019,11 +1019,13 @@ def test_settings_expect_prefill() -> None:
 
 def test_settings_split_rows() -> None:
     S = settings.Settings
-    assert not S.from_env({}).split_rows and not S().split_rows
-    env = {"PLE_MEMOPS_SPLIT_ROWS": "1"}
-    assert S.from_env(env).split_rows
-    assert not S.for_engine({"ple_memops": {"split_rows": False}}, env).split_rows
-    assert S.for_engine({"ple_memops": {"split_rows": "on"}}, {}).split_rows
+    assert S.from_env({}).split_rows and S().split_rows  # on by default
+    env = {"PLE_MEMOPS_SPLIT_ROWS": "0"}
+    assert not S.from_env(env).split_rows
+    assert S.from_env({"PLE_MEMOPS_SPLIT_ROWS": "1"}).split_rows
+    assert not S.for_engine({"ple_memops": {"split_rows": False}}, {}).split_rows
+    assert S.for_engine({"ple_memops": {"split_rows": "on"}}, env).split_rows
+    assert not S.for_engine({"ple_memops": {"spin": 0.01}}, env).split_rows  # env kept
     with pytest.raises(InvalidArgumentError, match="PLE_MEMOPS_SPLIT_ROWS must be"):
         S.from_env({"PLE_MEMOPS_SPLIT_ROWS": "maybe"})
     with pytest.raises(InvalidArgumentError, match=r"\['split_rows'\] must be 1 or 0"):
@@ -1035,9 +1037,12 @@ def test_settings_first_layer_threads() -> None:
     assert S.from_env({}).first_layer_threads is None
     env = {"PLE_MEMOPS_FIRST_LAYER_THREADS": "8"}
     assert S.from_env(env).first_layer_threads == 8
-    assert S.from_env({"PLE_MEMOPS_FIRST_LAYER_THREADS": "0"}) == S()  # 0: off
+    # Unset (or empty): the model's default; 0: the shared pool for every table.
+    assert S.from_env({"PLE_MEMOPS_FIRST_LAYER_THREADS": ""}) == S()
+    assert S.from_env({"PLE_MEMOPS_FIRST_LAYER_THREADS": "0"}).first_layer_threads == 0
     assert S.for_engine({"ple_memops": {"first_layer_threads": 4}}, env).first_layer_threads == 4
-    assert S.for_engine({"ple_memops": {"first_layer_threads": 0}}, env).first_layer_threads is None
+    assert S.for_engine({"ple_memops": {"first_layer_threads": 0}}, env).first_layer_threads == 0
+    assert S.for_engine({"ple_memops": {"first_layer_threads": None}}, env) == S()
     assert S.for_engine({"ple_memops": {"spin": 0.01}}, env).first_layer_threads == 8  # env kept
     for bad in ("1", "65", "-2", "4.5", "many"):
         with pytest.raises(InvalidArgumentError, match="PLE_MEMOPS_FIRST_LAYER_THREADS must be"):

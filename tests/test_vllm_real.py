@@ -313,11 +313,15 @@ def test_check_command_reports(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> 
     assert "switch: on" in out
     assert "ready: vLLM would serve" in out
     assert "settings: copy auto (PLE_MEMOPS_COPY), spin the core's default" in out
+    assert "split at decoder layer 0 on (PLE_MEMOPS_SPLIT_ROWS)" in out  # the default
     # One setting at a time: what the check prints, or its refusal of a bad value.
     for var, value, rc, says in (
         ("PLE_MEMOPS_STATS_EVERY", "10", 0, "stats lines every 10 s (PLE_MEMOPS_STATS_EVERY)"),
         ("PLE_MEMOPS_FIRST_LAYER_THREADS", "6", 0, "first PLE layer's gathers on 6 threads"),
         ("PLE_MEMOPS_FIRST_LAYER_THREADS", "1", 1, "PLE_MEMOPS_FIRST_LAYER_THREADS must be"),
+        ("PLE_MEMOPS_FIRST_LAYER_THREADS", "", 0, "gathers on the model's default (a split"),
+        ("PLE_MEMOPS_FIRST_LAYER_THREADS", "0", 0, "first PLE layer's gathers on the shared pool"),
+        ("PLE_MEMOPS_SPLIT_ROWS", "", 0, "split at decoder layer 0 off (PLE_MEMOPS_SPLIT_ROWS)"),
         ("PLE_MEMOPS_SPLIT_ROWS", "1", 0, "split at decoder layer 0 on (PLE_MEMOPS_SPLIT_ROWS)"),
         ("PLE_MEMOPS_SPLIT_ROWS", "2", 1, "PLE_MEMOPS_SPLIT_ROWS must be 1 or 0"),
     ):

@@ -73,7 +73,14 @@ def check() -> int:
     spin = "the core's default" if settings.spin is None else f"{settings.spin:g} s"
     stats = "off" if settings.stats_every is None else f"every {settings.stats_every:g} s"
     lead = settings.first_layer_threads
-    lead_text = "the shared pool" if lead is None else f"{lead} threads of its own"
+    lead_text = (
+        "the model's default (a split Gemma row's rest: 8 threads of its own; otherwise "
+        "the shared pool)"
+        if lead is None
+        else "the shared pool"
+        if lead == 0
+        else f"{lead} threads of its own"
+    )
     print(
         f"settings: copy {settings.copy} ({COPY_ENV}), spin {spin} ({SPIN_ENV}), stats lines "
         f"{stats} ({STATS_ENV}), the first PLE layer's gathers on {lead_text} "

@@ -46,6 +46,9 @@ class MmapTableLayer(ABC):
         ple_memops_lead_threads: whether this table may take ``first_layer_threads`` (they
             go to the earliest-waited table that does): ``False`` for a table whose fill
             is too small to need them (a split Gemma row's first slice).
+        ple_memops_own_threads: the gather threads of its own this table takes when it
+            is the one that gets ``first_layer_threads`` and that setting is unset
+            (``None``, the default: the shared pool; a split Gemma row's rest: 8).
     """
 
     ple_memops_name: str
@@ -53,6 +56,7 @@ class MmapTableLayer(ABC):
     ple_memops_hooks: Any = None
     ple_memops_ids_source: ClassVar[bool] = False
     ple_memops_lead_threads: bool = True
+    ple_memops_own_threads: int | None = None
 
     @abstractmethod
     def ple_memops_layer_index(self) -> int:

@@ -196,7 +196,7 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
                 row_bytes=expect.row_bytes,
                 dtype=expect.dtype,
                 scale=expect.scale,
-                gather_threads=settings.first_layer_threads if module is lead else None,
+                gather_threads=_own_threads(module, settings) if module is lead else None,
             )
         build: dict[str, Any] = dict(
             rows_per_token=rows_per_token,
@@ -277,6 +277,15 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
             graphs,
         )
     return hooks
+
+
+def _own_threads(module: Any, settings: Any) -> int | None:
+    """The gather threads of its own for the table that takes ``first_layer_threads``:
+    the setting's count, else the table's default (``0``: the shared pool)."""
+    threads = settings.first_layer_threads
+    if threads is None:
+        threads = module.ple_memops_own_threads
+    return threads or None
 
 
 def _prefill_expectations(

@@ -108,7 +108,8 @@ def _timeout(value: object, where: str) -> float:
 
 
 def _threads_or_off(value: object, where: str) -> int | None:
-    """A thread count from 2 to 64; ``0`` (or empty, or ``None``) is ``None``: off."""
+    """A thread count from 2 to 64, or ``0``: off; empty (or ``None``) is ``None``: the
+    default."""
     if value is None or (isinstance(value, str) and value.strip() == ""):
         return None
     try:
@@ -119,7 +120,7 @@ def _threads_or_off(value: object, where: str) -> int | None:
         raise InvalidArgumentError(
             f"{where} must be a number of threads from 2 to 64 (0: off), got {value!r}"
         )
-    return n or None
+    return n
 
 
 def _switch(value: object, where: str) -> bool:
@@ -173,7 +174,10 @@ class Settings:
     layers' on the shared pool, and the worker keeps them awake (20 us naps) while a step
     is armed, so the fill after READY does not begin by waking sleeping threads. With
     ``split_rows`` they go to the rest of the split table (layer 0's slices are gathered
-    inline). ``None`` (default): every table on the shared pool."""
+    inline). ``None`` (default): the model's default, which is 8 threads for a split Gemma
+    row's rest (:data:`~ple_memops.vllm.token_table.SPLIT_REST_THREADS`, measured best in
+    BENCHMARKS.md) and the shared pool for every other table; ``0``: every table on the
+    shared pool."""
     time_stalls: bool = False
     """Time on the GPU how long each step's first consumer of every PLE layer waited for
     its rows (two one-thread kernels a layer a step, stamping the GPU's clock); the stats
@@ -209,14 +213,17 @@ class Settings:
     token's, unknown on the host, is gathered at the publish as before). Off by default:
     the engine's tests on an H200 give the stock engine's tokens with it, but its speed
     in the engine is not yet measured."""
-    split_rows: bool = False
-    """A Gemma model run eagerly (``-O0``) serves its per-layer table as two tables of the
-    same checkpoint tensor (column windows): decoder layer 0's slice of each row, joined
+    split_rows: bool = True
+    """On by default (``0`` turns it off). A Gemma model run eagerly (``-O0``) serves its
+    per-layer table as two tables of the same checkpoint tensor (column windows): decoder
+    layer 0's slice of each row, joined
     at layer 0's per-layer gate, and every later layer's slices, joined at layer 1's.
     The GPU then waits at layer 0 for 512 B a token instead of the whole 15-21 KiB row,
     and the rest of the gather hides behind a second decoder layer; the host arms, and
     the graph waits for and copies, two tables a step. The same tokens. No effect on a
-    compiled model (Inductor places its join) or on Qwen4Exp (a row is one layer's)."""
+    compiled model (Inductor places its join) or on Qwen4Exp (a row is one layer's).
+    Measured on Gemma 4 E4B at c64 on an H200: +4.1% ITL p50 over the GPU table with
+    whole rows, +0.4% split with the rest on threads of its own (BENCHMARKS.md)."""
 
     @property
     def mmap(self) -> bool:
@@ -243,7 +250,7 @@ class Settings:
             _switch(env.get(TIME_GRAPHS_ENV), TIME_GRAPHS_ENV),
             _switch(env.get(EARLY_JOIN_ENV), EARLY_JOIN_ENV),
             _switch(env.get(EXPECT_PREFILL_ENV), EXPECT_PREFILL_ENV),
-            _switch(env.get(SPLIT_ROWS_ENV), SPLIT_ROWS_ENV),
+            _switch(env.get(SPLIT_ROWS_ENV, "1"), SPLIT_ROWS_ENV),
         )
 
     @classmethod

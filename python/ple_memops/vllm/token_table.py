@@ -32,6 +32,7 @@ from .settings import engine_settings, parallel_refusals, raise_refusals
 from .tables import TABLE_DTYPES, LayerTable, find_per_layer_table
 
 __all__ = [
+    "SPLIT_REST_THREADS",
     "PerLayerTokenTable",
     "RecordsRowIds",
     "find_mmap_tables",
@@ -42,6 +43,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger("ple_memops")
+
+SPLIT_REST_THREADS = 8
+"""Gather threads of its own for a split row's rest (every layer's slices but layer 0's,
+1.3 MiB a 64-token step on Gemma 4 E4B) unless ``first_layer_threads`` says otherwise: on
+the shared pool its fill took 257-330 us at c64 on an H200, longer than the decoder layer
+it hides behind; on 8 threads kept awake, 78 us (BENCHMARKS.md)."""
 
 
 def _refuse_quantized_table(
@@ -277,6 +284,7 @@ class PerLayerTokenTable(nn.Module, MmapTableLayer):
         rest._joins_late = True
         self.columns = (0, layer_cols)
         self.ple_memops_lead_threads = False  # 512 B a token: the rest's fill is the long one
+        rest.ple_memops_own_threads = SPLIT_REST_THREADS
         self._rest = rest  # a child module: the runner finds it among the model's tables
         self.join_before(consumer)
         rest_consumer.register_forward_pre_hook(self._join_rest)
