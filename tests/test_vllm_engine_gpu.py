@@ -30,6 +30,11 @@ from typing import Any
 
 import pytest
 
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("GPU test: no CUDA device", allow_module_level=True)
+# Set only once the module runs (a skipped module must not switch the plugin on for the
+# other test files of the same pytest process), before vLLM is imported.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not in the bundle
 os.environ["PLE_MEMOPS_TABLE_BACKEND"] = "mmap"  # the plugin installs; engines choose below
@@ -37,10 +42,6 @@ os.environ["PLE_MEMOPS_TABLE_BACKEND"] = "mmap"  # the plugin installs; engines 
 # otherwise turn breakable graphs on for the stock Qwen4Exp, whose numerics differ from its
 # own FULL graphs in one token of 720 here (benchmarks/diagnose_vllm_rows.py shows it).
 os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0"
-
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("GPU test: no CUDA device", allow_module_level=True)
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/gpu/vllm_engine.sh)")
 
 from vllm import LLM, SamplingParams  # noqa: E402

@@ -18,13 +18,14 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
-os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not in the bundle
-os.environ["PLE_MEMOPS_TABLE_BACKEND"] = "mmap"  # the plugin installs; engines choose below
-
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("GPU test: no CUDA device", allow_module_level=True)
+# Set only once the module runs (a skipped module must not switch the plugin on for the
+# other test files of the same pytest process), before vLLM is imported.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not in the bundle
+os.environ["PLE_MEMOPS_TABLE_BACKEND"] = "mmap"  # the plugin installs; engines choose below
 pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/gpu/vllm_gemma4.sh)")
 pytest.importorskip("timm", reason="timm is not installed (transformers' Gemma 3n needs it)")
 
