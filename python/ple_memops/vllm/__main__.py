@@ -25,6 +25,7 @@ from .settings import (
     PREDICT_READY_ENV,
     SKIP_GATHER_ENV,
     SPIN_ENV,
+    SPLIT_REST_THREADS,
     SPLIT_ROWS_ENV,
     STATS_ENV,
     TIME_GRAPHS_ENV,
@@ -74,8 +75,8 @@ def check() -> int:
     stats = "off" if settings.stats_every is None else f"every {settings.stats_every:g} s"
     lead = settings.first_layer_threads
     lead_text = (
-        "the model's default (a split Gemma row's rest: 8 threads of its own; otherwise "
-        "the shared pool)"
+        f"the model's default (a split Gemma row's rest: {SPLIT_REST_THREADS} threads of its "
+        "own; otherwise the shared pool)"
         if lead is None
         else "the shared pool"
         if lead == 0

@@ -44,6 +44,7 @@ __all__ = [
     "PREDICT_READY_ENV",
     "SKIP_GATHER_ENV",
     "SPIN_ENV",
+    "SPLIT_REST_THREADS",
     "SPLIT_ROWS_ENV",
     "STATS_ENV",
     "TIMEOUT_ENV",
@@ -68,6 +69,13 @@ TIME_GRAPHS_ENV = "PLE_MEMOPS_TIME_GRAPHS"
 EARLY_JOIN_ENV = "PLE_MEMOPS_DIAG_EARLY_JOIN"
 EXPECT_PREFILL_ENV = "PLE_MEMOPS_EXPECT_PREFILL"
 SPLIT_ROWS_ENV = "PLE_MEMOPS_SPLIT_ROWS"
+
+SPLIT_REST_THREADS = 8
+"""Gather threads of its own for a split row's rest (every layer's slices but layer 0's,
+1.3 MiB a 64-token step on Gemma 4 E4B) unless ``first_layer_threads`` says otherwise: on
+the shared pool its fill took 257-330 us at c64 on an H200, longer than the decoder layer
+it hides behind; on 8 threads kept awake, 78-103 us (BENCHMARKS.md)."""
+
 CONFIG_KEY = "ple_memops"
 """The key of ``additional_config`` that holds these settings."""
 BACKENDS = ("default", "mmap")
@@ -175,7 +183,7 @@ class Settings:
     is armed, so the fill after READY does not begin by waking sleeping threads. With
     ``split_rows`` they go to the rest of the split table (layer 0's slices are gathered
     inline). ``None`` (default): the model's default, which is 8 threads for a split Gemma
-    row's rest (:data:`~ple_memops.vllm.token_table.SPLIT_REST_THREADS`, measured best in
+    row's rest (:data:`SPLIT_REST_THREADS`, measured best in
     BENCHMARKS.md) and the shared pool for every other table; ``0``: every table on the
     shared pool."""
     time_stalls: bool = False

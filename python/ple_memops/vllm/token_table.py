@@ -28,7 +28,7 @@ from ..errors import StateError, UnsupportedError
 from . import ops
 from .layer import MmapTableLayer, TableExpectations, find_tables
 from .prefill import HostTokenIds
-from .settings import engine_settings, parallel_refusals, raise_refusals
+from .settings import SPLIT_REST_THREADS, engine_settings, parallel_refusals, raise_refusals
 from .tables import TABLE_DTYPES, LayerTable, find_per_layer_table
 
 __all__ = [
@@ -43,12 +43,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("ple_memops")
-
-SPLIT_REST_THREADS = 8
-"""Gather threads of its own for a split row's rest (every layer's slices but layer 0's,
-1.3 MiB a 64-token step on Gemma 4 E4B) unless ``first_layer_threads`` says otherwise: on
-the shared pool its fill took 257-330 us at c64 on an H200, longer than the decoder layer
-it hides behind; on 8 threads kept awake, 78 us (BENCHMARKS.md)."""
 
 
 def _refuse_quantized_table(
