@@ -1,6 +1,7 @@
 """Plot ``bench_vllm.py``'s results: ITL p50 per backend per load, each repeat a dot and
 the median a bar; beside it each backend's ITL p50 paired against the reference server of
-the same round (percent); and what the mmap servers measured of a step's cost where it
+the same round (percent; a ``--solo`` run: against the median of the reference's
+repeats); and what the mmap servers measured of a step's cost where it
 arises: the first PLE layer's GPU stall (mean) and our host time (p50) per step, in us.
 Reads one or more ``--json`` outputs of the bench (each its own panel row: two runs that
 could not share the GPU) and writes one PNG.
@@ -16,6 +17,8 @@ import json
 import statistics
 from pathlib import Path
 from typing import Any
+
+from vllm_report import paired
 
 
 def _runs(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -51,16 +54,14 @@ def plot(docs: list[tuple[str, dict[str, Any]]], out: Path, title: str) -> None:
         ax.legend(fontsize=8)
         lo = min(r["itl_p50_ms"] for r in runs)
         ax.set_ylim(lo * 0.9, None)
-        # Paired: each repeat against the reference of the same round.
-        by = {(r["load"], r["repeat"], r["backend"]): r["itl_p50_ms"] for r in runs}
+        # Paired: each repeat against the reference of the same round (--solo: against
+        # the median of the reference's repeats).
+        solo = " --solo" in str((doc.get("meta") or {}).get("command", ""))
+        pairs = paired(runs, ref, "itl_p50_ms", solo) if ref else {}
         others = [b for b in backends if b != ref]
         for bi, b in enumerate(others):
             for li, load in enumerate(loads):
-                pct = [
-                    (v / by[(ld, rp, ref)] - 1) * 100
-                    for (ld, rp, bb), v in by.items()
-                    if bb == b and ld == load and (ld, rp, ref) in by
-                ]
+                pct = pairs.get((load, b))
                 if not pct:
                     continue
                 x = li + (bi - (len(others) - 1) / 2) * (0.8 / max(1, len(others)))
@@ -73,7 +74,8 @@ def plot(docs: list[tuple[str, dict[str, Any]]], out: Path, title: str) -> None:
             axp.axhline(y, color="gray", lw=0.6, ls="--")
         axp.set_xticks(range(len(loads)), loads)
         axp.set_ylabel(f"ITL p50 vs {ref} (%)")
-        axp.set_title(f"{name}\npaired against {ref} round by round (dashed: +-1%)", fontsize=10)
+        how = "its repeats' median" if solo else "round by round"
+        axp.set_title(f"{name}\npaired against {ref}, {how} (dashed: +-1%)", fontsize=10)
         axp.legend(fontsize=8)
         _costs(axc, name, runs, backends)
     fig.suptitle(title, fontsize=10)

@@ -240,31 +240,55 @@ def summarize(
     return out
 
 
-def paired(rows: list[dict[str, Any]], ref: str, key: str) -> dict[tuple[str, str], list[float]]:
-    """Each backend's ``key`` against ``ref``'s of the same load and repeat, in percent
-    (``+2.0``: 2% higher): a pair shares the round's host and GPU conditions, which drift
-    between rounds more than the servers differ."""
+def paired(
+    rows: list[dict[str, Any]], ref: str, key: str, solo: bool = False
+) -> dict[tuple[str, str], list[float]]:
+    """Each backend's ``key`` against ``ref``'s of the same load, in percent (``+2.0``: 2%
+    higher), one value a repeat of the backend.
+
+    Side by side (the default) a repeat is paired with ``ref``'s of the same round: the
+    pair shares the round's host and GPU conditions, which drift between rounds more than
+    the servers differ. ``solo`` (``--solo``: one server at a time, its rounds back to
+    back) has no shared round, and its servers get different numbers of rounds (a first
+    start that compiles vLLM's kernels leaves the first server fewer): each repeat is
+    compared with the median of all of ``ref``'s repeats of the load."""
     by = {(r["load"], r["repeat"], r["backend"]): r[key] for r in rows
           if r.get("ok") and r.get(key) is not None}  # fmt: skip
+    ref_median = {}
+    if solo:
+        for load in {ld for ld, _, _ in by}:
+            xs = [x for (ld, _, b), x in by.items() if ld == load and b == ref]
+            if xs:
+                ref_median[load] = statistics.median(xs)
     out: dict[tuple[str, str], list[float]] = {}
-    for (load, rep_, b), x in by.items():
-        base = by.get((load, rep_, ref))
+    for (load, rep_, b), x in sorted(by.items()):
+        base = ref_median.get(load) if solo else by.get((load, rep_, ref))
         if b != ref and base:
             out.setdefault((load, b), []).append((x / base - 1) * 100)
     return out
 
 
 def breakdown_markdown(
-    rows: list[dict[str, Any]], summary: dict[tuple[str, str], dict[str, Any]], ref: str
+    rows: list[dict[str, Any]],
+    summary: dict[tuple[str, str], dict[str, Any]],
+    ref: str,
+    solo: bool = False,
 ) -> str:
     """Where a step's time goes, per load and backend: ITL p50 and tok/s paired against
     ``ref`` round by round (median and range over the repeats), GPU busy, the first PLE
     layer's GPU stall and our host time per engine step (mmap servers' stats lines), and
     with ``--time-graphs`` the FULL graphs' span on the GPU and the device's time outside
     them."""
-    itl, tok = paired(rows, ref, "itl_p50_ms"), paired(rows, ref, "tok_s")
+    itl, tok = paired(rows, ref, "itl_p50_ms", solo), paired(rows, ref, "tok_s", solo)
+    how = (
+        f"each repeat against the median of `{ref}`'s repeats (one server at a time: no "
+        f"shared round; a second GPU-table server, `gpu-b`, measures what two identical "
+        f"servers differ by)"
+        if solo
+        else f"each repeat's server against `{ref}` in the same round"
+    )
     lines = [
-        f"Paired against `{ref}` (each repeat's server against `{ref}` in the same round; "
+        f"Paired against `{ref}` ({how}; "
         "median [min, max] over the repeats). GPU stall: the first PLE layer's consumer "
         "waiting for its rows, from the GPU's clock (steps stalled > 1 us, p50 / p99 / "
         "mean us). Host: our code per engine step, p50 us (total / arm / wait / check). "
@@ -493,7 +517,7 @@ def report(
             "page_cache_gib": page_cache(tables) if tables else None,
         }  # fmt: skip
     md = markdown(summary, per_server, meta)
-    md += "\n\n" + breakdown_markdown(rows, summary, args.ref)
+    md += "\n\n" + breakdown_markdown(rows, summary, args.ref, bool(args.solo))
     profiled = {b: s.profile for b, s in servers.items() if s.profile and s.profile["replays"]}
     if profiled:
         first = args.ref if args.ref in profiled else next(iter(profiled))
@@ -519,7 +543,8 @@ def report(
                 {"meta": meta, "servers": per_server, "runs": rows, "verdict": v,
                  "ref": args.ref,
                  "paired_itl_p50_pct": [{"load": k[0], "backend": k[1], "pct": x} for k, x in
-                                        paired(rows, args.ref, "itl_p50_ms").items()],
+                                        paired(rows, args.ref, "itl_p50_ms",
+                                               bool(args.solo)).items()],
                  "summary": [{"load": k[0], "backend": k[1], **s} for k, s in summary.items()]},
                 indent=1, default=str,
             )

@@ -347,3 +347,32 @@ def test_the_breakdown_shows_both_parts_of_a_split_gemma_table() -> None:
     assert f"{gemma}: 50%, 1.5 / 3.0 / 1.5; {gemma}.rest: 50%, 20.0 / 40.0 / 20.0" in split_row
     qwen_row = next(ln for ln in out.splitlines() if "| mmap |" in ln)
     assert "model.layers.0.ple: 50%, 150.0" in qwen_row and "layers.6" not in qwen_row
+
+
+def test_a_solo_run_pairs_each_repeat_with_the_references_median() -> None:
+    """Side by side, a repeat is paired with the reference of its own round and a round
+    the reference lacks pairs nothing; ``--solo`` has no shared round (and its first server
+    often gets fewer rounds), so every repeat is compared with the median of the
+    reference's repeats of that load, and the breakdown says which pairing it used."""
+    from vllm_report import breakdown_markdown, paired
+
+    def row(load: str, rep: int, b: str, itl: float) -> dict[str, object]:
+        return {"load": load, "repeat": rep, "backend": b, "ok": True, "itl_p50_ms": itl}
+
+    rows = [row("c64", 1, "gpu-plugin", 6.64), row("c64", 1, "gpu-b", 6.57),
+            row("c64", 2, "gpu-b", 6.58), row("c64", 1, "mmap", 6.57),
+            row("c64", 2, "mmap", 6.60), row("c64", 3, "mmap", 6.59),
+            row("c64", 2, "gpu-plugin", 6.60),
+            {**row("c64", 4, "mmap", 9.9), "ok": False}]  # fmt: skip
+    side = paired(rows, "gpu-plugin", "itl_p50_ms")
+    assert side[("c64", "mmap")] == pytest.approx([(6.57 / 6.64 - 1) * 100, 0.0])
+    solo = paired(rows, "gpu-plugin", "itl_p50_ms", solo=True)
+    ref = (6.64 + 6.60) / 2
+    assert solo[("c64", "mmap")] == pytest.approx([(x / ref - 1) * 100 for x in (6.57, 6.60, 6.59)])
+    assert solo[("c64", "gpu-b")] == pytest.approx([(x / ref - 1) * 100 for x in (6.57, 6.58)])
+    assert ("c64", "gpu-plugin") not in solo
+    summary = {("c64", "mmap"): {"n": 3, "itl_p50_ms": 6.59, "gpu_busy_pct": 70.0}}
+    solo_md = breakdown_markdown(rows, summary, "gpu-plugin", solo=True)
+    assert "against the median of `gpu-plugin`'s repeats" in solo_md
+    assert f"{(6.59 / ref - 1) * 100:+.2f}%" in solo_md
+    assert "in the same round" in breakdown_markdown(rows, summary, "gpu-plugin")
