@@ -42,6 +42,9 @@ STOCK_VARIANTS: dict[str, dict[str, Any]] = {
     "gpu-b": {"offload": False},
     "uva": {"offload": True},
     "gpu-plugin": {"offload": False, "plugin": True},
+    # A second gpu-plugin: the A/A pair of a --solo run with --time-graphs, so the two
+    # identical servers' graphs on the GPU are compared too (gpu-b's are not timed).
+    "gpu-plugin-b": {"offload": False, "plugin": True},
     # Gemma: vLLM's generic answer to a model that does not fit, --cpu-offload-gb, given
     # the table's bytes (it offloads decoder layers' weights, read over UVA every step;
     # vLLM offloads no embedding table).
@@ -50,9 +53,9 @@ STOCK_VARIANTS: dict[str, dict[str, Any]] = {
 # What each model family serves: Qwen4Exp's table paths are vLLM's engram_config; a Gemma's
 # table is on the GPU in vLLM, and --cpu-offload-gb frees as much GPU memory elsewhere.
 FAMILY_STOCK = {
-    "qwen4exp": ("gpu", "gpu-b", "uva", "gpu-plugin"),
-    "gemma4": ("gpu", "gpu-b", "offload", "gpu-plugin"),
-    "gemma3n": ("gpu", "gpu-b", "offload", "gpu-plugin"),
+    "qwen4exp": ("gpu", "gpu-b", "uva", "gpu-plugin", "gpu-plugin-b"),
+    "gemma4": ("gpu", "gpu-b", "offload", "gpu-plugin", "gpu-plugin-b"),
+    "gemma3n": ("gpu", "gpu-b", "offload", "gpu-plugin", "gpu-plugin-b"),
 }
 # The Gemma models, each a text config's keys (``base``: None for the tests' tiny one, {}
 # for transformers' own defaults; ``overrides`` on top). EOS is the bench tokenizer's (id

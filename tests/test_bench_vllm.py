@@ -376,3 +376,17 @@ def test_a_solo_run_pairs_each_repeat_with_the_references_median() -> None:
     assert "against the median of `gpu-plugin`'s repeats" in solo_md
     assert f"{(6.59 / ref - 1) * 100:+.2f}%" in solo_md
     assert "in the same round" in breakdown_markdown(rows, summary, "gpu-plugin")
+
+
+def test_gpu_plugin_b_is_the_same_engine_as_gpu_plugin() -> None:
+    """``gpu-plugin-b``, the A/A partner of ``gpu-plugin``, gets the same engine arguments
+    in every family, graph timing included (``gpu-b`` is the stock engine: untimed)."""
+    from vllm_servers import engine_argv, known_backends
+
+    for model in ("bench", "gemma4-e4b", "gemma3n-e2b"):
+        argv = ["--model", model, "--backends", "gpu-plugin,gpu-plugin-b,gpu-b", "--time-graphs"]
+        args = bench_vllm.parse_args(argv)
+        assert "gpu-plugin-b" in known_backends(), model
+        a, b = engine_argv(args, "gpu-plugin"), engine_argv(args, "gpu-plugin-b")
+        assert a == b and '"time_graphs": true' in " ".join(a), model
+        assert '"time_graphs"' not in " ".join(engine_argv(args, "gpu-b")), model
