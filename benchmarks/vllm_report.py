@@ -59,6 +59,9 @@ _GRAPHS = re.compile(
     r"p99 ([\d.]+)(?:; period p50 ([\d.]+); outside the graph p50 (-?[\d.]+))?"
 )
 GRAPH_FIELDS = ("span_p50_us", "span_p99_us", "period_p50_us", "outside_p50_us")
+# "...; span p50 by size: 16 x120 4950.1, 24 x80 5101.2" (each FULL graph's batch size)
+_BY_SIZE = re.compile(r"span p50 by size: ((?:\d+ x\d+ [\d.]+(?:, )?)+)")
+_SIZE = re.compile(r"(\d+) x(\d+) ([\d.]+)")
 HOST_FIELDS = (
     "total_p50", "total_p99", "step", "arm", "wait", "wait_p99", "check", "stats", "launch"
 )  # fmt: skip
@@ -102,8 +105,10 @@ def graph_stats(text: str) -> dict[str, Any]:
     """What a server's ``ple-memops graphs`` lines (``time_graphs``) say about one load:
     its FULL replays' span on the GPU, the period between launches and the device's time
     outside the graphs (launch-weighted means of the lines' p50s; the first line after a
-    load starts covers the end of the previous load, so it is dropped)."""
-    found = [m for ln in text.splitlines() if (m := _GRAPHS.search(ln))][1:]
+    load starts covers the end of the previous load, so it is dropped), and, where the
+    lines give it, each batch size's span p50 (``by_size``: size -> [launches, span])."""
+    lines = [ln for ln in text.splitlines() if _GRAPHS.search(ln)][1:]
+    found = [m for ln in lines if (m := _GRAPHS.search(ln))]
     if not found:
         return {}
     n = sum(int(m.group(1)) for m in found)
@@ -112,6 +117,16 @@ def graph_stats(text: str) -> dict[str, Any]:
         got = [(int(m.group(1)), float(m.group(i))) for m in found if m.group(i) is not None]
         k = sum(c for c, _ in got)
         out[f] = sum(c * x for c, x in got) / k if k else None
+    sizes: dict[int, list[tuple[int, float]]] = {}
+    for ln in lines:
+        if m := _BY_SIZE.search(ln):
+            for size, k, span in _SIZE.findall(m.group(1)):
+                sizes.setdefault(int(size), []).append((int(k), float(span)))
+    if sizes:
+        out["by_size"] = {
+            size: [sum(k for k, _ in v), sum(k * x for k, x in v) / sum(k for k, _ in v)]
+            for size, v in sorted(sizes.items())
+        }
     return {"graphs": out}
 
 
@@ -216,6 +231,14 @@ def summarize(
                 s["graphs"] = {
                     f: _median_of([g.get(f) for g in graphs]) for f in ("launches", *GRAPH_FIELDS)
                 }
+                by = [g["by_size"] for g in graphs if g.get("by_size")]
+                if by:  # each size: launches summed over the repeats, the spans' median
+                    sizes = sorted({int(k) for d in by for k in d})
+                    s["graphs"]["by_size"] = {
+                        k: [sum(d[k][0] for d in by if k in d),
+                            statistics.median(d[k][1] for d in by if k in d)]
+                        for k in sizes
+                    }  # fmt: skip
             stalls = [r["stall"] for r in good if r.get("stall")]
             if stalls:
                 names = list(dict.fromkeys(n for st in stalls for n in st))
@@ -347,6 +370,42 @@ def breakdown_markdown(
             f"| {_f(s['gpu_busy_pct'], 0)}% | {stall} | {host} | {graphs} | {cpu} |"
         )
     return "\n".join(lines)
+
+
+def sizes_markdown(
+    summary: dict[tuple[str, str], dict[str, Any]], ref: str, share: float = 0.05
+) -> str:
+    """The FULL graphs' span p50 by batch size, each backend against ``ref`` at the same
+    size, for the loads whose replays came in several sizes (a span p50 over such a load
+    mixes sizes in each server's own proportions). Sizes under ``share`` of ``ref``'s
+    launches are left out. Empty when no server logged sizes."""
+    rows = []
+    for load in dict.fromkeys(ld for ld, _ in summary):
+        base = ((summary.get((load, ref)) or {}).get("graphs") or {}).get("by_size") or {}
+        total = sum(v[0] for v in base.values())
+        if len(base) < 2 or not total:
+            continue
+        for size, (n, span) in sorted(base.items()):
+            if n < share * total:
+                continue
+            cells = []
+            for (ld, b), s in summary.items():
+                other = ((s.get("graphs") or {}).get("by_size") or {}).get(size)
+                if ld != load or b == ref or not other:
+                    continue
+                cells.append(f"{b} {other[1]:,.1f} ({other[1] - span:+.1f}; x{other[0]})")
+            rows.append(f"| {load} | {size} | {span:,.1f} (x{n}) | {'; '.join(cells) or '-'} |")
+    if not rows:
+        return ""
+    head = [
+        f"FULL graphs' span p50 on the GPU by batch size (us; launches over the repeats), "
+        f"each server against `{ref}` at the same size, sizes of at least {share:.0%} of "
+        f"`{ref}`'s launches:",
+        "",
+        f"| load | batch size | {ref} | others (vs {ref}) |",
+        "|---|---|---|---|",
+    ]
+    return "\n".join(head + rows)
 
 
 def _median_of(xs: list[float | None]) -> float | None:
@@ -518,6 +577,8 @@ def report(
         }  # fmt: skip
     md = markdown(summary, per_server, meta)
     md += "\n\n" + breakdown_markdown(rows, summary, args.ref, bool(args.solo))
+    if sizes := sizes_markdown(summary, args.ref):
+        md += "\n\n" + sizes
     profiled = {b: s.profile for b, s in servers.items() if s.profile and s.profile["replays"]}
     if profiled:
         first = args.ref if args.ref in profiled else next(iter(profiled))

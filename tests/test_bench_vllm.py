@@ -9,6 +9,7 @@ import ctypes.util
 import os
 import threading
 import time
+from typing import Any
 
 import bench_vllm
 import proc_cpu
@@ -390,3 +391,50 @@ def test_gpu_plugin_b_is_the_same_engine_as_gpu_plugin() -> None:
         a, b = engine_argv(args, "gpu-plugin"), engine_argv(args, "gpu-plugin-b")
         assert a == b and '"time_graphs": true' in " ".join(a), model
         assert '"time_graphs"' not in " ".join(engine_argv(args, "gpu-b")), model
+
+
+def test_the_report_compares_graph_spans_at_equal_batch_sizes(fake_stream: Any) -> None:
+    """The graph lines a server logs with each replay keyed by its batch size (what the
+    plugin's graph manager writes, ``GraphClock`` over a fake stream) are read per size,
+    summed over repeats, and the report compares two servers' spans at the same size: a
+    load whose batches vary in different proportions no longer hides a cost per size
+    behind a p50 over the mix."""
+    from vllm_report import graph_stats, sizes_markdown, summarize
+
+    from ple_memops.step_costs import GraphClock
+
+    def lines(spans: dict[int, tuple[float, int]]) -> str:
+        clock, out = GraphClock(event=fake_stream.event), []
+        for _ in range(3):  # the first line of a load is dropped
+            for size, (span, n) in spans.items():
+                for _ in range(n):
+
+                    def graph(span: float = span) -> None:
+                        fake_stream.now += span
+
+                    clock.around(graph, key=size)
+                    fake_stream.now += 20.0
+            times = clock.summary()
+            assert times is not None
+            out.append(f"INFO x ple-memops graphs, last 2.0 s: {times.text()}")
+        return "\n".join(out)
+
+    ref = graph_stats(lines({16: (5000.0, 8), 24: (5200.0, 2)}))["graphs"]
+    assert ref["launches"] == 20 and ref["by_size"] == {16: [16, 5000.0], 24: [4, 5200.0]}
+    # The other server: the same +10 us at each size, but more of its replays at 24.
+    other = graph_stats(lines({16: (5010.0, 2), 24: (5210.0, 8)}))["graphs"]
+    assert other["span_p50_us"] > ref["span_p50_us"] + 150  # the mix, not a cost
+
+    def row(b: str, rep: int, g: dict[str, Any]) -> dict[str, Any]:
+        return {"load": "mixed", "repeat": rep, "backend": b, "ok": True, "tok_s": 1.0,
+                "graphs": g}  # fmt: skip
+
+    summary = summarize([row("gpu-plugin", 1, ref), row("gpu-plugin", 2, ref),
+                         row("mmap", 1, other)], ["gpu-plugin", "mmap"])  # fmt: skip
+    assert summary[("mixed", "gpu-plugin")]["graphs"]["by_size"] == {
+        16: [32, 5000.0], 24: [8, 5200.0]}  # fmt: skip
+    md = sizes_markdown(summary, "gpu-plugin")
+    assert "| mixed | 16 | 5,000.0 (x32) | mmap 5,010.0 (+10.0; x4) |" in md
+    assert "| mixed | 24 | 5,200.0 (x8) | mmap 5,210.0 (+10.0; x16) |" in md
+    one_size = {("c64", "gpu-plugin"): {"graphs": {"by_size": {64: [10, 6000.0]}}}}
+    assert sizes_markdown(one_size, "gpu-plugin") == ""

@@ -188,3 +188,22 @@ def test_graph_clock_drops_the_oldest_beyond_its_window(fake_stream: Any) -> Non
     assert "2 dropped" in s.text()
     with pytest.raises(ValueError, match="at least 2"):
         GraphClock(window=1)
+
+
+def test_graph_clock_gives_each_keys_span(fake_stream: Any) -> None:
+    """Launches timed with a key (a FULL graph's batch size): the summary's p50 mixes
+    them, ``by_key`` gives each key's span p50 (``percentile``'s, the lower of two) and
+    count, most launches first, and the line says them; launches without a key count
+    only in the mix."""
+    gpu = fake_stream
+    clock = GraphClock(event=gpu.event)
+    for span, key in ((100.0, 8), (300.0, 64), (110.0, 8), (120.0, 8), (310.0, 64), (50.0, None)):
+        clock.around(lambda span=span: setattr(gpu, "now", gpu.now + span), key=key)
+        gpu.now += 10.0
+    s = clock.summary()
+    assert s is not None and s.launches == 6
+    assert s.by_key == ((8, 3, pytest.approx(110.0)), (64, 2, pytest.approx(300.0)))
+    assert s.text().endswith("; span p50 by size: 8 x3 110.0, 64 x2 300.0")
+    clock.around(lambda: None)
+    s = clock.summary()
+    assert s is not None and s.by_key == () and "by size" not in s.text()

@@ -258,14 +258,18 @@ def test_time_graphs_times_every_full_replay_armed_or_not(
     manager = object.__new__(PleCudaGraphManager)
     manager.ple_rows = None
     manager.ple_clock = GraphTimesLog(3600.0, GraphClock(event=gpu.event))
-    for d in ("a", "b", "c"):
+    # vLLM's own descriptors (each replay keyed by its batch size), then one without.
+    full = cudagraph_utils.CUDAGraphMode.FULL
+    descs = [cudagraph_utils.BatchExecutionDescriptor(full, n, n) for n in (8, 16, 8)]
+    for d in [*descs, "c"]:
         assert manager.run_fullgraph(d) == f"out-{d}"
         gpu.now += 20.0  # the engine's eager work between graphs
-    assert replays == ["a", "b", "c"]
+    assert replays == [*descs, "c"]
     with caplog.at_level(logging.INFO, logger="ple_memops"):
         line = manager.ple_clock.log()
-    assert line is not None and "3 graphs on the GPU: span us p50 100.0" in line
+    assert line is not None and "4 graphs on the GPU: span us p50 100.0" in line
     assert "period p50 120.0; outside the graph p50 20.0" in line
+    assert line.endswith("; span p50 by size: 8 x2 100.0, 16 x1 100.0")
     assert any("ple-memops graphs, last" in r.getMessage() for r in caplog.records)
 
     class Hooks:  # the rows hooks: arm, then launch what they are given

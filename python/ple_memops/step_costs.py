@@ -168,10 +168,15 @@ class GraphTimes:
     host's next launch)."""
     dropped: int = 0
     """Launches recorded but not read before the clock's window filled."""
+    by_key: tuple[tuple[int, int, float], ...] = ()
+    """``(key, launches, span p50 us)`` of each key the launches were timed with (a FULL
+    graph's batch size), most launches first; empty when none was given. A p50 over a
+    load whose batches vary mixes graph sizes; two servers compare at equal keys."""
 
     def text(self) -> str:
         """``N graphs on the GPU: span us p50 a p99 b; period p50 c; outside the graph p50
-        d`` (the line :class:`GraphClock` users log)."""
+        d``, then ``; span p50 by size: k xn s, ...`` when the launches had keys (the line
+        :class:`GraphClock` users log)."""
         out = (
             f"{self.launches} graphs on the GPU: span us p50 {self.span_p50_us:.1f} "
             f"p99 {self.span_p99_us:.1f}"
@@ -181,7 +186,11 @@ class GraphTimes:
                 f"; period p50 {self.period_p50_us:.1f}; outside the graph p50 "
                 f"{self.outside_p50_us:.1f}"
             )
-        return out + (f"; {self.dropped} dropped" if self.dropped else "")
+        out += f"; {self.dropped} dropped" if self.dropped else ""
+        if self.by_key:
+            sizes = ", ".join(f"{k} x{n} {p50:.1f}" for k, n, p50 in self.by_key)
+            out += f"; span p50 by size: {sizes}"
+        return out
 
 
 class GraphClock:
@@ -190,7 +199,9 @@ class GraphClock:
     it: no kernel, no fence, nothing captured (an event record is a command of the
     stream's queue, stamped when the queue reaches it).
 
-    :meth:`around` runs one launch between its events, from the launching thread;
+    :meth:`around` runs one launch between its events, from the launching thread (with an
+    integer ``key``, e.g. the graph's batch size, :meth:`summary` also gives each key's
+    span);
     :meth:`take` reads the launches the GPU has finished, oldest first, and recycles their
     events (never blocks). At most ``window`` launches wait unread; beyond it the oldest
     are dropped and counted. ``event`` makes one timing event (default: torch's CUDA
@@ -202,7 +213,7 @@ class GraphClock:
         self._window = int(window)
         self._event = event or _cuda_timing_event
         self._lock = threading.Lock()
-        self._pending: deque[tuple[Any, Any]] = deque()
+        self._pending: deque[tuple[Any, Any, int | None]] = deque()
         self._spare: list[Any] = []
         self._dropped = 0
         self._last_start: Any = None
@@ -212,9 +223,9 @@ class GraphClock:
     def _new(self) -> Any:
         return self._spare.pop() if self._spare else self._event()
 
-    def around(self, launch: Callable[[], T], stream: Any = None) -> T:
+    def around(self, launch: Callable[[], T], stream: Any = None, key: int | None = None) -> T:
         """``launch()``, with an event recorded on ``stream`` (default: the current
-        stream) before and after it."""
+        stream) before and after it; ``key`` labels the launch in :meth:`summary`."""
         with self._lock:
             start, end = self._new(), self._new()
             if len(self._pending) >= self._window:
@@ -225,21 +236,22 @@ class GraphClock:
         out = launch()
         end.record(stream)
         with self._lock:
-            self._pending.append((start, end))
+            self._pending.append((start, end, key))
         return out
 
     def take(self) -> list[tuple[float, float | None]]:
         """``(span_us, period_us)`` of every launch the GPU has finished since the last
         call, oldest first. ``period_us`` runs from the previous launch's start to this
         one's; ``None`` when the previous launch is unknown (the first, or after a drop)."""
-        return [(span, period) for span, period, _ in self._take()]
+        return [(span, period) for span, period, _, _ in self._take()]
 
-    def _take(self) -> list[tuple[float, float | None, float | None]]:
-        # (span, period, outside): outside = this period less the previous launch's span.
-        out: list[tuple[float, float | None, float | None]] = []
+    def _take(self) -> list[tuple[float, float | None, float | None, int | None]]:
+        # (span, period, outside, key): outside = this period less the previous launch's
+        # span.
+        out: list[tuple[float, float | None, float | None, int | None]] = []
         with self._lock:
             while self._pending and self._pending[0][1].query():
-                start, end = self._pending.popleft()
+                start, end, key = self._pending.popleft()
                 span = float(start.elapsed_time(end)) * 1e3
                 prev = self._last_start
                 period = outside = None
@@ -247,7 +259,7 @@ class GraphClock:
                     period = float(prev.elapsed_time(start)) * 1e3
                     outside = period - self._last_span
                     self._spare.append(prev)
-                out.append((span, period, outside))
+                out.append((span, period, outside, key))
                 self._spare.append(end)
                 self._last_start, self._last_span = start, span
         return out
@@ -260,9 +272,17 @@ class GraphClock:
             dropped, self._dropped = self._dropped, 0
         if not got:
             return None
-        spans = sorted(s for s, _, _ in got)
-        periods = sorted(p for _, p, _ in got if p is not None)
-        outside = sorted(o for _, _, o in got if o is not None)
+        spans = sorted(s for s, _, _, _ in got)
+        periods = sorted(p for _, p, _, _ in got if p is not None)
+        outside = sorted(o for _, _, o, _ in got if o is not None)
+        keyed: dict[int, list[float]] = {}
+        for span, _, _, key in got:
+            if key is not None:
+                keyed.setdefault(key, []).append(span)
+        by_key = tuple(
+            (k, len(v), percentile(sorted(v), 50))
+            for k, v in sorted(keyed.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+        )
         return GraphTimes(
             launches=len(spans),
             span_p50_us=percentile(spans, 50),
@@ -270,6 +290,7 @@ class GraphClock:
             period_p50_us=percentile(periods, 50) if periods else None,
             outside_p50_us=percentile(outside, 50) if outside else None,
             dropped=dropped,
+            by_key=by_key,
         )
 
 
