@@ -1,7 +1,9 @@
 """The report of ``bench_vllm.py``: what an mmap server's ``ple-memops stats`` lines say
-about a load (``delivery_stats``, ``cost_stats``), the medians over repeats
-(``summarize``), each backend paired against the reference round by round (``paired``),
-the markdown tables (``markdown``, ``breakdown_markdown``, ``cli_markdown``), the
+about a load (``delivery_stats``, ``cost_stats``) and what any plugin server's graph lines
+say (``graph_stats``: spans, and by batch size), the medians over repeats
+(``summarize``), each backend paired against the reference round by round, or with
+``--solo`` against the reference's median (``paired``), the markdown tables
+(``markdown``, ``breakdown_markdown``, ``sizes_markdown``, ``cli_markdown``), the
 ``verdict`` line, and ``report``, which prints them and writes ``--markdown`` and
 ``--json``.
 """
