@@ -1023,6 +1023,11 @@ def test_settings_split_rows() -> None:
     env = {"PLE_MEMOPS_SPLIT_ROWS": "0"}
     assert not S.from_env(env).split_rows
     assert S.from_env({"PLE_MEMOPS_SPLIT_ROWS": "1"}).split_rows
+    # Empty is the default, as for every setting: on here, off for the other switches.
+    assert S.from_env({"PLE_MEMOPS_SPLIT_ROWS": " "}).split_rows
+    assert not S.from_env({"PLE_MEMOPS_TIME_STALLS": ""}).time_stalls
+    assert S.for_engine({"ple_memops": {"split_rows": None}}, env).split_rows
+    assert not S.for_engine({"ple_memops": {"time_graphs": ""}}, {}).time_graphs
     assert not S.for_engine({"ple_memops": {"split_rows": False}}, {}).split_rows
     assert S.for_engine({"ple_memops": {"split_rows": "on"}}, env).split_rows
     assert not S.for_engine({"ple_memops": {"spin": 0.01}}, env).split_rows  # env kept

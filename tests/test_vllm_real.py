@@ -325,7 +325,8 @@ def test_check_command_reports(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> 
         ("PLE_MEMOPS_FIRST_LAYER_THREADS", "1", 1, "PLE_MEMOPS_FIRST_LAYER_THREADS must be"),
         ("PLE_MEMOPS_FIRST_LAYER_THREADS", "", 0, "gathers on the model's default (a split"),
         ("PLE_MEMOPS_FIRST_LAYER_THREADS", "0", 0, "first PLE layer's gathers on the shared pool"),
-        ("PLE_MEMOPS_SPLIT_ROWS", "", 0, "split at decoder layer 0 off (PLE_MEMOPS_SPLIT_ROWS)"),
+        ("PLE_MEMOPS_SPLIT_ROWS", "", 0, "split at decoder layer 0 on (PLE_MEMOPS_SPLIT_ROWS)"),
+        ("PLE_MEMOPS_SPLIT_ROWS", "0", 0, "split at decoder layer 0 off (PLE_MEMOPS_SPLIT_ROWS)"),
         ("PLE_MEMOPS_SPLIT_ROWS", "1", 0, "split at decoder layer 0 on (PLE_MEMOPS_SPLIT_ROWS)"),
         ("PLE_MEMOPS_SPLIT_ROWS", "2", 1, "PLE_MEMOPS_SPLIT_ROWS must be 1 or 0"),
     ):

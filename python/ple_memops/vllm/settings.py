@@ -131,12 +131,15 @@ def _threads_or_off(value: object, where: str) -> int | None:
     return n
 
 
-def _switch(value: object, where: str) -> bool:
-    """``1``/``true``/``on`` or ``0``/``false``/``off`` (empty, ``None``: off); a bool as is."""
+def _switch(value: object, where: str, default: bool = False) -> bool:
+    """``1``/``true``/``on`` or ``0``/``false``/``off``; empty (or ``None``) is
+    ``default``, as for every other setting; a bool as is."""
     if isinstance(value, bool):
         return value
     text = "" if value is None else str(value).strip().lower()
-    if text in ("", "0", "false", "off", "no"):
+    if text == "":
+        return default
+    if text in ("0", "false", "off", "no"):
         return False
     if text in ("1", "true", "on", "yes"):
         return True
@@ -258,7 +261,7 @@ class Settings:
             _switch(env.get(TIME_GRAPHS_ENV), TIME_GRAPHS_ENV),
             _switch(env.get(EARLY_JOIN_ENV), EARLY_JOIN_ENV),
             _switch(env.get(EXPECT_PREFILL_ENV), EXPECT_PREFILL_ENV),
-            _switch(env.get(SPLIT_ROWS_ENV, "1"), SPLIT_ROWS_ENV),
+            _switch(env.get(SPLIT_ROWS_ENV), SPLIT_ROWS_ENV, default=True),
         )
 
     @classmethod
@@ -298,7 +301,7 @@ class Settings:
                 "expect_prefill",
                 "split_rows",
             ):
-                changes[key] = _switch(value, where)
+                changes[key] = _switch(value, where, default=getattr(cls(), key))
             else:
                 changes[key] = _seconds_or_off(value, where)
         return replace(base, **changes)
