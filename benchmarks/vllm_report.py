@@ -109,8 +109,8 @@ def graph_stats(text: str) -> dict[str, Any]:
     outside the graphs (launch-weighted means of the lines' p50s; the first line after a
     load starts covers the end of the previous load, so it is dropped), and, where the
     lines give it, each batch size's span p50 (``by_size``: size -> [launches, span])."""
-    lines = [ln for ln in text.splitlines() if _GRAPHS.search(ln)][1:]
-    found = [m for ln in lines if (m := _GRAPHS.search(ln))]
+    matched = [(ln, m) for ln in text.splitlines() if (m := _GRAPHS.search(ln))][1:]
+    lines, found = [ln for ln, _ in matched], [m for _, m in matched]
     if not found:
         return {}
     n = sum(int(m.group(1)) for m in found)
@@ -307,8 +307,8 @@ def breakdown_markdown(
     itl, tok = paired(rows, ref, "itl_p50_ms", solo), paired(rows, ref, "tok_s", solo)
     how = (
         f"each repeat against the median of `{ref}`'s repeats (one server at a time: no "
-        f"shared round; a second GPU-table server, `gpu-b`, measures what two identical "
-        f"servers differ by)"
+        f"shared round; a second GPU-table server, `gpu-plugin-b` or `gpu-b`, measures "
+        f"what two identical servers differ by)"
         if solo
         else f"each repeat's server against `{ref}` in the same round"
     )

@@ -301,7 +301,8 @@ class Settings:
                 "expect_prefill",
                 "split_rows",
             ):
-                changes[key] = _switch(value, where, default=getattr(cls(), key))
+                # Empty is the field's default (a class attribute of the dataclass).
+                changes[key] = _switch(value, where, default=getattr(cls, key))
             else:
                 changes[key] = _seconds_or_off(value, where)
         return replace(base, **changes)
