@@ -41,7 +41,8 @@ per process where it sees our processes; vLLM's own "Model loading took" line al
 RSS of its process tree (anon / file / shmem from /proc), and the page cache the table
 files hold (``mincore``). "GPU busy" is nvidia-smi's ``utilization.gpu`` (the share of time
 a kernel was running, sampled every 100 ms) averaged over the load: at c1 that is the GPU's
-share of a decode step. ``--cold`` evicts the table files (``POSIX_FADV_DONTNEED``) before
+share of a decode step; beside it the SM clock's median over the same samples (a lower
+one than the other servers' means a slowed GPU, not a slow path). ``--cold`` evicts the table files (``POSIX_FADV_DONTNEED``) before
 every repeat; pages the mmap server has mapped stay resident (the residency after eviction
 is reported), and only the mmap backend reads the files at all.
 
@@ -215,11 +216,12 @@ async def measure(
                     cpu = cpu_use(cpu0, cpu1, wall) if tree else {}
                     if tree:
                         cpu["thread_cpus"] = busy_thread_cpus(cpu0, cpu1, thread_last_cpu(tree))
-                    busy = util.stop()
+                    gpu = util.stop()
+                    busy, mhz = gpu["gpu_busy_pct"], gpu["sm_mhz_p50"]
                     m = metrics(outs, wall) | delivery_stats(log_since(srv.log_path, log_at))
                     m |= cpu
                     took[load.name] = max(took.get(load.name, 0.0), wall)
-                    row = {"repeat": r + 1, "load": load.name, "backend": b, "gpu_busy_pct": busy,
+                    row = {"repeat": r + 1, "load": load.name, "backend": b, **gpu,
                            "page_cache_gib": page_cache(tables) if tables else None,
                            "cache_after_evict_gib": cache_before, **m,
                            **server_resources(srv, tables)}  # fmt: skip
@@ -229,7 +231,8 @@ async def measure(
                             f"r{r + 1} {load.name:6s} {b:4s}: {m['tok_s']:8.1f} tok/s  "
                             f"ITL p50 {m['itl_p50_ms']:.2f} ms  "
                             f"TTFT p50 {m['ttft_p50_ms']:.0f} ms  "
-                            f"busy {'-' if busy is None else round(busy)}%  ({wall:.1f} s)"
+                            f"busy {'-' if busy is None else round(busy)}%  "
+                            f"SM {'-' if mhz is None else round(mhz)} MHz  ({wall:.1f} s)"
                         )
                     if m["failed"]:
                         log(f"r{r + 1} {load.name} {b}: {m['failed']} failed: {m['errors'][:1]}")

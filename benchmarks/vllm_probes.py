@@ -1,5 +1,5 @@
 """What ``bench_vllm.py`` reads of the host while the servers run: nvidia-smi's GPU
-utilization (``Utilization``) and memory (``gpu_memory_by_pid``, ``gpu_used_total``), a
+utilization, SM clock and power (``Utilization``) and memory (``gpu_memory_by_pid``, ``gpu_used_total``), a
 process tree (``proc_tree``), CPU use by thread (``cpu_use``, ``busy_thread_cpus``, over
 ``proc_cpu``'s samples), host RSS (``host_rss``), and the table files' page cache
 (``resident_bytes``, ``page_cache``, ``evict``).
@@ -23,33 +23,71 @@ from proc_cpu import CLK_TCK, OUR_THREADS
 
 
 class Utilization:
-    """nvidia-smi's utilization.gpu every 100 ms while a load runs (None without it)."""
+    """nvidia-smi's utilization.gpu, SM clock and power draw every 100 ms while a load runs
+    (no samples without it). The clock tells a slow path from a slow host: lent H200s'
+    graphs differ by ~6-12% from one host to the next, and a clock under the maximum (power
+    or thermal slowdown) would slow every server of a run alike."""
+
+    QUERY = "utilization.gpu,clocks.sm,power.draw"
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen[str] | None = None
-        self.samples: list[int] = []
+        self.samples: list[tuple[float | None, float | None, float | None]] = []
         if shutil.which("nvidia-smi"):
             self.proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                ["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
                  "-i", os.environ.get("BENCH_GPU_INDEX", "0"), "-lms", "100"],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             )  # fmt: skip
             threading.Thread(target=self._read, daemon=True).start()
 
+    @staticmethod
+    def parse(line: str) -> tuple[float | None, float | None, float | None] | None:
+        """One sample line (``70, 1980, 281.43``): busy %, SM MHz, watts, each ``None``
+        where nvidia-smi has no value (``[N/A]``); ``None`` for a line that is not one."""
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 3:
+            return None
+        out: list[float | None] = []
+        for f in fields:
+            try:
+                out.append(float(f))
+            except ValueError:
+                out.append(None)
+        busy, mhz, watts = out
+        return None if busy is None else (busy, mhz, watts)
+
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
-            with contextlib.suppress(ValueError):
-                self.samples.append(int(line.strip()))
+            sample = self.parse(line)
+            if sample is not None:
+                self.samples.append(sample)
 
-    def stop(self) -> float | None:
-        if self.proc is None:
-            return None
-        self.proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)
-        s = self.samples[1:] or self.samples
-        return statistics.fmean(s) if s else None
+    def stop(self) -> dict[str, float | None]:
+        """Stop sampling: ``gpu_busy_pct`` (the mean), ``sm_mhz_p50``, ``sm_mhz_min`` and
+        ``power_w_p50`` over the samples but the first (it may predate the load), each
+        ``None`` without samples."""
+        if self.proc is not None:
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+        return self.summary(self.samples)
+
+    @staticmethod
+    def summary(
+        samples: list[tuple[float | None, float | None, float | None]],
+    ) -> dict[str, float | None]:
+        s = samples[1:] or samples
+        busy = [x[0] for x in s if x[0] is not None]
+        mhz = [x[1] for x in s if x[1] is not None]
+        watts = [x[2] for x in s if x[2] is not None]
+        return {
+            "gpu_busy_pct": statistics.fmean(busy) if busy else None,
+            "sm_mhz_p50": statistics.median(mhz) if mhz else None,
+            "sm_mhz_min": min(mhz) if mhz else None,
+            "power_w_p50": statistics.median(watts) if watts else None,
+        }
 
 
 def _proc_stats() -> Iterator[tuple[int, list[str]]]:

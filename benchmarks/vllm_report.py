@@ -193,6 +193,18 @@ def delivery_stats(text: str) -> dict[str, Any]:
 # -- the report -------------------------------------------------------------------------------
 
 
+def _busy(s: dict[str, Any]) -> str:
+    """GPU busy and, where sampled, the SM clock (its median; its lowest sample too when
+    it fell more than 5% under the median at some point)."""
+    out = f"{_f(s.get('gpu_busy_pct'), 0)}%"
+    mhz, low = s.get("sm_mhz_p50"), s.get("sm_mhz_min")
+    if mhz is not None:
+        out += f" @ {mhz:.0f} MHz"
+        if low is not None and low < 0.95 * mhz:
+            out += f" (min {low:.0f})"
+    return out
+
+
 def _med(rows: list[dict[str, Any]], key: str) -> float | None:
     xs = [r[key] for r in rows if r.get(key) is not None and r.get("ok")]
     return statistics.median(xs) if xs else None
@@ -211,8 +223,11 @@ def summarize(
             good = [r for r in rs if r.get("ok")]
             s: dict[str, Any] = {"n": len(good), "failed_runs": len(rs) - len(good)}
             for k in ("tok_s", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms",
-                      "ttft_p50_ms", "ttft_p99_ms", "gpu_busy_pct"):  # fmt: skip
+                      "ttft_p50_ms", "ttft_p99_ms", "gpu_busy_pct", "sm_mhz_p50",
+                      "power_w_p50"):  # fmt: skip
                 s[k] = _med(rs, k)
+            lows = [r["sm_mhz_min"] for r in good if r.get("sm_mhz_min") is not None]
+            s["sm_mhz_min"] = min(lows) if lows else None
             toks = [r["tok_s"] for r in good]
             s["tok_s_range"] = (min(toks), max(toks)) if toks else None
             s["ttft_of"] = rs[0].get("ttft_of", "all")
@@ -314,7 +329,8 @@ def breakdown_markdown(
     )
     lines = [
         f"Paired against `{ref}` ({how}; "
-        "median [min, max] over the repeats). GPU stall: the first PLE layer's consumer "
+        "median [min, max] over the repeats). GPU busy: nvidia-smi's utilization.gpu over "
+        "the load, @ its SM clock's median. GPU stall: the first PLE layer's consumer "
         "waiting for its rows, from the GPU's clock (steps stalled > 1 us, p50 / p99 / "
         "mean us). Host: our code per engine step, p50 us (total / arm / wait / check). "
         "Graphs (--time-graphs): a FULL replay's span on the GPU and the device's time "
@@ -322,7 +338,7 @@ def breakdown_markdown(
         "CPU: cores the server's threads kept busy over the load (/proc: all of them, ours "
         "(`ple-*`), the busiest other thread).",
         "",
-        f"| load | backend | runs | ITL p50 ms | ITL p50 vs {ref} | tok/s vs {ref} | GPU busy "
+        f"| load | backend | runs | ITL p50 ms | ITL p50 vs {ref} | tok/s vs {ref} | GPU busy @ SM clock "
         "| GPU stall: stalled, p50 / p99 / mean us | host us: total p50 / p99; arm, wait, "
         "check; graph launch | graphs on the GPU: span p50 / outside p50 us "
         "| CPU cores: all / ours; busiest other thread |",
@@ -369,7 +385,7 @@ def breakdown_markdown(
             f"| {load} | {b} | {s['n']} | {_f(s['itl_p50_ms'], 2)} "
             f"| {'(ref)' if b == ref else spread(itl.get((load, b)))} "
             f"| {'(ref)' if b == ref else spread(tok.get((load, b)))} "
-            f"| {_f(s['gpu_busy_pct'], 0)}% | {stall} | {host} | {graphs} | {cpu} |"
+            f"| {_busy(s)} | {stall} | {host} | {graphs} | {cpu} |"
         )
     return "\n".join(lines)
 
@@ -480,7 +496,7 @@ def markdown(
         f"Random weights, {meta.get('model', '')}; {meta.get('setup', '')}",
         "",
         "| load | backend | runs | output tok/s (range) | TPOT p50 / p99 ms | ITL p50 / p99 ms "
-        "| TTFT p50 / p99 ms | GPU busy |",
+        "| TTFT p50 / p99 ms | GPU busy @ SM clock |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for (load, b), s in summary.items():
@@ -493,7 +509,7 @@ def markdown(
             f"| {_f(s['tpot_p50_ms'], 2)} / {_f(s['tpot_p99_ms'], 2)} "
             f"| {_f(s['itl_p50_ms'], 2)} / {_f(s['itl_p99_ms'], 2)} "
             f"| {_f(s['ttft_p50_ms'], 0)} / {_f(s['ttft_p99_ms'], 0)}{ttft_note} "
-            f"| {_f(s['gpu_busy_pct'], 0)}% |"
+            f"| {_busy(s)} |"
         )
     delivery = [(k, s) for k, s in summary.items() if s.get("ple_steps") is not None]
     if delivery:

@@ -438,3 +438,36 @@ def test_the_report_compares_graph_spans_at_equal_batch_sizes(fake_stream: Any) 
     assert "| mixed | 24 | 5,200.0 (x8) | mmap 5,210.0 (+10.0; x16) |" in md
     one_size = {("c64", "gpu-plugin"): {"graphs": {"by_size": {64: [10, 6000.0]}}}}
     assert sizes_markdown(one_size, "gpu-plugin") == ""
+
+
+def test_the_sm_clock_is_sampled_and_shown_beside_gpu_busy() -> None:
+    """nvidia-smi's samples (busy %, SM MHz, watts; ``[N/A]`` where it has no value) give
+    each load the busy mean, the clock's median and lowest sample and the power's median,
+    the first sample dropped (it may predate the load); the summary keeps the lowest clock
+    of any repeat and the tables show the clock beside GPU busy, its lowest only when it
+    fell more than 5% under the median."""
+    from vllm_probes import Utilization
+    from vllm_report import breakdown_markdown, markdown, summarize
+
+    lines = ["0, 345, 79.7", "70, 1980, 281.4", "72, 1980, [N/A]", "68, 1755, 300.0", "junk"]
+    samples = [s for s in map(Utilization.parse, lines) if s is not None]
+    assert samples[2] == (72.0, 1980.0, None) and len(samples) == 4
+    got = Utilization.summary(samples)
+    assert got == {"gpu_busy_pct": pytest.approx(70.0), "sm_mhz_p50": 1980.0,
+                   "sm_mhz_min": 1755.0, "power_w_p50": pytest.approx(290.7)}  # fmt: skip
+    assert Utilization.summary([]) == dict.fromkeys(got)
+
+    def row(rep: int, b: str, mhz: float, low: float) -> dict[str, Any]:
+        return {"load": "c8", "repeat": rep, "backend": b, "ok": True, "itl_p50_ms": 5.4,
+                "tok_s": 1000.0, "gpu_busy_pct": 70.0, "sm_mhz_p50": mhz, "sm_mhz_min": low}
+
+    rows = [row(1, "gpu", 1980, 1965), row(2, "gpu", 1980, 1980),
+            row(1, "mmap", 1980, 1980), row(2, "mmap", 1800, 1500)]  # fmt: skip
+    summary = summarize(rows, ["gpu", "mmap"])
+    assert summary[("c8", "mmap")]["sm_mhz_p50"] == 1890.0
+    assert summary[("c8", "mmap")]["sm_mhz_min"] == 1500.0
+    for md in (breakdown_markdown(rows, summary, "gpu"), markdown(summary, {}, {})):
+        gpu_row = next(ln for ln in md.splitlines() if ln.startswith("| c8 | gpu |"))
+        assert "70% @ 1980 MHz |" in gpu_row  # 1965 is within 5%
+        mmap_row = next(ln for ln in md.splitlines() if ln.startswith("| c8 | mmap |"))
+        assert "70% @ 1890 MHz (min 1500) |" in mmap_row
