@@ -39,12 +39,13 @@ repeat). Reported per backend x load (median over repeats, the range of tok/s be
 output tok/s, TPOT p50/p99, ITL p50/p99, TTFT p50/p99; per server: GPU memory (nvidia-smi
 per process where it sees our processes; vLLM's own "Model loading took" line always), host
 RSS of its process tree (anon / file / shmem from /proc), and the page cache the table
-files hold (``mincore``). "GPU busy" is nvidia-smi's ``utilization.gpu`` (the share of time
-a kernel was running, sampled every 100 ms) averaged over the load: at c1 that is the GPU's
-share of a decode step; beside it the SM clock's median over the same samples (a lower
-one than the other servers' means a slowed GPU, not a slow path). ``--cold`` evicts the table files (``POSIX_FADV_DONTNEED``) before
-every repeat; pages the mmap server has mapped stay resident (the residency after eviction
-is reported), and only the mmap backend reads the files at all.
+files hold (``mincore``). "GPU busy" is nvidia-smi's ``utilization.gpu`` (the share of
+time a kernel was running, sampled every 100 ms) averaged over the load: at c1 that is the
+GPU's share of a decode step; beside it the SM clock's median over the same samples (a
+lower one than the other servers' means a slowed GPU, not a slow path). ``--cold`` evicts
+the table files (``POSIX_FADV_DONTNEED``) before every repeat; pages the mmap server has
+mapped stay resident (the residency after eviction is reported), and only the mmap backend
+reads the files at all.
 
 The verdict line reports (never asserts) the targets: mmap within 1% of the GPU table's
 throughput and ITL p50 at every concurrency and never below UVA's throughput; TTFT under

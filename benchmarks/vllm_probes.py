@@ -1,8 +1,8 @@
 """What ``bench_vllm.py`` reads of the host while the servers run: nvidia-smi's GPU
-utilization, SM clock and power (``Utilization``) and memory (``gpu_memory_by_pid``, ``gpu_used_total``), a
-process tree (``proc_tree``), CPU use by thread (``cpu_use``, ``busy_thread_cpus``, over
-``proc_cpu``'s samples), host RSS (``host_rss``), and the table files' page cache
-(``resident_bytes``, ``page_cache``, ``evict``).
+utilization, SM clock and power (``Utilization``) and memory (``gpu_memory_by_pid``,
+``gpu_used_total``), a process tree (``proc_tree``), CPU use by thread (``cpu_use``,
+``busy_thread_cpus``, over ``proc_cpu``'s samples), host RSS (``host_rss``), and the table
+files' page cache (``resident_bytes``, ``page_cache``, ``evict``).
 """
 
 from __future__ import annotations

@@ -338,7 +338,8 @@ def breakdown_markdown(
         "CPU: cores the server's threads kept busy over the load (/proc: all of them, ours "
         "(`ple-*`), the busiest other thread).",
         "",
-        f"| load | backend | runs | ITL p50 ms | ITL p50 vs {ref} | tok/s vs {ref} | GPU busy @ SM clock "
+        f"| load | backend | runs | ITL p50 ms | ITL p50 vs {ref} | tok/s vs {ref} "
+        "| GPU busy @ SM clock "
         "| GPU stall: stalled, p50 / p99 / mean us | host us: total p50 / p99; arm, wait, "
         "check; graph launch | graphs on the GPU: span p50 / outside p50 us "
         "| CPU cores: all / ours; busiest other thread |",

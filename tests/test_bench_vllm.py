@@ -459,7 +459,8 @@ def test_the_sm_clock_is_sampled_and_shown_beside_gpu_busy() -> None:
 
     def row(rep: int, b: str, mhz: float, low: float) -> dict[str, Any]:
         return {"load": "c8", "repeat": rep, "backend": b, "ok": True, "itl_p50_ms": 5.4,
-                "tok_s": 1000.0, "gpu_busy_pct": 70.0, "sm_mhz_p50": mhz, "sm_mhz_min": low}
+                "tok_s": 1000.0, "gpu_busy_pct": 70.0, "sm_mhz_p50": mhz,
+                "sm_mhz_min": low}  # fmt: skip
 
     rows = [row(1, "gpu", 1980, 1965), row(2, "gpu", 1980, 1980),
             row(1, "mmap", 1980, 1980), row(2, "mmap", 1800, 1500)]  # fmt: skip
