@@ -325,7 +325,10 @@ def breakdown_markdown(
         f"shared round; a second GPU-table server, `gpu-plugin-b` or `gpu-b`, measures "
         f"what two identical servers differ by)"
         if solo
-        else f"each repeat's server against `{ref}` in the same round"
+        else f"each repeat's server against `{ref}` in the same round; the servers share "
+        "the GPU, and beside other servers a deferred server's FULL graphs ran 5-9% longer "
+        "than alone on the H200 while the GPU table's did not (BENCHMARKS.md, run 7): for "
+        "a lone server's cost, run with --solo"
     )
     lines = [
         f"Paired against `{ref}` ({how}; "

@@ -376,7 +376,9 @@ def test_a_solo_run_pairs_each_repeat_with_the_references_median() -> None:
     solo_md = breakdown_markdown(rows, summary, "gpu-plugin", solo=True)
     assert "against the median of `gpu-plugin`'s repeats" in solo_md
     assert f"{(6.59 / ref - 1) * 100:+.2f}%" in solo_md
-    assert "in the same round" in breakdown_markdown(rows, summary, "gpu-plugin")
+    side_md = breakdown_markdown(rows, summary, "gpu-plugin")
+    assert "in the same round" in side_md and "run with --solo" in side_md
+    assert "run with --solo" not in solo_md
 
 
 def test_gpu_plugin_b_is_the_same_engine_as_gpu_plugin() -> None:
