@@ -87,3 +87,35 @@ def test_publish_host_feeds_captured_consumers(tables: dict[str, pm.MmapTable]) 
         with pytest.raises(pm.PoisonedError):
             plan.begin(n)
     assert plan.closed
+
+
+def test_eager_steps_wait_for_rows_on_the_tables_own_streams(
+    tables: dict[str, pm.MmapTable],
+) -> None:
+    """An eager step's publish and wait for rows go on each table's own stream, never on
+    one of torch's pooled streams: torch hands out 32 a device in turn, vLLM computes on
+    one, and a pooled stream that turned out to be the compute stream would hold the
+    forward at the wait. After twice round the pool, the staged streams are none of its,
+    not the current stream and not each other's, and the rows are the table's."""
+    n = 8
+    pooled = {torch.cuda.Stream().cuda_stream for _ in range(64)}
+    compute = torch.cuda.Stream()  # a pooled stream as the current one, as vLLM's is
+    plan = RowsPlan.build(tables, max_rows=n, device=0, watchdog=5.0, timeout=10.0)
+    assert plan.mode == "deferred", plan.reason
+    end = torch.cuda.Event()
+    with plan, torch.cuda.stream(compute):
+        ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6], dtype=torch.int64, device="cuda")
+        for step in range(2):  # the second step reuses the first's streams
+            plan.begin(n, eager=True)
+            staged = {name: plan.stage_eager(name, ids, rows=n) for name in plan.names}
+            streams = {name: st.stream.cuda_stream for name, st in staged.items()}
+            assert not pooled & set(streams.values()), streams
+            assert compute.cuda_stream not in streams.values()
+            assert len(set(streams.values())) == len(streams)
+            got = {name: st.join().clone() for name, st in staged.items()}
+            end.record()
+            assert done(end), f"eager step {step} never finished"
+            plan.complete()
+            want = ids.cpu().numpy()
+            for name, table in tables.items():
+                np.testing.assert_array_equal(got[name].cpu().numpy(), table.gather(want))

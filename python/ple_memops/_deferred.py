@@ -29,6 +29,7 @@ __all__ = [
     "Stats",
     "create_group",
     "native_rows",
+    "own_stream",
     "probe",
     "side_stream",
     "stamp_arrival",
@@ -350,13 +351,21 @@ class DeferredRows:
         if not torch.cuda.is_current_stream_capturing():
             return None
         cur = torch.cuda.current_stream(self._device) if stream is None else stream
+        side = self._own_stream()
+        side.wait_stream(cur)
+        return side
+
+    def _own_stream(self) -> Any:
+        """This object's side stream as a torch stream: the native core's own, never one of
+        torch's pooled streams. torch hands out 32 pooled streams a device in turn, so a
+        pooled stream can be the very stream being captured (a fork would then overlap
+        nothing), or the engine's own compute stream (vLLM runs on a pooled one) or another
+        library's, whose work would then queue behind a wait for rows."""
         if self._side is None:
-            # Our own stream, not one of torch's pooled ones: a pooled stream can be the
-            # very stream being captured, and the fork would then overlap nothing.
+            torch = optional_torch()
             self._side = torch.cuda.ExternalStream(
                 self._live().side_stream(), device=torch.device("cuda", self._device)
             )
-        self._side.wait_stream(cur)
         return self._side
 
     @property
@@ -536,6 +545,12 @@ def stream_handle(rows: DeferredRows, stream: Any) -> int:
     """``stream`` (a torch stream, a raw handle, or ``None``: torch's current stream on
     the rows' device) as the raw ``cudaStream_t`` the native calls take (0 on the host)."""
     return rows._stream_handle(stream)
+
+
+def own_stream(rows: DeferredRows) -> Any:
+    """The rows' own side stream (see :meth:`DeferredRows._own_stream`): where an eager
+    step's publish and wait for rows go, apart from every other stream in the process."""
+    return rows._own_stream()
 
 
 def stamp_arrival(rows: DeferredRows, stream: Any) -> None:

@@ -43,7 +43,14 @@ from typing import Any
 import numpy as np
 
 from ._common import host_ids, optional_torch, parse_device
-from ._deferred import DeferredRows, StagedRows, StallSamples, probe, stamp_arrival
+from ._deferred import (
+    DeferredRows,
+    StagedRows,
+    StallSamples,
+    own_stream,
+    probe,
+    stamp_arrival,
+)
 from ._worker import GatherWorker, WorkerStats
 from .errors import (
     ClosedError,
@@ -81,6 +88,12 @@ class EagerStaged:
     def __init__(self, side: Any, ids: Any, staged: StagedRows, rows: DeferredRows) -> None:
         self._side, self._ids, self._staged, self._rows = side, ids, staged, rows
 
+    @property
+    def stream(self) -> Any:
+        """The stream the rows were staged on: the table's own (created by the native core,
+        never one of torch's pooled streams, which other code in the process shares)."""
+        return self._side
+
     def join(self, stream: Any = None) -> Any:
         """Make ``stream`` (default: the current stream) wait for the side stream's copy;
         returns ``staging[:rows]``. After it, freeing the ids is ordered after their read."""
@@ -112,7 +125,6 @@ class RowsPlan:
         self._device = device
         self.timeout = timeout
         self._closed = False
-        self._eager_streams: dict[str, Any] = {}
         self._gather_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # -- construction -----------------------------------------------------------------
@@ -292,10 +304,13 @@ class RowsPlan:
             raise InvalidArgumentError("stage_eager() needs the ids as a CUDA tensor")
         if torch.cuda.is_current_stream_capturing():
             raise StateError("stage_eager() is for eager forwards; under capture use stage()")
-        side = self._eager_streams.get(name)
-        if side is None:
-            new_stream: Any = torch.cuda.Stream
-            side = self._eager_streams[name] = new_stream(device=ids.device)
+        # The rows' own stream, not a pooled one: vLLM computes on a pooled stream, and a
+        # pooled side stream that turned out to be it would hold the forward at the wait.
+        side = own_stream(layer.rows)
+        if side.device != ids.device:
+            raise InvalidArgumentError(
+                f"stage_eager(): the ids are on {ids.device}, table {name!r} on {side.device}"
+            )
         side.wait_stream(torch.cuda.current_stream(ids.device))  # the ids are computed
         with torch.cuda.stream(side):
             # Eagerly: issued on ``side``; the consumer's arrival is stamped at its join.
