@@ -103,6 +103,15 @@ def cost_stats(lines: list[str]) -> dict[str, Any]:
     return out
 
 
+def sizes_of(line: str) -> dict[int, tuple[int, float]]:
+    """A ``ple-memops graphs`` line's replays by batch size: size -> (launches, span p50
+    us); empty for a line without sizes."""
+    m = _BY_SIZE.search(line)
+    if not m:
+        return {}
+    return {int(size): (int(k), float(span)) for size, k, span in _SIZE.findall(m.group(1))}
+
+
 def graph_stats(text: str) -> dict[str, Any]:
     """What a server's ``ple-memops graphs`` lines (``time_graphs``) say about one load:
     its FULL replays' span on the GPU, the period between launches and the device's time
@@ -121,9 +130,8 @@ def graph_stats(text: str) -> dict[str, Any]:
         out[f] = sum(c * x for c, x in got) / k if k else None
     sizes: dict[int, list[tuple[int, float]]] = {}
     for ln in lines:
-        if m := _BY_SIZE.search(ln):
-            for size, k, span in _SIZE.findall(m.group(1)):
-                sizes.setdefault(int(size), []).append((int(k), float(span)))
+        for size, got in sizes_of(ln).items():
+            sizes.setdefault(size, []).append(got)
     if sizes:
         out["by_size"] = {
             size: [sum(k for k, _ in v), sum(k * x for k, x in v) / sum(k for k, _ in v)]

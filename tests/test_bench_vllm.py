@@ -474,3 +474,43 @@ def test_the_sm_clock_is_sampled_and_shown_beside_gpu_busy() -> None:
         assert "70% @ 1980 MHz |" in gpu_row  # 1965 is within 5%
         mmap_row = next(ln for ln in md.splitlines() if ln.startswith("| c8 | mmap |"))
         assert "70% @ 1890 MHz (min 1500) |" in mmap_row
+
+
+def test_graph_windows_splits_each_load_into_its_first_window_and_the_rest(
+    tmp_path: Any,
+) -> None:
+    """``graph_windows.py`` reads a server's graph lines: a line covering more than the
+    idle threshold is the gap before a load, the next one that load's first window; sizes
+    with too few replays in a window are left out; the archive the bench writes is read
+    as the log files are."""
+    import io
+    import tarfile
+
+    from graph_windows import markdown, read_logs, windows
+
+    def line(last: float, sizes: str) -> str:
+        return (
+            f"INFO ple-memops graphs, last {last} s: 80 graphs on the GPU: span us p50 1.0 "
+            f"p99 2.0; period p50 3.0; outside the graph p50 4.0; span p50 by size: {sizes}"
+        )
+
+    text = "\n".join([
+        line(30.0, "8 x15 9000.0"),  # start-up and warm-up: idle before the first load
+        line(0.5, "8 x80 4750.0"), line(0.5, "8 x75 5140.0, 4 x3 4000.0"),
+        line(0.5, "8 x70 5150.0"),
+        line(19.3, "8 x2 5143.0"),  # the gap before the next load
+        line(0.5, "8 x78 4760.0"), line(0.5, "8 x72 5130.0"),
+        "INFO ple-memops stats, last 0.5 s: 78 deferred steps",
+    ])  # fmt: skip
+    got = windows(text)
+    assert got == {8: [[4750.0, 4760.0], [5140.0, 5150.0, 5130.0]]}
+    md = markdown({"mmap": text})
+    assert "| mmap | 8 | 2, 4,755 | 3, 5,140 | +385 |" in md
+    buf = io.BytesIO(text.encode())
+    with tarfile.open(tmp_path / "bench_logs_x.tgz", "w:gz") as tar:
+        info = tarfile.TarInfo("server-mmap.log")
+        info.size = len(buf.getvalue())
+        tar.addfile(info, buf)
+    (tmp_path / "server-gpu-plugin.log").write_text(line(30.0, "8 x1 1.0"))
+    logs = read_logs([tmp_path / "bench_logs_x.tgz", tmp_path / "server-gpu-plugin.log"])
+    assert logs["mmap"] == text and set(logs) == {"mmap", "gpu-plugin"}
