@@ -341,10 +341,11 @@ class DeferredRows:
 
     def _fork(self, stream: Any) -> Any:
         """Under capture: this object's side stream, made to wait for ``stream`` (default:
-        the current one). Eagerly: ``None``, the caller issues inline on ``stream``. An
-        eager fork would gain nothing (eager steps are warm-ups and prefills) and would
-        need ``record_stream`` on our own stream, which torch's allocator then uses when
-        the tensor is freed, possibly after the stream is gone."""
+        the current one). Eagerly: ``None``, the caller issues inline on ``stream``: a
+        fork here would have to keep the caller's tensors alive until the side stream is
+        done with them (``record_stream``, or holding them). An engine's eager step that
+        wants the overlap forks itself: ``RowsPlan.stage_eager`` issues on
+        :meth:`_own_stream` and holds the ids until its join."""
         torch = optional_torch()
         if torch is None:
             raise InvalidArgumentError("stage() needs torch")
