@@ -226,7 +226,7 @@ def dry_run(args: argparse.Namespace, measure: Phase, profile: Phase) -> int:
     fake_rows = [dict(r, backend={"gpu": "uva", "uva": "gpu"}.get(r["backend"], r["backend"]))
                  for r in rows]  # fmt: skip
     log("the verdict with gpu and uva swapped (a report that misses targets):")
-    print(verdict(summarize(fake_rows, args.backends)))
+    print(verdict(fake_rows, summarize(fake_rows, args.backends), args.ref))
     evict(tables)
     log(f"page cache of the tiny tables after eviction: {page_cache(tables) * 2**30:.0f} bytes")
     for t in tables:

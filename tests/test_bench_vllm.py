@@ -514,3 +514,37 @@ def test_graph_windows_splits_each_load_into_its_first_window_and_the_rest(
     (tmp_path / "server-gpu-plugin.log").write_text(line(30.0, "8 x1 1.0"))
     logs = read_logs([tmp_path / "bench_logs_x.tgz", tmp_path / "server-gpu-plugin.log"])
     assert logs["mmap"] == text and set(logs) == {"mmap", "gpu-plugin"}
+
+
+def test_the_verdict_judges_paired_itl_against_the_runs_reference() -> None:
+    """The verdict judges ``mmap``'s paired ITL p50 against the run's reference (here
+    ``gpu-plugin``, as in every Gemma run), gives the A/A partner's own paired ITL beside
+    it, and lists what the run did not measure (no offload server) as not measured, never
+    as missed; a load over +1% is a miss, named with its A/A."""
+    from vllm_report import summarize, verdict
+
+    def row(load: str, rep: int, b: str, itl: float) -> dict[str, object]:
+        return {"load": load, "repeat": rep, "backend": b, "ok": True, "itl_p50_ms": itl,
+                "tok_s": 1000.0 / itl, "ttft_p50_ms": 150.0}  # fmt: skip
+
+    backends = ["gpu-plugin", "mmap", "gpu-plugin-b"]
+    rows = [row(load, rep, b, itl * (1 + 0.001 * rep))
+            for load, itl in (("c8", 5.43), ("mixed", 5.87))
+            for rep in (1, 2, 3) for b in backends]  # fmt: skip
+    v = verdict(rows, summarize(rows, backends), "gpu-plugin", "offload", solo=True)
+    assert v.startswith("VERDICT (reported, not asserted): no target missed; not measured: ")
+    assert "c8: tok/s vs offload" in v and "mixed: TTFT vs offload" in v
+    assert "c8 ITL p50 +0.00% vs gpu-plugin (A/A +0.00%)" in v
+    assert "targets missed" not in v
+
+    slow = [dict(r, itl_p50_ms=r["itl_p50_ms"] * 1.02) if r["backend"] == "mmap"
+            and r["load"] == "mixed" else r for r in rows]  # fmt: skip
+    v = verdict(slow, summarize(slow, backends), "gpu-plugin", "offload", solo=True)
+    assert "targets missed: mixed: ITL p50 +2.00% vs gpu-plugin (A/A +0.00%) (target <= +1%)" in v
+    assert "c8: ITL" not in v.split("[")[0]
+
+    # With vLLM's offload measured, throughput below it and a later TTFT are misses too.
+    off = rows + [dict(row("mixed", rep, "offload", 5.0), ttft_p50_ms=100.0) for rep in (1, 2, 3)]
+    v = verdict(off, summarize(off, [*backends, "offload"]), "gpu-plugin", "offload", solo=True)
+    assert "mixed: tok/s" in v and "mixed: TTFT p50 150 ms > offload 100 ms" in v
+    assert "not measured: c8: tok/s vs offload" in v
