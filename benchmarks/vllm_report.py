@@ -256,9 +256,11 @@ def summarize(
                 s["graphs"] = {
                     f: _median_of([g.get(f) for g in graphs]) for f in ("launches", *GRAPH_FIELDS)
                 }
-                by = [g["by_size"] for g in graphs if g.get("by_size")]
+                # Keyed by batch size; a run's JSON read back has the sizes as strings.
+                by = [{int(k): v for k, v in g["by_size"].items()}
+                      for g in graphs if g.get("by_size")]  # fmt: skip
                 if by:  # each size: launches summed over the repeats, the spans' median
-                    sizes = sorted({int(k) for d in by for k in d})
+                    sizes = sorted({k for d in by for k in d})
                     s["graphs"]["by_size"] = {
                         k: [sum(d[k][0] for d in by if k in d),
                             statistics.median(d[k][1] for d in by if k in d)]

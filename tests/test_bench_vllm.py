@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
 import os
 import threading
 import time
@@ -435,6 +436,10 @@ def test_the_report_compares_graph_spans_at_equal_batch_sizes(fake_stream: Any) 
                          row("mmap", 1, other)], ["gpu-plugin", "mmap"])  # fmt: skip
     assert summary[("mixed", "gpu-plugin")]["graphs"]["by_size"] == {
         16: [32, 5000.0], 24: [8, 5200.0]}  # fmt: skip
+    # A run's JSON read back (its sizes strings) summarises the same.
+    rows = json.loads(json.dumps([row("gpu-plugin", 1, ref), row("gpu-plugin", 2, ref)]))
+    again = summarize(rows, ["gpu-plugin"])[("mixed", "gpu-plugin")]
+    assert again == summary[("mixed", "gpu-plugin")]
     md = sizes_markdown(summary, "gpu-plugin")
     assert "| mixed | 16 | 5,000.0 (x32) | mmap 5,010.0 (+10.0; x4) |" in md
     assert "| mixed | 24 | 5,200.0 (x8) | mmap 5,210.0 (+10.0; x16) |" in md
