@@ -15,6 +15,9 @@ use super::discover::{MappedFile, Segment};
 /// fork/join cost 10-30 us there, which it repaid from about 300 KiB on; inline won at
 /// 160 KiB and below. See BENCHMARKS.md ("Row gather"); re-tune per host with
 /// [`super::TableOptions::parallel_min_bytes`].
+pub static EXPERIMENT_JOIN: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
 pub const PARALLEL_MIN_BYTES: usize = 256 << 10;
 
 /// Most threads the gather pool uses: a gather is memory-bound and a serving process has
@@ -272,6 +275,46 @@ impl MappedRows<'_> {
         true
     }
 
+    fn copy_if_joined<T: Id, K: Fn(usize, usize) -> bool + Sync>(
+        &self,
+        ids: &[T],
+        dst: &mut [u8],
+        pool: &rayon::ThreadPool,
+        known: &K,
+    ) -> bool {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+        use std::sync::Mutex;
+        let rb = self.row_bytes;
+        let helpers = pool.current_num_threads();
+        let chunks = (helpers + 1) * 2;
+        let per = ids.len().div_ceil(chunks).max(1);
+        type Chunk<'a, T> = Mutex<Option<(&'a mut [u8], &'a [T])>>;
+        let slots: Vec<Chunk<'_, T>> = dst
+            .chunks_mut(per * rb)
+            .zip(ids.chunks(per))
+            .map(|p| Mutex::new(Some(p)))
+            .collect();
+        let next = AtomicUsize::new(0);
+        let ok = AtomicBool::new(true);
+        let work = || {
+            while let Some(slot) = slots.get(next.fetch_add(1, Relaxed)) {
+                let taken = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+                if let Some((d, i)) = taken {
+                    if !self.copy_if(i, d, known) {
+                        ok.store(false, Relaxed);
+                    }
+                }
+            }
+        };
+        pool.in_place_scope(|s| {
+            for _ in 0..helpers {
+                s.spawn(|_| work());
+            }
+            work();
+        });
+        ok.load(Relaxed)
+    }
+
     /// As [`Self::copy_if`], split across a pool (`own`, else the shared one) when `dst`
     /// is at least `min_bytes`; `false` if some row failed `known` (each chunk stops at
     /// its first such row).
@@ -295,6 +338,9 @@ impl MappedRows<'_> {
         let Some(pool) = pool else {
             return self.copy_if(ids, dst, known);
         };
+        if EXPERIMENT_JOIN.load(std::sync::atomic::Ordering::Relaxed) {
+            return self.copy_if_joined(ids, dst, pool, known);
+        }
         // Two chunks a thread: even work (rows are equal-sized), a little slack for a
         // thread that starts late.
         let chunks = pool.current_num_threads() * 2;

@@ -1363,3 +1363,56 @@ fn warm_check_cost() {
         }
     }
 }
+
+#[test]
+#[ignore = "experiment"]
+fn join_experiment() {
+    use std::sync::atomic::Ordering::Relaxed;
+    use std::time::{Duration, Instant};
+    let d = TempDir::new();
+    let rows = 1 << 20;
+    for (row_bytes, n, idle_us) in [
+        (256usize, 1024usize, 2000u64),
+        (256, 1024, 0),
+        (256, 4096, 2000),
+        (512, 1024, 2000),
+    ] {
+        let t = tensor("w", Dtype::F8_E4M3, &[rows, row_bytes], 1);
+        let p = d.write(&format!("j{row_bytes}.safetensors"), &st(&[t]));
+        let tb = MmapTable::open(
+            &p,
+            &name("w"),
+            TableOptions {
+                parallel_min_bytes: 0,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        tb.prewarm(u64::MAX).unwrap();
+        let sets: Vec<Vec<i64>> = (0..16u64)
+            .map(|s| {
+                (0..n as u64)
+                    .map(|i| ((i * 2654435761 + s * 7919) % rows as u64) as i64)
+                    .collect()
+            })
+            .collect();
+        let mut dst = vec![0u8; n * row_bytes];
+        let mut v: [Vec<u64>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+        for r in 0..4500 {
+            let arm = r % 3;
+            super::gather::EXPERIMENT_JOIN.store(arm == 1, Relaxed);
+            if idle_us > 0 {
+                std::thread::sleep(Duration::from_micros(idle_us));
+            }
+            let t0 = Instant::now();
+            tb.gather_into(RowIds::I64(&sets[r % 16]), &mut dst)
+                .unwrap();
+            v[arm].push(t0.elapsed().as_nanos() as u64);
+        }
+        for x in v.iter_mut() {
+            x.sort_unstable();
+        }
+        let q = |v: &Vec<u64>, f: f64| v[((v.len() as f64) * f) as usize] as f64 / 1000.0;
+        println!("rb={row_bytes} n={n} idle={idle_us}us  install p50 {:.1} p90 {:.1} | joined p50 {:.1} p90 {:.1} | install again p50 {:.1} p90 {:.1}", q(&v[0], 0.5), q(&v[0], 0.9), q(&v[1], 0.5), q(&v[1], 0.9), q(&v[2], 0.5), q(&v[2], 0.9));
+    }
+}
