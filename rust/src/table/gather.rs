@@ -1,6 +1,6 @@
 //! The row gather: validate every id, then copy rows from the mapping into the
-//! destination, inline for small gathers and on a private rayon pool above a size
-//! threshold.
+//! destination, inline for small gathers and above a size threshold on a rayon pool (the
+//! table's own or a private shared one) with the calling thread gathering beside it.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
