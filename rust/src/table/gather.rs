@@ -14,9 +14,6 @@ use super::discover::{MappedFile, Segment};
 /// fork/join cost 10-30 us there, which it repaid from about 300 KiB on; inline won at
 /// 160 KiB and below. See BENCHMARKS.md ("Row gather"); re-tune per host with
 /// [`super::TableOptions::parallel_min_bytes`].
-pub static EXPERIMENT_JOIN: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(false);
-
 pub const PARALLEL_MIN_BYTES: usize = 256 << 10;
 
 /// Most threads the gather pool uses: a gather is memory-bound and a serving process has
