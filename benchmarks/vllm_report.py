@@ -459,9 +459,6 @@ def _f(x: float | None, nd: int = 1) -> str:
     return "-" if x is None else f"{x:,.{nd}f}"
 
 
-A_A_PARTNERS = {"gpu": "gpu-b", "gpu-plugin": "gpu-plugin-b"}
-
-
 def verdict(
     rows: list[dict[str, Any]],
     summary: dict[tuple[str, str], dict[str, Any]],
@@ -477,16 +474,15 @@ def verdict(
     TTFT p50 at most ``slow``'s.
 
     A target whose other side the run did not measure is listed as not measured, never as
-    missed. Where the run has ``ref``'s A/A partner (``gpu-b`` for ``gpu``,
-    ``gpu-plugin-b`` for ``gpu-plugin``), its own paired ITL is given per load: what two
-    identical servers differed by in this run, the resolution of the ITL verdict."""
+    missed. Where the run has ``ref``'s A/A partner (``<ref>-b``: ``gpu-b``,
+    ``gpu-plugin-b``, ``mmap-b``), its own paired ITL is given per load: what two identical
+    servers differed by in this run, the resolution of the ITL verdict."""
     if not summary:
         return "VERDICT (reported, not asserted): nothing was measured."
     notes: list[str] = []
     misses: list[str] = []
     unmeasured: list[str] = []
     itl = paired(rows, ref, "itl_p50_ms", solo)
-    partner = A_A_PARTNERS.get(ref)
 
     def get(load: str, b: str, k: str) -> float | None:
         s = summary.get((load, b))
@@ -499,7 +495,7 @@ def verdict(
         d = itl.get((load, "mmap"))
         if d:
             dm = statistics.median(d)
-            aa = itl.get((load, partner)) if partner else None
+            aa = itl.get((load, f"{ref}-b"))
             aa_note = f" (A/A {statistics.median(aa):+.2f}%)" if aa else ""
             notes.append(f"{load} ITL p50 {dm:+.2f}% vs {ref}{aa_note}")
             if dm > 1:
