@@ -167,3 +167,65 @@ def test_gemma_token_ids_read_row_0_outside_the_table() -> None:
     assert got is not None and got["t"].tolist() == [-1, 4, 0]
     with pytest.raises(InvalidArgumentError, match="a table of 0 rows"):
         HostTokenIds(0)
+
+
+def test_decode_tokens_are_expected_from_the_token_history() -> None:
+    """``expect_decode``: a decode token's ids from vLLM's ``all_token_ids`` as the host
+    sees it (``history[row, position]``), the ids of its whole sequence's last token:
+    with an EOS in its window, at position 0 and 1 (EOS before the start), beside a
+    known prefill chunk, a draft-like row of two tokens and a row whose position lies
+    past the history (both ``-1``)."""
+    from ple_memops.vllm.prefill import HostTokenIds, PrefillExpectations
+
+    rng = random.Random(5)
+    h, h2 = _hash(), _hash(6)
+    exp = PrefillExpectations({"a": h, "b": h2}, h.heads)
+    history = np.zeros((8, 12), dtype=np.int32)  # vLLM's all_token_ids: int32
+    seqs = {
+        1: [rng.randint(0, 50) for _ in range(9)],
+        2: [4, 5, EOS, 6, 7],
+        3: [17],
+        5: [9, 10],
+        6: [rng.randint(0, 50) for _ in range(12)],
+    }
+    for row, toks in seqs.items():
+        history[row, : len(toks)] = toks
+    exp.add(4, [3, 1, 4, 1, 5])
+    # Decode rows 1, 2, 3, 5 at their last token, a chunk of row 4's prompt, a row
+    # with two tokens (drafts) and row 6 at a position outside the history.
+    rows = np.array([1, 4, 2, 3, 5, 0, 6])
+    positions = np.array([8, 0, 4, 0, 1, 3, 12])
+    computed = np.array([1, 1, 1, 0, 1, 2, 12])  # what vLLM's prefill counters hold
+    scheduled = np.array([1, 3, 1, 1, 1, 2, 1])
+    prefill_len = np.array([1, 5, 1, 0, 1, 1, 12])
+    got = exp.step(rows, computed, scheduled, prefill_len, positions=positions, history=history)
+    assert got is not None and exp.decode_rows == 4
+    H = h.heads
+    starts = np.concatenate(([0], np.cumsum(scheduled)))
+    for name, layer in (("a", h), ("b", h2)):
+        want = np.full(int(starts[-1]) * H, -1, dtype=np.int64)
+        for i in (0, 2, 3, 4):
+            seq = seqs[int(rows[i])][: positions[i] + 1]
+            ids = _reference(layer, seq, [EOS] * (layer.ngram_size - 1))[-1]
+            want[starts[i] * H : (starts[i] + 1) * H] = ids
+        chunk = layer.for_requests([[3, 1, 4, 1, 5]], [1], [3])
+        want[starts[1] * H : starts[2] * H] = chunk.reshape(-1)
+        assert got[name].tolist() == want.tolist(), name
+    # Without a history, the decode tokens stay unknown, as before.
+    plain = exp.step(rows, computed, scheduled, prefill_len)
+    assert plain is not None and (plain["a"][:H] == -1).all()
+    with pytest.raises(InvalidArgumentError, match="3 positions for 7 rows"):
+        exp.step(rows, computed, scheduled, prefill_len, positions=positions[:3], history=history)
+    with pytest.raises(InvalidArgumentError, match="history must be"):
+        exp.step(rows, computed, scheduled, prefill_len, positions=positions, history=history[0])
+    # Gemma's ids: the token itself, no context.
+    tok = PrefillExpectations({"t": HostTokenIds(100)}, 1)
+    got = tok.step(
+        np.array([1, 2]),
+        np.array([1, 1]),
+        np.array([1, 1]),
+        np.array([1, 1]),
+        positions=np.array([3, 1]),
+        history=history,
+    )
+    assert got is not None and got["t"].tolist() == [seqs[1][3], 5]

@@ -523,7 +523,8 @@ def test_host_ids_of_prompt_chunks_are_the_whole_prompts(checkpoint: Path, dist:
 def test_a_mixed_steps_expectations_are_vllms_ids_where_known(checkpoint: Path, dist: Any) -> None:
     """Steps mixing decodes (tokens only the GPU knows) with prefill chunks: where the
     host expects an id it is the one ``compute_ngram_ids`` gives the step, with the
-    context vLLM's Qwen4Exp model state builds; every decode token is left ``-1``."""
+    context vLLM's Qwen4Exp model state builds; every decode token is left ``-1``, unless
+    the host reads it from the token history (``expect_decode``): then all are known."""
     from ple_memops.vllm.ngram_ids import HostNGramIds
     from ple_memops.vllm.prefill import PrefillExpectations
 
@@ -577,6 +578,20 @@ def test_a_mixed_steps_expectations_are_vllms_ids_where_known(checkpoint: Path, 
                 np.array(scheduled),
                 np.array([len(p) for p in prompts]),
             )
+            # expect_decode: with vLLM's all_token_ids as the host sees it (the GPU wrote
+            # each sampled token there), every token is known, the decodes' too.
+            history = np.zeros((64, 40), dtype=np.int32)
+            for row, a in zip(rows, every, strict=True):
+                history[row, : len(a)] = a
+            full = exp.step(
+                np.array(rows),
+                np.array(computed),
+                np.array(scheduled),
+                np.array([len(p) for p in prompts]),
+                positions=np.array(computed),
+                history=history,
+            )
+            assert full is not None and np.array_equal(full["t"], want)
             unknown = np.repeat(np.repeat(decode, scheduled), h)
             if got is None:
                 assert unknown.all()

@@ -134,6 +134,28 @@ class HostNGramIds:
         (the PLE layers of one model) share a step's inputs."""
         return (self.ngram_size, self.eos_token_id)
 
+    @property
+    def context(self) -> int:
+        """The tokens before a token that its ids read: ``ngram_size - 1``."""
+        return self.ngram_size - 1
+
+    def window_inputs(
+        self, windows: np.ndarray, valid: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(tokens, query_start_loc, ngram_context)`` of a step of one token a request
+        (a decode step): ``windows`` ``[R, ngram_size]`` holds each request's token last
+        and the ``ngram_size - 1`` before it, ``valid`` marks the positions inside the
+        request (EOS before its start, as vLLM's model state builds the context)."""
+        c = self.ngram_size - 1
+        w = np.asarray(windows)
+        if w.ndim != 2 or w.shape[1] != c + 1 or np.shape(valid) != w.shape:
+            raise InvalidArgumentError(
+                f"windows of shape {w.shape} (valid {np.shape(valid)}) for ngram_size {c + 1}"
+            )
+        ctx = np.where(valid[:, :c], w[:, :c], self.eos_token_id).astype(np.int64)
+        tokens = np.ascontiguousarray(w[:, c], dtype=np.int64)
+        return tokens, np.arange(w.shape[0] + 1, dtype=np.int64), ctx
+
     def inputs(
         self,
         token_ids: Sequence[Any],

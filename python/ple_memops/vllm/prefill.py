@@ -1,4 +1,4 @@
-"""A step's prefill row ids, computed on the host before the GPU publishes them.
+"""A step's row ids, computed on the host before the GPU publishes them.
 
 Under async scheduling the host prepares step N+1 while the GPU runs step N, and the
 row ids of a step are computed by the forward on the GPU: a worker can gather a layer's
@@ -6,10 +6,14 @@ rows only once the forward reached that layer's ids. For a prefill chunk the hos
 the tokens already (they are the prompt's, or a resumed request's tokens so far), so with
 the model's id function it can compute the same ids and arm the step with them
 (:meth:`~ple_memops.vllm.hooks.PleRunnerHooks.expect`): each worker then gathers those rows
-while the GPU still runs step N. Decode tokens (and speculative drafts) exist only on the
-GPU; their ids are left ``-1`` and gathered when the forward publishes, as before. The
-published ids always decide the rows (see :meth:`ple_memops.GatherWorker.begin`), so an
-expectation that is wrong costs time, never a row.
+while the GPU still runs step N. A decode token is sampled on the GPU by the step
+before; once that step has finished on the GPU (the host is behind it, as at high
+concurrency, where the host paces the engine) vLLM's ``all_token_ids``, which the GPU
+writes into pinned host memory, holds it, and the host computes its ids too
+(``expect_decode``). Tokens the host cannot know (a decode token whose step still runs,
+speculative drafts) are left ``-1`` and gathered when the forward publishes, as before.
+The published ids always decide the rows (see :meth:`ple_memops.GatherWorker.begin`), so
+an expectation that is wrong costs time, never a row.
 
 :class:`PrefillExpectations` keeps each request's known tokens by its row in vLLM's
 request state (:meth:`add`, from the new requests of a step) and builds a step's
@@ -67,16 +71,28 @@ def request_chunks(
 
 class HostIds(Protocol):
     """A layer's ids on the host (:class:`~ple_memops.vllm.ngram_ids.HostNGramIds`):
-    :meth:`inputs` builds a step's arrays from its request chunks, calling the object
-    on them gives ``int64 [tokens, ids_per_token]``; layers with equal ``inputs_key``
-    share the arrays."""
+    :meth:`inputs` builds a step's arrays from its request chunks, :meth:`window_inputs`
+    from one token a request with the :attr:`context` tokens before it (a decode step's),
+    calling the object on either gives ``int64 [tokens, ids_per_token]``; layers with
+    equal ``inputs_key`` share the arrays."""
 
     @property
     def inputs_key(self) -> Hashable: ...
 
+    @property
+    def context(self) -> int:
+        """How many tokens before a token its ids depend on."""
+        ...
+
     def inputs(
         self, token_ids: Sequence[Any], computed: Sequence[int], scheduled: Sequence[int]
     ) -> tuple[Any, ...]: ...
+
+    def window_inputs(self, windows: np.ndarray, valid: np.ndarray) -> tuple[Any, ...]:
+        """The arrays of a step of single tokens: ``windows`` ``int64 [R, context + 1]``,
+        each request's token last with the ``context`` tokens before it; ``valid`` (same
+        shape, bool) is false where a position lies before the request's start."""
+        ...
 
     def __call__(self, *inputs: Any) -> np.ndarray: ...
 
@@ -96,6 +112,14 @@ class HostTokenIds:
     @property
     def inputs_key(self) -> Hashable:
         return ("tokens",)
+
+    @property
+    def context(self) -> int:
+        return 0
+
+    def window_inputs(self, windows: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray]:
+        """The tokens of a step of single tokens (the windows' last column)."""
+        return (np.ascontiguousarray(windows[:, -1], dtype=np.int64),)
 
     def inputs(
         self, token_ids: Sequence[Any], computed: Sequence[int], scheduled: Sequence[int]
@@ -125,6 +149,8 @@ class PrefillExpectations:
         self._tokens: dict[int, np.ndarray] = {}
         self.steps = 0
         """Steps given expectations by :meth:`step`."""
+        self.decode_rows = 0
+        """Decode tokens given expectations from ``history`` by :meth:`step`."""
 
     def add(self, row: int, token_ids: Sequence[int] | np.ndarray) -> None:
         """Request state row ``row`` now holds a request whose tokens so far (its prompt,
@@ -142,13 +168,23 @@ class PrefillExpectations:
         computed: np.ndarray,
         scheduled: np.ndarray,
         prefill_len: np.ndarray,
+        *,
+        positions: np.ndarray | None = None,
+        history: np.ndarray | None = None,
     ) -> dict[str, np.ndarray] | None:
         """A step's expectations: its requests in batch order (their request state
         ``rows``, tokens already ``computed``, tokens ``scheduled`` now, and
         ``prefill_len``, the tokens known before the request's first output); returns per
-        layer ``int64 [sum(scheduled) * ids_per_token]``, ``-1`` for every token not
-        inside a known prefill (decodes, drafts, a row never :meth:`add`-ed), or
-        ``None`` when no token is known."""
+        layer ``int64 [sum(scheduled) * ids_per_token]``, ``-1`` for every token the host
+        does not know, or ``None`` when it knows none.
+
+        A token inside a known prefill (a row :meth:`add`-ed) is known. A decode token
+        (one token scheduled, at or past ``prefill_len``) is known from ``history``
+        when given: vLLM's ``all_token_ids`` as the host sees it (``[rows, positions]``),
+        each request's token at ``positions[i]`` (its computed tokens, as the scheduler
+        counts them) and the ones before it. The caller must know those entries are
+        written: the step that sampled them has finished on the GPU. Other tokens
+        (drafts, a row never added, a position outside ``history``) stay ``-1``."""
         rows = np.asarray(rows).reshape(-1)
         computed = np.asarray(computed).reshape(-1)
         scheduled = np.asarray(scheduled).reshape(-1)
@@ -158,7 +194,7 @@ class PrefillExpectations:
                 f"{rows.size} rows, {computed.size} computed, {scheduled.size} scheduled and "
                 f"{prefill_len.size} prefill lengths"
             )
-        starts = np.concatenate(([0], np.cumsum(scheduled)))
+        starts = np.concatenate(([0], np.cumsum(scheduled))).astype(np.int64)
         known: list[int] = []
         for i in range(rows.size):
             end = int(computed[i]) + int(scheduled[i])
@@ -170,7 +206,8 @@ class PrefillExpectations:
                 and end <= tokens.size
             ):
                 known.append(i)
-        if not known:
+        decode = self._decode_rows(rows, scheduled, prefill_len, positions, history, known)
+        if not known and decode is None:
             return None
         h = self.ids_per_token
         toks = [self._tokens[int(rows[i])] for i in known]
@@ -179,21 +216,73 @@ class PrefillExpectations:
         out: dict[str, np.ndarray] = {}
         shared: dict[Hashable, tuple[Any, ...]] = {}  # one step's arrays for every layer
         for name, ids_of in self.layers.items():
-            key = ids_of.inputs_key
-            if key not in shared:
-                shared[key] = ids_of.inputs(toks, at, count)
-            ids = np.asarray(ids_of(*shared[key]), dtype=np.int64)
-            if ids.shape != (sum(count), h):
-                raise InvalidArgumentError(
-                    f"{name}: the host ids have shape {ids.shape}, not ({sum(count)}, {h})"
-                )
             flat = np.full(int(starts[-1]) * h, -1, dtype=np.int64)
-            done = 0
-            for i, n in zip(known, count, strict=True):
-                flat[int(starts[i]) * h : (int(starts[i]) + n) * h] = ids[done : done + n].reshape(
-                    -1
-                )
-                done += n
+            if known:
+                key = ids_of.inputs_key
+                if key not in shared:
+                    shared[key] = ids_of.inputs(toks, at, count)
+                ids = self._checked(name, ids_of(*shared[key]), sum(count))
+                done = 0
+                for i, n in zip(known, count, strict=True):
+                    a = int(starts[i]) * h
+                    flat[a : a + n * h] = ids[done : done + n].reshape(-1)
+                    done += n
+            if decode is not None:
+                which, windows, valid = decode
+                key = ("window", ids_of.inputs_key)
+                if key not in shared:
+                    c = ids_of.context
+                    cut = windows.shape[1] - (c + 1)
+                    shared[key] = ids_of.window_inputs(windows[:, cut:], valid[:, cut:])
+                ids = self._checked(name, ids_of(*shared[key]), which.size)
+                flat.reshape(-1, h)[starts[which]] = ids
             out[name] = flat
         self.steps += 1
+        if decode is not None:
+            self.decode_rows += int(decode[0].size)
         return out
+
+    def _checked(self, name: str, ids: Any, tokens: int) -> np.ndarray:
+        arr = np.asarray(ids, dtype=np.int64)
+        if arr.shape != (tokens, self.ids_per_token):
+            raise InvalidArgumentError(
+                f"{name}: the host ids have shape {arr.shape}, not ({tokens}, {self.ids_per_token})"
+            )
+        return arr
+
+    def _decode_rows(
+        self,
+        rows: np.ndarray,
+        scheduled: np.ndarray,
+        prefill_len: np.ndarray,
+        positions: np.ndarray | None,
+        history: np.ndarray | None,
+        known: list[int],
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The batch indices of the decode tokens ``history`` gives, each one's window
+        (its token last, ``context`` before it) and where the window is inside the
+        request; ``None`` when there are none."""
+        if history is None or positions is None:
+            return None
+        positions = np.asarray(positions).reshape(-1).astype(np.int64)
+        if positions.size != rows.size:
+            raise InvalidArgumentError(f"{positions.size} positions for {rows.size} rows")
+        hist = np.asarray(history)
+        if hist.ndim != 2:
+            raise InvalidArgumentError(f"history must be [requests, positions], not {hist.shape}")
+        cand = (
+            (scheduled == 1)
+            & (positions >= prefill_len)
+            & (positions < hist.shape[1])
+            & (rows >= 0)
+            & (rows < hist.shape[0])
+        )
+        cand[known] = False
+        which = np.flatnonzero(cand)
+        if not which.size:
+            return None
+        c = max(ids_of.context for ids_of in self.layers.values())
+        at = positions[which][:, None] + np.arange(-c, 1, dtype=np.int64)
+        valid = at >= 0
+        windows = hist[rows[which].astype(np.int64)[:, None], np.maximum(at, 0)].astype(np.int64)
+        return which, windows, valid
