@@ -787,6 +787,57 @@ def test_an_eager_step_is_armed_with_the_ids_the_host_expects(capturing: list[bo
     hk.shutdown()
 
 
+def test_a_full_step_armed_early_replays_without_arming_again(capturing: list[bool]) -> None:
+    """``prearm()`` while the runner prepares a FULL graph's inputs (``expect_decode``):
+    the step is armed then, with the expected ids padded to the graph's, the oldest step
+    completed first when ``depth`` are armed; its replay launches without arming again.
+    Not outside a real step, for a graph that waits for no rows, or twice in a step. A
+    step armed for one graph that replays another, or none, raises and aborts the plan."""
+    names = ["a", "b"]
+    plan = RecordingPlan(names)
+    hk = PleRunnerHooks(plan, rows_per_token=2)
+    mgr = Manager()
+    for size in (2, 4):
+        _capture(hk, mgr, Desc(FULL, size), capturing, lambda s=size: _forward(hk, names, s))
+    plan.log.clear()
+    want = {"a": np.array([1, 2, -1, 4]), "b": np.array([5, 6, 7, 8])}
+    for _ in range(3):
+        with hk.step(dummy=False):
+            assert hk.prearm(Desc(FULL, 4), want)
+            assert not hk.prearm(Desc(FULL, 4), want)  # once a step
+            assert _replay(hk, mgr, Desc(FULL, 4)) == "out4"
+    # Each step armed once, at prearm; the third completed the first (depth 2).
+    assert plan.log == ["begin 8", "begin 8", "complete 8", "begin 8"]
+    assert hk.expected_replays == 3 and hk.armed_steps == 3
+    assert plan.expected[-1]["a"].tolist() == [1, 2, -1, 4, -1, -1, -1, -1]
+    assert plan.expected[-1]["b"].tolist() == [5, 6, 7, 8, -1, -1, -1, -1]
+    # A replay not armed early is armed as before.
+    with hk.step(dummy=False):
+        _replay(hk, mgr, Desc(FULL, 2))
+    assert plan.log[-2:] == ["complete 8", "begin 4"] and plan.expected[-1] is None
+    assert not hk.prearm(Desc(FULL, 4), want)  # outside a step
+    with hk.step(dummy=True):
+        assert not hk.prearm(Desc(FULL, 4), want)  # a dummy step publishes no data
+    with hk.step(dummy=False):
+        assert not hk.prearm(Desc(FULL, 8), want)  # never captured with rows
+        assert not hk.prearm(Desc(FULL, 2), {"a": np.arange(5)})  # more ids than the graph's
+        with pytest.raises(InvalidArgumentError, match=r"unknown layers \['c'\]"):
+            hk.prearm(Desc(FULL, 4), {"c": [1]})
+    assert hk.expected_replays == 3
+    # Armed for one graph, replayed another: the plan is aborted, nothing waits.
+    with pytest.raises(StateError, match="armed for the replay of"), hk.step(dummy=False):
+        assert hk.prearm(Desc(FULL, 4), want)
+        _replay(hk, mgr, Desc(FULL, 2))
+    assert plan.poisoned is not None
+    # Armed and never replayed: the same.
+    plan2 = RecordingPlan(names)
+    hk2 = PleRunnerHooks(plan2, rows_per_token=2)
+    _capture(hk2, mgr, Desc(FULL, 4), capturing, lambda: _forward(hk2, names, 4))
+    with pytest.raises(StateError, match="which never ran"), hk2.step(dummy=False):
+        assert hk2.prearm(Desc(FULL, 4), want)
+    assert plan2.poisoned is not None
+
+
 def test_eager_forwards_of_a_sync_plan_gather_on_the_host(capturing: list[bool]) -> None:
     names = ["a", "b"]
     plan = RecordingPlan(names, mode="sync")
@@ -1015,6 +1066,19 @@ def test_settings_expect_prefill() -> None:
         S.from_env({"PLE_MEMOPS_EXPECT_PREFILL": "maybe"})
     with pytest.raises(InvalidArgumentError, match=r"\['expect_prefill'\] must be 1 or 0"):
         S.for_engine({"ple_memops": {"expect_prefill": 2}}, {})
+
+
+def test_settings_expect_decode() -> None:
+    S = settings.Settings
+    assert not S.from_env({}).expect_decode and not S().expect_decode
+    env = {"PLE_MEMOPS_EXPECT_DECODE": "1"}
+    assert S.from_env(env).expect_decode and not S.from_env(env).expect_prefill
+    assert not S.for_engine({"ple_memops": {"expect_decode": False}}, env).expect_decode
+    assert S.for_engine({"ple_memops": {"expect_decode": "on"}}, {}).expect_decode
+    with pytest.raises(InvalidArgumentError, match="PLE_MEMOPS_EXPECT_DECODE must be"):
+        S.from_env({"PLE_MEMOPS_EXPECT_DECODE": "maybe"})
+    with pytest.raises(InvalidArgumentError, match=r"\['expect_decode'\] must be 1 or 0"):
+        S.for_engine({"ple_memops": {"expect_decode": 2}}, {})
 
 
 def test_settings_split_rows() -> None:

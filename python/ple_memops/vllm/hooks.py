@@ -159,6 +159,8 @@ class _Step:
     # Per layer, the ids the host expects this step's forward to publish (:meth:`expect`),
     # given to the step's arming; None once used.
     expected: dict[str, Any] | None = None
+    # The FULL graph this step armed before its replay (:meth:`prearm`), until replayed.
+    prearmed: Any = None
 
 
 class PleRunnerHooks:
@@ -204,6 +206,8 @@ class PleRunnerHooks:
         self.eager_steps = 0
         self.expected_steps = 0
         """Eager steps armed with ids the host expected (:meth:`expect`)."""
+        self.expected_replays = 0
+        """Replays armed early with ids the host expected (:meth:`prearm`)."""
         self.sync_replays = 0
         self.recorded_graphs = 0
         self.stats_every = stats_every
@@ -329,6 +333,19 @@ class PleRunnerHooks:
         (so under async scheduling the host never waits for a fill here). Any exception
         between arming and the launch aborts the plan (the GPU is released, later calls
         raise :class:`~ple_memops.PoisonedError`)."""
+        scope = self._scope
+        if isinstance(scope, _Step) and scope.prearmed is not None:
+            armed, scope.prearmed = scope.prearmed, None
+            if armed != desc:
+                raise StateError(
+                    f"ple-memops: the step was armed for the replay of {armed}, then "
+                    f"replayed {desc}"
+                )
+            t0 = time.perf_counter_ns()
+            with self.driver.guard(lambda: f"the replay of {desc}"):
+                out = launch()
+            self.host.add("launch", time.perf_counter_ns() - t0)
+            return out
         if desc not in self._wait_descs:
             return launch()
         self._check_usable()
@@ -390,7 +407,7 @@ class PleRunnerHooks:
                 # The host's completion of an armed step found it unfilled and waited.
                 cold += f", {got.completes_waited} completes waited {late:.1f} us"
             if got.expected_steps:
-                # Eager steps armed with the host's ids (expect_prefill): rows gathered
+                # Steps armed with the host's ids (expect_prefill, expect_decode): rows gathered
                 # before the publish, and any the host expected wrongly (a bug if not 0).
                 cold += (
                     f", {got.expected_steps} steps expected ({got.expected_rows_early} rows "
@@ -699,6 +716,43 @@ class PleRunnerHooks:
             raise InvalidArgumentError(f"ple-memops: expected ids for unknown layers {unknown}")
         scope.expected = dict(expected)
 
+    def prearm(self, desc: Any, expected: Mapping[str, Any]) -> bool:
+        """Inside :meth:`step`, while the runner prepares the inputs of the FULL graph
+        ``desc``: arm its step now, with per PLE layer the row ids the host expects the
+        graph to publish (``int64``, ``-1`` where it cannot know them, at most the
+        graph's ids), so each layer's worker gathers those rows while the host still
+        prepares the step, not once the graph has started. Completes the oldest pending
+        step first when ``depth`` are armed, as :meth:`replay` would. The step's replay
+        of ``desc`` then launches without arming again; a step that arms and then
+        replays another graph, or none, raises :class:`~ple_memops.StateError` (the
+        plan is aborted: no GPU wait outlives it). Returns whether it armed: not outside
+        a real step of a deferring plan, for a graph that consumes no deferred rows or
+        whose ids a synchronous plan computes, for more expected ids than the graph's,
+        or twice in a step."""
+        scope = self._scope
+        if not (isinstance(scope, _Step) and not scope.dummy and self.deferred):
+            return False
+        unknown = sorted(set(expected) - set(self.plan.layers))
+        if unknown:
+            raise InvalidArgumentError(f"ple-memops: expected ids for unknown layers {unknown}")
+        if scope.prearmed is not None or desc not in self._wait_descs or desc in self._ids_graphs:
+            return False
+        rows = int(desc.num_tokens) * self.rows_per_token
+        padded = _padded_expectation(dict(expected), rows)
+        if padded is None:
+            return False
+        self._check_usable()
+        t0 = time.perf_counter_ns()
+        with self.driver.guard(lambda: f"completing a step before arming {desc}"):
+            self.driver.settle(self.driver.depth - 1)
+        t1 = time.perf_counter_ns()
+        self.driver.arm(rows, expected=padded)
+        scope.prearmed = desc
+        self.expected_replays += 1
+        self.host.add("wait", t1 - t0)
+        self.host.add("arm", time.perf_counter_ns() - t1)
+        return True
+
     def _gather_pending(self, scope: _Step) -> None:
         """A synchronous plan's eager forward: every staged layer's ids to the host in one
         copy (one device synchronisation for all of them), then the gathers in parallel,
@@ -727,6 +781,11 @@ class PleRunnerHooks:
         for name, (output, n) in scope.ready.items():  # never joined: the op's output
             _copy_unless_same(self.plan.staging(name, n), output)
         scope.ready.clear()
+        if scope.prearmed is not None:
+            desc, scope.prearmed = scope.prearmed, None
+            raise StateError(
+                f"ple-memops: the step was armed for the replay of {desc}, which never ran"
+            )
         if scope.rows is None:
             return
         if scope.forks:
