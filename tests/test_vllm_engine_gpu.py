@@ -96,6 +96,7 @@ def _engine(
     lead: int | None = None,
     time_stalls: bool = False,
     expect_prefill: bool = False,
+    expect_decode: bool = False,
     **kw: Any,
 ) -> LLM:
     settings: dict[str, Any] = {"copy": copy}
@@ -105,6 +106,8 @@ def _engine(
         settings["time_stalls"] = True
     if expect_prefill:
         settings["expect_prefill"] = True
+    if expect_decode:
+        settings["expect_decode"] = True
     return engine(ckpt, backend, settings=settings, **kw)
 
 
@@ -240,7 +243,9 @@ def _expected(worker: Any) -> dict[str, Any]:
     keys = ("expected_steps", "expected_rows_early", "expected_rows_late", "expected_rows_wrong")
     return {
         "hooks": hooks.expected_steps,
+        "replays": hooks.expected_replays,
         "runner": worker.model_runner.ple_expect is not None,
+        "history": worker.model_runner.ple_history is not None,
         **{n: {k: int(getattr(w, k)) for k in keys} for n, (_, w) in hooks.plan.stats().items()},
     }
 
@@ -265,12 +270,46 @@ def test_expected_prefill_ids_keep_the_stock_engines_tokens(
     assert_same_tokens(stock_bf16, got)
     assert stats["mode"] == "deferred" and stats["watchdog_releases"] == 0, stats
     assert expected.pop("runner") and expected.pop("hooks") >= len(WORKLOAD), expected
+    assert expected.pop("replays") == 0 and not expected.pop("history"), expected
     for name, counts in expected.items():
         assert counts["expected_steps"] >= len(WORKLOAD), (name, counts)
         assert counts["expected_rows_early"] > 0 and counts["expected_rows_wrong"] == 0, (
             name,
             counts,
         )
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_expected_decode_ids_keep_the_stock_engines_tokens(
+    checkpoints: dict[str, Path], stock_bf16: list[list[list[int]]], async_scheduling: bool
+) -> None:
+    """``expect_decode``: when the step before has finished on the GPU, the host reads
+    each decode token from vLLM's ``all_token_ids``, computes its ids and arms the FULL
+    graph with them while it prepares the inputs. The tokens stay the stock engine's,
+    and no expected id differed from the GPU's. Synchronous scheduling waits for every
+    step, so there every decode replay is armed early."""
+    llm = _engine(
+        checkpoints["bf16"], "mmap", expect_decode=True, async_scheduling=async_scheduling
+    )
+    try:
+        got = _generate(llm)
+        (stats,) = llm.collective_rpc(_rows_stats)
+        (expected,) = llm.collective_rpc(_expected)
+    finally:
+        close(llm)
+    print(f"\nexpect_decode async={async_scheduling}: {stats}\n{expected}")
+    assert_same_tokens(stock_bf16, got)
+    assert stats["mode"] == "deferred" and stats["watchdog_releases"] == 0, stats
+    assert expected.pop("runner") and expected.pop("history"), expected
+    replays = expected.pop("replays")
+    expected.pop("hooks")
+    if not async_scheduling:
+        # (Dummy replays, e.g. after the capture, publish no data: never armed early.)
+        assert replays > 0 and replays >= stats["armed"] // 2, (replays, stats)
+    for name, counts in expected.items():
+        assert counts["expected_rows_wrong"] == 0, (name, counts)
+        if not async_scheduling:
+            assert counts["expected_rows_early"] > 0, (name, counts)
 
 
 def _serve(llm: LLM) -> tuple[list[list[list[int]]], dict[str, Any]]:

@@ -13,6 +13,9 @@
 #                without the host's gather), mmap-lead (first_layer_threads); paired
 #                against mmap (~5 min on a warm host), then the engine test of stall
 #                timing (the stock engine's tokens, ~2 min)
+#   PART=decode  gpu, mmap, mmap-decode (expect_decode: a decode graph's rows gathered while
+#                the host prepares it), mmap-b (A against A); paired against gpu, every mmap
+#                server with the GPU stall timing (~8 min on a fresh host)
 #
 # The two server sets cannot share the GPU: three GPU-table servers hold 3 x 37 GiB.
 set -uo pipefail
@@ -24,7 +27,7 @@ R=$PWD
 MODEL=(--layers 24 --ple-layers 1 --table-gib 24 --dtype bf16)
 LOAD=(--kv-cache-gib 6 --concurrency 64 --requests 256 --mixed-long 0 --repeats "${REPEATS:-5}"
       --start-timeout 300 --load-timeout 60)
-case "${PART:?PART=checks|gpu|mmap}" in
+case "${PART:?PART=checks|gpu|mmap|decode}" in
 checks)
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
     (cd /tmp && timeout 300 python3 -m pytest "$R/tests/test_stall_gpu.py" \
@@ -40,6 +43,10 @@ checks)
 gpu)
     DEADLINE=${DEADLINE:-470} TAG=ladder_gpu BENCH_ARGS="${MODEL[*]} ${LOAD[*]} \
         --backends gpu,gpu-plugin,mmap --ref gpu" bash scripts/gpu/vllm_bench.sh
+    ;;
+decode)
+    DEADLINE=${DEADLINE:-470} TAG=ladder_decode BENCH_ARGS="${MODEL[*]} ${LOAD[*]} \
+        --backends gpu,mmap,mmap-decode,mmap-b --ref gpu --time-stalls" bash scripts/gpu/vllm_bench.sh
     ;;
 mmap)
     DEADLINE=${DEADLINE:-330} TAG=ladder_mmap BENCH_ARGS="${MODEL[*]} ${LOAD[*]} \

@@ -232,7 +232,9 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
             t.close()  # its windows keep the mapping
     for module in layers:
         module.ple_memops_bind(hooks, max_tokens)
-    runner.ple_expect = _prefill_expectations(layers, hooks, settings, rows_per_token)
+    runner.ple_expect = _expectations(layers, hooks, settings, rows_per_token)
+    runner.ple_expect_prefill = runner.ple_expect is not None and settings.expect_prefill
+    runner.ple_history = _decode_history(runner) if runner.ple_expect is not None else None
     if settings.diag_skip_gather:
         logger.warning(
             "ple-memops: diagnostics: the PLE rows are NOT gathered (diag_skip_gather): every "
@@ -288,28 +290,54 @@ def _own_threads(module: Any, settings: Any) -> int | None:
     return threads or None
 
 
-def _prefill_expectations(
+def _expectations(
     layers: list[Any], hooks: PleRunnerHooks, settings: Any, rows_per_token: int
 ) -> PrefillExpectations | None:
-    """With ``expect_prefill`` on a deferring plan, what computes each layer's prefill ids
-    on the host; ``None`` (with a log line saying why) otherwise."""
-    if not settings.expect_prefill:
+    """With ``expect_prefill`` or ``expect_decode`` on a deferring plan, what computes
+    each layer's ids on the host; ``None`` (with a log line saying why) otherwise."""
+    wanted = [k for k in ("expect_prefill", "expect_decode") if getattr(settings, k)]
+    if not wanted:
         return None
     host = {m.ple_memops_name: m.ple_memops_host_ids() for m in layers}
     missing = sorted(name for name, ids in host.items() if ids is None)
     if not hooks.deferred or missing:
         logger.info(
-            "ple-memops: expect_prefill is on but unused: %s",
+            "ple-memops: %s on but unused: %s",
+            " and ".join(wanted),
             "the rows are not deferred"
             if not hooks.deferred
             else f"the host cannot compute the ids of {missing}",
         )
         return None
     logger.info(
-        "ple-memops: prefill chunks' row ids computed on the host and gathered before the "
-        "GPU reaches them (expect_prefill)"
+        "ple-memops: row ids computed on the host and gathered before the GPU reaches them (%s)",
+        ", ".join(wanted),
     )
     return PrefillExpectations(host, rows_per_token)
+
+
+def _decode_history(runner: Any) -> Any:
+    """With ``expect_decode``: vLLM's ``all_token_ids`` as the host sees it (the numpy
+    view of the pinned buffer the GPU writes each sampled token into), or ``None`` with
+    a log line when it is not on the host (ngram speculative decoding keeps it on the
+    GPU) or the engine speculates (a step's tokens are then not one a request)."""
+    if not engine_settings(runner.vllm_config).expect_decode:
+        return None
+    states = getattr(runner, "req_states", None)
+    view = getattr(getattr(getattr(states, "all_token_ids", None), "_uva_buf", None), "np", None)
+    why = None
+    if getattr(runner, "speculative_config", None) is not None:
+        why = "the engine decodes speculatively"
+    elif view is None or getattr(view, "ndim", 0) != 2:
+        why = "vLLM's all_token_ids is not in host memory"
+    if why is not None:
+        logger.info("ple-memops: expect_decode is on but unused: %s", why)
+        return None
+    logger.info(
+        "ple-memops: a decode step's row ids computed on the host from the tokens the step "
+        "before sampled, once it has finished on the GPU (expect_decode)"
+    )
+    return view
 
 
 # -- the classes the plugin installs -----------------------------------------------------
@@ -414,6 +442,11 @@ class PleGPUModelRunner(_BaseRunner):
 
     ple_rows: PleRunnerHooks | None = None
     ple_expect: PrefillExpectations | None = None
+    ple_expect_prefill: bool = False
+    # expect_decode: vLLM's all_token_ids on the host, and an event recorded after the
+    # last step's sampling (its tokens are in all_token_ids once it completes).
+    ple_history: Any = None
+    ple_sampled: Any = None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
@@ -453,7 +486,7 @@ class PleGPUModelRunner(_BaseRunner):
     def add_requests(self, scheduler_output: Any) -> None:
         super().add_requests(scheduler_output)
         expect = self.ple_expect
-        if expect is None:
+        if expect is None or not self.ple_expect_prefill:
             return
         index = self.req_states.req_id_to_index
         for new in scheduler_output.scheduled_new_reqs:
@@ -469,29 +502,53 @@ class PleGPUModelRunner(_BaseRunner):
     def prepare_inputs(
         self, scheduler_output: Any, batch_req_state: Any, batch_desc: Any, *args: Any
     ) -> Any:
-        batch = super().prepare_inputs(scheduler_output, batch_req_state, batch_desc, *args)
         expect, hooks = self.ple_expect, self.ple_rows
-        if (
-            expect is not None
-            and hooks is not None
-            and batch_req_state.has_prefill
-            and batch_desc.cg_mode != CUDAGraphMode.FULL
-        ):
-            expected = expect.step(
-                batch_req_state.idx_mapping_np,
-                batch_req_state.num_computed_prefill_tokens_np,
-                batch_req_state.num_scheduled_tokens,
-                batch_req_state.prefill_len_np,
-            )
-            if expected is not None:
-                hooks.expect(expected)
-        return batch
+        if expect is not None and hooks is not None:
+            # Before vLLM's own preparation, so the rows are gathered during it.
+            self._ple_expect_step(expect, hooks, batch_req_state, batch_desc)
+        return super().prepare_inputs(scheduler_output, batch_req_state, batch_desc, *args)
+
+    def _ple_expect_step(
+        self, expect: PrefillExpectations, hooks: PleRunnerHooks, state: Any, desc: Any
+    ) -> None:
+        """Arm the step with the ids the host knows: a FULL graph's now (its decode
+        tokens', with ``expect_decode``), an eager forward's at its first PLE op."""
+        full = desc.cg_mode == CUDAGraphMode.FULL
+        history = None
+        if self.ple_history is not None:
+            done = self.ple_sampled
+            # The step before has finished on the GPU: its samples are in all_token_ids.
+            if done is not None and done.query():
+                history = self.ple_history
+        prefill = self.ple_expect_prefill and state.has_prefill and not full
+        if history is None and not prefill:
+            return
+        rows = state.idx_mapping_np
+        expected = expect.step(
+            rows,
+            state.num_computed_prefill_tokens_np,
+            state.num_scheduled_tokens,
+            state.prefill_len_np,
+            positions=None if history is None else self.req_states.num_computed_tokens_np[rows],
+            history=history,
+        )
+        if expected is None:
+            return
+        if full:
+            hooks.prearm(desc, expected)
+        else:
+            hooks.expect(expected)
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         out = super().sample_tokens(*args, **kwargs)
         hooks = self.ple_rows
         if hooks is None or out is None:
             return out
+        if self.ple_history is not None:
+            # After the step's sampling and vLLM's update of all_token_ids.
+            if self.ple_sampled is None:
+                self.ple_sampled = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self.ple_sampled.record(self.main_stream)
         get_output = getattr(out, "get_output", None)
         if get_output is None:
             hooks.raise_if_failed()  # synchronous scheduling: the step is done on the GPU

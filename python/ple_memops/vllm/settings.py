@@ -38,6 +38,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "DEPTH",
     "EARLY_JOIN_ENV",
+    "EXPECT_DECODE_ENV",
     "EXPECT_PREFILL_ENV",
     "FIRST_LAYER_THREADS_ENV",
     "KEYS",
@@ -69,6 +70,7 @@ TIME_GRAPHS_ENV = "PLE_MEMOPS_TIME_GRAPHS"
 EARLY_JOIN_ENV = "PLE_MEMOPS_DIAG_EARLY_JOIN"
 EXPECT_PREFILL_ENV = "PLE_MEMOPS_EXPECT_PREFILL"
 SPLIT_ROWS_ENV = "PLE_MEMOPS_SPLIT_ROWS"
+EXPECT_DECODE_ENV = "PLE_MEMOPS_EXPECT_DECODE"
 
 SPLIT_REST_THREADS = 8
 """Gather threads of its own for a split row's rest (every layer's slices but layer 0's,
@@ -235,6 +237,16 @@ class Settings:
     compiled model (Inductor places its join) or on Qwen4Exp (a row is one layer's).
     Measured on Gemma 4 E4B at c64 on an H200: +4.1% ITL p50 over the GPU table with
     whole rows, +0.4% split with the rest on threads of its own (BENCHMARKS.md)."""
+    expect_decode: bool = False
+    """A FULL decode graph's rows gathered before the GPU publishes their ids: when the
+    step before has finished on the GPU by the time the host prepares the next one (the
+    host paces the engine, as at high concurrency), the host reads each decode token from
+    vLLM's ``all_token_ids`` (pinned host memory the GPU writes its samples into),
+    computes its ids (Qwen4Exp's n-gram hash; Gemma's token ids) and arms the step with
+    them while it still prepares the step's inputs, so the worker gathers during the
+    host's own preparation instead of after the graph starts. The published ids still
+    decide every row; where the step before is still running, nothing changes. Off by
+    default until measured in the engine (BENCHMARKS.md)."""
 
     @property
     def mmap(self) -> bool:
@@ -262,6 +274,7 @@ class Settings:
             _switch(env.get(EARLY_JOIN_ENV), EARLY_JOIN_ENV),
             _switch(env.get(EXPECT_PREFILL_ENV), EXPECT_PREFILL_ENV),
             _switch(env.get(SPLIT_ROWS_ENV), SPLIT_ROWS_ENV, default=True),
+            _switch(env.get(EXPECT_DECODE_ENV), EXPECT_DECODE_ENV),
         )
 
     @classmethod
@@ -300,6 +313,7 @@ class Settings:
                 "diag_early_join",
                 "expect_prefill",
                 "split_rows",
+                "expect_decode",
             ):
                 # Empty is the field's default (a class attribute of the dataclass).
                 changes[key] = _switch(value, where, default=getattr(cls, key))
@@ -322,6 +336,7 @@ KEYS = (
     "diag_early_join",
     "expect_prefill",
     "split_rows",
+    "expect_decode",
 )
 """The keys ``additional_config["ple_memops"]`` may hold (:class:`Settings`' fields)."""
 
