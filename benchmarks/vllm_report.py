@@ -40,13 +40,13 @@ _LAYER_STATS = re.compile(
 
 
 # "host us per engine step over 812: total p50 41.2 p99 95.0, step p50 6.1 p99 9.0, arm p50
-# 20.3 p99 40.2, wait p50 0.4 p99 30.1, check p50 3.0 p99 5.2, stats p50 0.2 p99 0.5; graph
-# launch p50 12.0 p99 20.1" (older wheels: no launch)
+# 20.3 p99 40.2, wait p50 0.4 p99 30.1, check p50 3.0 p99 5.2, stats p50 0.2 p99 0.5, expect
+# p50 30.1 p99 50.2; graph launch p50 12.0 p99 20.1" (older wheels: no expect, no launch)
 _HOST = re.compile(
     r"host us per engine step over (\d+): total p50 ([\d.]+) p99 ([\d.]+), "
     r"step p50 ([\d.]+) p99 [\d.]+, arm p50 ([\d.]+) p99 [\d.]+, "
     r"wait p50 ([\d.]+) p99 ([\d.]+), check p50 ([\d.]+) p99 [\d.]+, stats p50 ([\d.]+)"
-    r"(?: p99 [\d.]+; graph launch p50 ([\d.]+))?"
+    r"(?: p99 [\d.]+)?(?:, expect p50 ([\d.]+) p99 [\d.]+)?(?:; graph launch p50 ([\d.]+))?"
 )
 # "GPU stall per step: layers.0 812 steps, 40 stalled; us p50 0.0 p90 2.1 p99 61.0 max 90.2
 # mean 1.20; layers.6 ..."
@@ -65,7 +65,8 @@ GRAPH_FIELDS = ("span_p50_us", "span_p99_us", "period_p50_us", "outside_p50_us")
 _BY_SIZE = re.compile(r"span p50 by size: ((?:\d+ x\d+ [\d.]+(?:, )?)+)")
 _SIZE = re.compile(r"(\d+) x(\d+) ([\d.]+)")
 HOST_FIELDS = (
-    "total_p50", "total_p99", "step", "arm", "wait", "wait_p99", "check", "stats", "launch"
+    "total_p50", "total_p99", "step", "arm", "wait", "wait_p99", "check", "stats", "expect",
+    "launch",
 )  # fmt: skip
 
 
@@ -354,7 +355,7 @@ def breakdown_markdown(
         f"| load | backend | runs | ITL p50 ms | ITL p50 vs {ref} | tok/s vs {ref} "
         "| GPU busy @ SM clock "
         "| GPU stall: stalled, p50 / p99 / mean us | host us: total p50 / p99; arm, wait, "
-        "check; graph launch | graphs on the GPU: span p50 / outside p50 us "
+        "check, expect; graph launch | graphs on the GPU: span p50 / outside p50 us "
         "| CPU cores: all / ours; busiest other thread |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -383,7 +384,7 @@ def breakdown_markdown(
         if h:
             host = (
                 f"{h['total_p50']:.0f} / {h['total_p99']:.0f}; {h['arm']:.0f}, {h['wait']:.0f}, "
-                f"{h['check']:.0f}; {_f(_num(h.get('launch')), 0)}"
+                f"{h['check']:.0f}, {_f(_num(h.get('expect')), 0)}; {_f(_num(h.get('launch')), 0)}"
             )
         g = s.get("graphs")
         graphs = "-"

@@ -323,6 +323,25 @@ def test_delivery_stats_read_the_expected_steps_of_each_layer() -> None:
     assert got["fill_us"]["layers.0"] == 30.0 and got["late_completes"] == {"layers.6": 2}
 
 
+def test_cost_stats_read_the_host_time_with_and_without_expect() -> None:
+    """The host-time part of a stats line, of this wheel (``expect`` between ``stats`` and
+    the graph launch) and of older ones (no ``expect``; no launch either)."""
+    from vllm_report import cost_stats
+
+    base = (
+        "host us per engine step over 400: total p50 41.2 p99 95.0, step p50 6.1 p99 9.0, "
+        "arm p50 20.3 p99 40.2, wait p50 0.4 p99 30.1, check p50 3.0 p99 5.2, stats p50 0.2 "
+        "p99 0.5"
+    )
+    new = cost_stats([base + ", expect p50 31.5 p99 50.0; graph launch p50 12.0 p99 20.1"])
+    assert new["host_us"]["expect"] == 31.5 and new["host_us"]["launch"] == 12.0
+    assert new["host_us"]["arm"] == 20.3 and new["host_us"]["total_p50"] == 41.2
+    old = cost_stats([base + "; graph launch p50 12.0 p99 20.1"])["host_us"]
+    assert old["launch"] == 12.0 and old["expect"] != old["expect"]  # NaN: not in the line
+    older = cost_stats([base])["host_us"]
+    assert older["stats"] == 0.2 and older["launch"] != older["launch"]
+
+
 def test_the_breakdown_shows_both_parts_of_a_split_gemma_table() -> None:
     """A Gemma table split at decoder layer 0 (``split_rows``) is two tables, neither named
     after a layer: the stall column shows both, layer 0's slice first; a Qwen4Exp server's

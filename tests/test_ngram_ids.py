@@ -211,6 +211,13 @@ def test_decode_tokens_are_expected_from_the_token_history() -> None:
         chunk = layer.for_requests([[3, 1, 4, 1, 5]], [1], [3])
         want[starts[1] * H : starts[2] * H] = chunk.reshape(-1)
         assert got[name].tolist() == want.tolist(), name
+    # A FULL graph's padded batch: the arrays cover its tokens, -1 past the scheduled ones.
+    padded = exp.step(
+        rows, computed, scheduled, prefill_len, positions=positions, history=history, tokens=16
+    )
+    assert padded is not None and padded["a"].size == 16 * H
+    assert padded["a"][: got["a"].size].tolist() == got["a"].tolist()
+    assert (padded["a"][got["a"].size :] == -1).all()
     # Without a history, the decode tokens stay unknown, as before.
     plain = exp.step(rows, computed, scheduled, prefill_len)
     assert plain is not None and (plain["a"][:H] == -1).all()

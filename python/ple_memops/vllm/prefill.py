@@ -37,6 +37,8 @@ def as_int64(values: Any, what: str) -> np.ndarray:
     """``values`` (a sequence, an array, a CPU tensor) as a C-contiguous int64 array;
     a CUDA tensor or non-integers raise :class:`~ple_memops.InvalidArgumentError` naming
     ``what``."""
+    if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.flags.c_contiguous:
+        return values  # the common case, per step: nothing to check or copy
     if hasattr(values, "is_cuda") and values.is_cuda:
         raise InvalidArgumentError(f"{what} must be on the host, not a CUDA tensor")
     if hasattr(values, "numpy"):
@@ -151,6 +153,7 @@ class PrefillExpectations:
         """Steps given expectations by :meth:`step`."""
         self.decode_rows = 0
         """Decode tokens given expectations from ``history`` by :meth:`step`."""
+        self._context = max(ids_of.context for ids_of in self.layers.values())
 
     def add(self, row: int, token_ids: Sequence[int] | np.ndarray) -> None:
         """Request state row ``row`` now holds a request whose tokens so far (its prompt,
@@ -171,6 +174,7 @@ class PrefillExpectations:
         *,
         positions: np.ndarray | None = None,
         history: np.ndarray | None = None,
+        tokens: int | None = None,
     ) -> dict[str, np.ndarray] | None:
         """A step's expectations: its requests in batch order (their request state
         ``rows``, tokens already ``computed``, tokens ``scheduled`` now, and
@@ -184,7 +188,9 @@ class PrefillExpectations:
         each request's token at ``positions[i]`` (its computed tokens, as the scheduler
         counts them) and the ones before it. The caller must know those entries are
         written: the step that sampled them has finished on the GPU. Other tokens
-        (drafts, a row never added, a position outside ``history``) stay ``-1``."""
+        (drafts, a row never added, a position outside ``history``) stay ``-1``.
+        ``tokens``: the forward's tokens when more than scheduled (a FULL graph's padded
+        batch): the arrays then cover them, ``-1`` past the scheduled ones."""
         rows = np.asarray(rows).reshape(-1)
         computed = np.asarray(computed).reshape(-1)
         scheduled = np.asarray(scheduled).reshape(-1)
@@ -194,17 +200,15 @@ class PrefillExpectations:
                 f"{rows.size} rows, {computed.size} computed, {scheduled.size} scheduled and "
                 f"{prefill_len.size} prefill lengths"
             )
-        starts = np.concatenate(([0], np.cumsum(scheduled))).astype(np.int64)
+        starts = np.zeros(rows.size + 1, dtype=np.int64)
+        np.cumsum(scheduled, out=starts[1:])
+        size = int(starts[-1]) if tokens is None else max(int(tokens), int(starts[-1]))
         known: list[int] = []
-        for i in range(rows.size):
-            end = int(computed[i]) + int(scheduled[i])
-            tokens = self._tokens.get(int(rows[i]))
-            if (
-                scheduled[i] > 0
-                and end <= int(prefill_len[i])
-                and tokens is not None
-                and end <= tokens.size
-            ):
+        # Only chunks inside their prefill can be known (a decode step has none: no loop).
+        inside = (scheduled > 0) & (computed + scheduled <= prefill_len)
+        for i in np.flatnonzero(inside).tolist() if self._tokens else ():
+            have = self._tokens.get(int(rows[i]))
+            if have is not None and int(computed[i]) + int(scheduled[i]) <= have.size:
                 known.append(i)
         decode = self._decode_rows(rows, scheduled, prefill_len, positions, history, known)
         if not known and decode is None:
@@ -216,7 +220,7 @@ class PrefillExpectations:
         out: dict[str, np.ndarray] = {}
         shared: dict[Hashable, tuple[Any, ...]] = {}  # one step's arrays for every layer
         for name, ids_of in self.layers.items():
-            flat = np.full(int(starts[-1]) * h, -1, dtype=np.int64)
+            flat = np.full(size * h, -1, dtype=np.int64)
             if known:
                 key = ids_of.inputs_key
                 if key not in shared:
@@ -264,25 +268,23 @@ class PrefillExpectations:
         request; ``None`` when there are none."""
         if history is None or positions is None:
             return None
-        positions = np.asarray(positions).reshape(-1).astype(np.int64)
+        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
         if positions.size != rows.size:
             raise InvalidArgumentError(f"{positions.size} positions for {rows.size} rows")
         hist = np.asarray(history)
         if hist.ndim != 2:
             raise InvalidArgumentError(f"history must be [requests, positions], not {hist.shape}")
-        cand = (
-            (scheduled == 1)
-            & (positions >= prefill_len)
-            & (positions < hist.shape[1])
-            & (rows >= 0)
-            & (rows < hist.shape[0])
-        )
+        n_rows, width = hist.shape
+        cand = (scheduled == 1) & (positions >= prefill_len) & (positions < width)
+        cand &= (rows >= 0) & (rows < n_rows)
         cand[known] = False
         which = np.flatnonzero(cand)
         if not which.size:
             return None
-        c = max(ids_of.context for ids_of in self.layers.values())
+        c = self._context
         at = positions[which][:, None] + np.arange(-c, 1, dtype=np.int64)
         valid = at >= 0
-        windows = hist[rows[which].astype(np.int64)[:, None], np.maximum(at, 0)].astype(np.int64)
+        # One flat take from the (C-contiguous, pinned) history: faster than 2-D indexing.
+        flat = rows[which].astype(np.int64)[:, None] * width + np.maximum(at, 0)
+        windows = np.take(hist.reshape(-1), flat).astype(np.int64)
         return which, windows, valid

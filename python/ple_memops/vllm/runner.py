@@ -513,6 +513,7 @@ class PleGPUModelRunner(_BaseRunner):
     ) -> None:
         """Arm the step with the ids the host knows: a FULL graph's now (its decode
         tokens', with ``expect_decode``), an eager forward's at its first PLE op."""
+        t0 = time.perf_counter_ns()
         full = desc.cg_mode == CUDAGraphMode.FULL
         history = None
         if self.ple_history is not None:
@@ -531,7 +532,9 @@ class PleGPUModelRunner(_BaseRunner):
             state.prefill_len_np,
             positions=None if history is None else self.req_states.num_computed_tokens_np[rows],
             history=history,
+            tokens=int(desc.num_tokens) if full else None,
         )
+        hooks.host.add("expect", time.perf_counter_ns() - t0)
         if expected is None:
             return
         if full:
