@@ -16,6 +16,13 @@ What each override adds (see :class:`~ple_memops.vllm.hooks.PleRunnerHooks`):
 ``GPUModelRunner.initialize_kv_cache`` the graph manager made our subclass (below)
 ``GPUModelRunner.execute_model``       one ``hooks.step``: an eager forward gathers before
                                        each consumer, a FULL replay is armed
+``GPUModelRunner.add_requests``        with ``expect_prefill``: each new request's
+                                       prompt kept
+``GPUModelRunner.prepare_inputs``      with ``expect_prefill`` / ``expect_decode``: the ids
+                                       the host knows, before vLLM's own preparation; a
+                                       FULL graph's step armed then (``hooks.prearm``)
+``GPUModelRunner.sample_tokens``       the output checked when handed out; with
+                                       ``expect_decode``, an event after the sampling
 ``GPUModelRunner.capture_model``       pending steps completed first
 ``GPUModelRunner.shutdown``            drain, synchronise the device, close the plan
 ``CudaGraphManager.capture``           each descriptor's warm-up without data, its capture
