@@ -156,6 +156,61 @@ impl NGramHash {
         Ok(())
     }
 
+    /// The ids of one token a request read from a token history (vLLM's
+    /// `all_token_ids`: `history` row-major, `width` positions a request): request `i`'s
+    /// token at `positions[i]` of history row `rows[i]`, after the `context()` tokens
+    /// before it (EOS before position 0), into `out` (`rows.len() * heads()`). A decode
+    /// step's ids, its tokens already in the history.
+    pub fn ids_at(
+        &self,
+        history: &[i32],
+        width: usize,
+        rows: &[i64],
+        positions: &[i64],
+        out: &mut [i64],
+    ) -> Result<()> {
+        let (c, heads) = (self.context(), self.heads());
+        if rows.len() != positions.len() || out.len() != rows.len() * heads {
+            return Err(Error::invalid(format!(
+                "{} rows, {} positions and an output of {} ids ({heads} a token)",
+                rows.len(),
+                positions.len(),
+                out.len()
+            )));
+        }
+        if width == 0 || history.len() % width != 0 {
+            return Err(Error::invalid(format!(
+                "a history of {} tokens is not rows of {width}",
+                history.len()
+            )));
+        }
+        let requests = history.len() / width;
+        let mut row = vec![self.eos; c + 1];
+        for (i, (&r, &p)) in rows.iter().zip(positions).enumerate() {
+            if r < 0 || r as usize >= requests || p < 0 || p as usize >= width {
+                return Err(Error::invalid(format!(
+                    "request {i}: row {r}, position {p} outside a history of {requests} x \
+                     {width}"
+                )));
+            }
+            let at = r as usize * width;
+            let mut last_eos = None;
+            for (j, slot) in row.iter_mut().enumerate() {
+                let back = c - j; // how far before the token
+                *slot = if back as i64 > p {
+                    self.eos
+                } else {
+                    i64::from(history[at + p as usize - back])
+                };
+                if j < c && *slot == self.eos {
+                    last_eos = Some(j);
+                }
+            }
+            self.token_ids(&row, c, last_eos, &mut out[i * heads..(i + 1) * heads]);
+        }
+        Ok(())
+    }
+
     fn token_ids(&self, row: &[i64], i: usize, last_eos: Option<usize>, out: &mut [i64]) {
         let back = |k: usize| match last_eos {
             Some(e) if i - k <= e => self.eos,
@@ -240,6 +295,52 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn ids_at_a_history_position_are_the_last_tokens_of_its_prefix() {
+        let h = hash();
+        let width = 6;
+        #[rustfmt::skip]
+        let history: [i32; 18] = [
+            5, 9, 2, 4, 7, 1,
+            3, 3, 8, 0, 0, 0,
+            -4, 2, 6, 6, 1, 1,
+        ];
+        let rows = [0, 1, 2, 0, 2];
+        let positions = [4, 0, 3, 1, 5];
+        let mut out = vec![0; rows.len() * h.heads()];
+        h.ids_at(&history, width, &rows, &positions, &mut out)
+            .unwrap();
+        for (i, (&r, &p)) in rows.iter().zip(&positions).enumerate() {
+            // The whole prefix, EOS context first, as `ids` sees a request from its start.
+            let at = r as usize * width;
+            let seq: Vec<i64> = [2, 2]
+                .into_iter()
+                .chain(history[at..=at + p as usize].iter().map(|&t| i64::from(t)))
+                .collect();
+            assert_eq!(
+                out[i * 4..i * 4 + 4],
+                reference(&h, &seq, seq.len() - 1),
+                "request {i}"
+            );
+        }
+        let kind = |r: Result<()>| r.unwrap_err().kind();
+        let mut one = vec![0; 4];
+        for (rows, positions) in [([3], [0]), ([0], [6]), ([-1], [0]), ([0], [-1])] {
+            assert_eq!(
+                kind(h.ids_at(&history, width, &rows, &positions, &mut one)),
+                ErrorKind::InvalidArgument
+            );
+        }
+        assert_eq!(
+            kind(h.ids_at(&history[..17], width, &[0], &[0], &mut one)),
+            ErrorKind::InvalidArgument
+        );
+        assert_eq!(
+            kind(h.ids_at(&history, width, &[0, 1], &[0], &mut one)),
+            ErrorKind::InvalidArgument
+        );
     }
 
     #[test]

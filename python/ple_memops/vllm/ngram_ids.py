@@ -11,6 +11,7 @@ reaches the step. :class:`HostNGramIds` is that computation (native, the GIL rel
     ids = HostNGramIds.from_module(ngram_embedding)     # once, after the weights load
     ids(tokens, query_start_loc, ngram_context)          # compute_ngram_ids' arguments
     ids.for_requests(token_ids, computed, scheduled)     # a step's prompt chunks
+    ids.ids_at(all_token_ids, rows, positions)           # a decode step's, from the history
 
 For each token and each n-gram order ``n`` (2..``ngram_size``) the hash is
 ``xor_k(token[t - k] * multiplier[k])`` over ``k < n`` (64-bit wrapping products); a
@@ -39,7 +40,7 @@ import numpy as np
 from .. import _native
 from ..errors import InvalidArgumentError
 from .prefill import as_int64 as _int64
-from .prefill import request_chunks
+from .prefill import history_array, request_chunks
 
 __all__ = ["HostNGramIds"]
 
@@ -134,27 +135,15 @@ class HostNGramIds:
         (the PLE layers of one model) share a step's inputs."""
         return (self.ngram_size, self.eos_token_id)
 
-    @property
-    def context(self) -> int:
-        """The tokens before a token that its ids read: ``ngram_size - 1``."""
-        return self.ngram_size - 1
-
-    def window_inputs(
-        self, windows: np.ndarray, valid: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(tokens, query_start_loc, ngram_context)`` of a step of one token a request
-        (a decode step): ``windows`` ``[R, ngram_size]`` holds each request's token last
-        and the ``ngram_size - 1`` before it, ``valid`` marks the positions inside the
-        request (EOS before its start, as vLLM's model state builds the context)."""
-        c = self.ngram_size - 1
-        w = np.asarray(windows)
-        if w.ndim != 2 or w.shape[1] != c + 1 or np.shape(valid) != w.shape:
-            raise InvalidArgumentError(
-                f"windows of shape {w.shape} (valid {np.shape(valid)}) for ngram_size {c + 1}"
-            )
-        ctx = np.where(valid[:, :c], w[:, :c], self.eos_token_id).astype(np.int64)
-        tokens = np.ascontiguousarray(w[:, c], dtype=np.int64)
-        return tokens, np.arange(w.shape[0] + 1, dtype=np.int64), ctx
+    def ids_at(self, history: np.ndarray, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """``int64 [len(rows), heads]``: the ids of request ``i``'s token at ``positions[i]``
+        of ``history`` row ``rows[i]`` (``int32 [requests, width]``, C-contiguous: vLLM's
+        ``all_token_ids`` as the host sees it), after the ``ngram_size - 1`` tokens before
+        it (EOS before position 0): a decode step's ids, read natively, the GIL released."""
+        ids: np.ndarray = self._core.ids_at(
+            history_array(history), _int64(rows, "rows"), _int64(positions, "positions")
+        )
+        return ids
 
     def inputs(
         self,

@@ -30,7 +30,14 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["HostIds", "HostTokenIds", "PrefillExpectations", "as_int64", "request_chunks"]
+__all__ = [
+    "HostIds",
+    "HostTokenIds",
+    "PrefillExpectations",
+    "as_int64",
+    "history_array",
+    "request_chunks",
+]
 
 
 def as_int64(values: Any, what: str) -> np.ndarray:
@@ -73,30 +80,38 @@ def request_chunks(
 
 class HostIds(Protocol):
     """A layer's ids on the host (:class:`~ple_memops.vllm.ngram_ids.HostNGramIds`):
-    :meth:`inputs` builds a step's arrays from its request chunks, :meth:`window_inputs`
-    from one token a request with the :attr:`context` tokens before it (a decode step's),
-    calling the object on either gives ``int64 [tokens, ids_per_token]``; layers with
-    equal ``inputs_key`` share the arrays."""
+    :meth:`inputs` builds a step's arrays from its request chunks, calling the object
+    on them gives ``int64 [tokens, ids_per_token]``; layers with equal ``inputs_key``
+    share the arrays. :meth:`ids_at` gives one token a request read from a token history
+    (a decode step's)."""
 
     @property
     def inputs_key(self) -> Hashable: ...
-
-    @property
-    def context(self) -> int:
-        """How many tokens before a token its ids depend on."""
-        ...
 
     def inputs(
         self, token_ids: Sequence[Any], computed: Sequence[int], scheduled: Sequence[int]
     ) -> tuple[Any, ...]: ...
 
-    def window_inputs(self, windows: np.ndarray, valid: np.ndarray) -> tuple[Any, ...]:
-        """The arrays of a step of single tokens: ``windows`` ``int64 [R, context + 1]``,
-        each request's token last with the ``context`` tokens before it; ``valid`` (same
-        shape, bool) is false where a position lies before the request's start."""
+    def __call__(self, *inputs: Any) -> np.ndarray: ...
+
+    def ids_at(self, history: np.ndarray, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """``int64 [len(rows), ids_per_token]``: the ids of request ``i``'s token at
+        ``positions[i]`` of ``history`` row ``rows[i]`` (``int32 [requests, width]``,
+        C-contiguous: vLLM's ``all_token_ids``), with the tokens before it."""
         ...
 
-    def __call__(self, *inputs: Any) -> np.ndarray: ...
+
+def history_array(history: Any) -> np.ndarray:
+    """``history`` as the C-contiguous ``int32 [requests, width]`` array it must be (vLLM's
+    ``all_token_ids`` as the host sees it: never copied, it can be gigabytes); anything
+    else raises :class:`~ple_memops.InvalidArgumentError`."""
+    hist = np.asarray(history)
+    if hist.ndim != 2 or hist.dtype != np.int32 or not hist.flags.c_contiguous:
+        raise InvalidArgumentError(
+            f"history must be a C-contiguous int32 [requests, positions] array, not "
+            f"{hist.dtype} {hist.shape}"
+        )
+    return hist
 
 
 class HostTokenIds:
@@ -115,14 +130,6 @@ class HostTokenIds:
     def inputs_key(self) -> Hashable:
         return ("tokens",)
 
-    @property
-    def context(self) -> int:
-        return 0
-
-    def window_inputs(self, windows: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray]:
-        """The tokens of a step of single tokens (the windows' last column)."""
-        return (np.ascontiguousarray(windows[:, -1], dtype=np.int64),)
-
     def inputs(
         self, token_ids: Sequence[Any], computed: Sequence[int], scheduled: Sequence[int]
     ) -> tuple[np.ndarray]:
@@ -134,6 +141,12 @@ class HostTokenIds:
         """``int64 [tokens, 1]``: each token's row."""
         t = np.asarray(tokens, dtype=np.int64).reshape(-1)
         return np.where((t >= 0) & (t < self.vocab), t, 0).reshape(-1, 1)
+
+    def ids_at(self, history: np.ndarray, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Each request's token at ``positions[i]`` of ``history`` row ``rows[i]``, as
+        :meth:`__call__` maps it."""
+        hist = history_array(history)
+        return self(hist[np.asarray(rows, dtype=np.int64), np.asarray(positions, dtype=np.int64)])
 
 
 class PrefillExpectations:
@@ -153,7 +166,6 @@ class PrefillExpectations:
         """Steps given expectations by :meth:`step`."""
         self.decode_rows = 0
         """Decode tokens given expectations from ``history`` by :meth:`step`."""
-        self._context = max(ids_of.context for ids_of in self.layers.values())
 
     def add(self, row: int, token_ids: Sequence[int] | np.ndarray) -> None:
         """Request state row ``row`` now holds a request whose tokens so far (its prompt,
@@ -232,14 +244,9 @@ class PrefillExpectations:
                     flat[a : a + n * h] = ids[done : done + n].reshape(-1)
                     done += n
             if decode is not None:
-                which, windows, valid = decode
-                key = ("window", ids_of.inputs_key)
-                if key not in shared:
-                    c = ids_of.context
-                    cut = windows.shape[1] - (c + 1)
-                    shared[key] = ids_of.window_inputs(windows[:, cut:], valid[:, cut:])
-                ids = self._checked(name, ids_of(*shared[key]), which.size)
-                flat.reshape(-1, h)[starts[which]] = ids
+                which, at_rows, at_positions = decode
+                ids = ids_of.ids_at(history_array(history), at_rows, at_positions)
+                flat.reshape(-1, h)[starts[which]] = self._checked(name, ids, which.size)
             out[name] = flat
         self.steps += 1
         if decode is not None:
@@ -263,28 +270,18 @@ class PrefillExpectations:
         history: np.ndarray | None,
         known: list[int],
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """The batch indices of the decode tokens ``history`` gives, each one's window
-        (its token last, ``context`` before it) and where the window is inside the
-        request; ``None`` when there are none."""
+        """The batch indices of the decode tokens ``history`` gives, with their history
+        rows and positions (``int64``); ``None`` when there are none."""
         if history is None or positions is None:
             return None
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)
         if positions.size != rows.size:
             raise InvalidArgumentError(f"{positions.size} positions for {rows.size} rows")
-        hist = np.asarray(history)
-        if hist.ndim != 2:
-            raise InvalidArgumentError(f"history must be [requests, positions], not {hist.shape}")
-        n_rows, width = hist.shape
+        n_rows, width = history_array(history).shape
         cand = (scheduled == 1) & (positions >= prefill_len) & (positions < width)
         cand &= (rows >= 0) & (rows < n_rows)
         cand[known] = False
         which = np.flatnonzero(cand)
         if not which.size:
             return None
-        c = self._context
-        at = positions[which][:, None] + np.arange(-c, 1, dtype=np.int64)
-        valid = at >= 0
-        # One flat take from the (C-contiguous, pinned) history: faster than 2-D indexing.
-        flat = rows[which].astype(np.int64)[:, None] * width + np.maximum(at, 0)
-        windows = np.take(hist.reshape(-1), flat).astype(np.int64)
-        return which, windows, valid
+        return which, rows[which].astype(np.int64), positions[which]

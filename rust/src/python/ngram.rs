@@ -2,7 +2,7 @@
 //! `ple_memops.vllm.ngram_ids.HostNGramIds` (the Python wrapper makes every argument a
 //! C-contiguous int64 array).
 
-use numpy::{PyArray2, PyReadonlyArray1};
+use numpy::{PyArray2, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use super::{to_pyerr, write_into};
@@ -62,6 +62,34 @@ impl PyNGramHash {
         let inner = &self.inner;
         write_into(py, &out, |dst| {
             py.detach(|| inner.ids(t, q, c, dst))
+                .map_err(|e| to_pyerr(py, e))
+        })?;
+        Ok(out)
+    }
+
+    /// `int64 [requests, heads]`: each request's token at `positions[i]` of `history` row
+    /// `rows[i]` (`int32 [requests, width]`, C-contiguous: vLLM's `all_token_ids`), with
+    /// the tokens before it; the GIL released.
+    fn ids_at<'py>(
+        &self,
+        py: Python<'py>,
+        history: PyReadonlyArray2<'py, i32>,
+        rows: PyReadonlyArray1<'py, i64>,
+        positions: PyReadonlyArray1<'py, i64>,
+    ) -> PyResult<Bound<'py, PyArray2<i64>>> {
+        let width = history.shape()[1];
+        let hist = history
+            .as_slice()
+            .map_err(|_| to_pyerr(py, Error::invalid("history must be C-contiguous")))?;
+        let (r, p) = (
+            contiguous(py, &rows, "rows")?,
+            contiguous(py, &positions, "positions")?,
+        );
+        let heads = self.inner.heads();
+        let out = PyArray2::<i64>::zeros(py, [r.len(), heads], false);
+        let inner = &self.inner;
+        write_into(py, &out, |dst| {
+            py.detach(|| inner.ids_at(hist, width, r, p, dst))
                 .map_err(|e| to_pyerr(py, e))
         })?;
         Ok(out)
