@@ -16,16 +16,23 @@ tokens, 8 heads each: 16 row ids a token, rows of ``--row-bytes``), from one tab
   tokens in front of the chunk, gathered at the publish), ``--lead-ms`` after arming (the
   GPU running the step before). Both in turn, ``--rounds`` each; p50 and p90.
 
+Then ``host ids of a decode step``: :meth:`PrefillExpectations.step` for 1, 8 and 64 decode
+tokens read from a token history (``expect_decode``: vLLM's ``all_token_ids``, here a
+``[1024, 4096]`` int32 array), ``--layers`` tables, ``--decode-calls`` calls each, checked
+against the ids of each request's whole sequence.
+
 On this machine's CPUs and page cache, not the H200 host's: it says what moves and by how
 much relative to the gather, not the engine's numbers. It prints the table; it asserts
 nothing (the rows' bytes are checked, as every benchmark here does).
 
-    python3 benchmarks/bench_expect.py [--tokens 2048] [--decodes 64] [--rounds 30]
+    python3 benchmarks/bench_expect.py [--tokens 2048] [--decodes 64] [--rounds 30] \
+        [--decode-calls 2000]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 import time
 from pathlib import Path
@@ -67,6 +74,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--lead-ms", type=float, default=5.0)
+    ap.add_argument("--decode-calls", type=int, default=2000)
     args = ap.parse_args()
     h = (NGRAM - 1) * HEADS
     rows = args.table_mib * (1 << 20) // args.row_bytes
@@ -134,6 +142,42 @@ def main() -> None:
             ("READY -> FILLED", fills[kind]),
         ):
             print(f"| {what}, {kind} | {_p(values, 50):.0f} | {_p(values, 90):.0f} |")
+    _decode_ids(args)
+
+
+def _decode_ids(args: argparse.Namespace) -> None:
+    """The host's ids of a decode step read from a token history, timed and checked."""
+    h = (NGRAM - 1) * HEADS
+    rng = np.random.default_rng(3)
+    layers = {f"layer{i}": _hash(1 << 20, i + 1) for i in range(args.layers)}
+    exp = PrefillExpectations(layers, h)
+    history = rng.integers(0, 150_000, (1024, 4096)).astype(np.int32)
+    history[:, ::97] = 2  # EOS now and then
+    print()
+    print(f"| host ids of a decode step, {args.layers} tables | p50 us | p90 us |")
+    print("|---|---|---|")
+    for n in (1, 8, 64):
+        rows = rng.permutation(1024)[:n].astype(np.int32)
+        positions = rng.integers(0, 4096, n).astype(np.int32)
+        prefill = np.minimum(positions, 100).astype(np.int32)
+        ones = np.ones(n, dtype=np.int32)
+
+        step = functools.partial(
+            exp.step, rows, prefill, ones, prefill, positions=positions, history=history
+        )
+        got = step()
+        assert got is not None
+        for name, ids_of in layers.items():  # each token's ids as its whole sequence's last
+            for i in range(n):
+                seq = history[rows[i], : positions[i] + 1]
+                want = ids_of.for_requests([seq], [int(positions[i])], [1])
+                np.testing.assert_array_equal(got[name][i * h : (i + 1) * h], want.reshape(-1))
+        times = []
+        for _ in range(args.decode_calls):
+            t0 = time.perf_counter_ns()
+            step()
+            times.append((time.perf_counter_ns() - t0) / 1e3)
+        print(f"| {n} decode tokens | {_p(times, 50):.1f} | {_p(times, 90):.1f} |")
 
 
 if __name__ == "__main__":
