@@ -250,6 +250,22 @@ def _expected(worker: Any) -> dict[str, Any]:
     }
 
 
+def _serve_expecting(
+    ckpt: Path, setting: str, async_scheduling: bool
+) -> tuple[list[list[list[int]]], dict[str, Any], dict[str, Any]]:
+    """The workload's tokens, the rows' statistics and the expected ids' counts of an mmap
+    engine with ``setting`` (``expect_prefill`` or ``expect_decode``) on; shut down after."""
+    llm = _engine(ckpt, "mmap", async_scheduling=async_scheduling, **{setting: True})
+    try:
+        got = _generate(llm)
+        (stats,) = llm.collective_rpc(_rows_stats)
+        (expected,) = llm.collective_rpc(_expected)
+    finally:
+        close(llm)
+    print(f"\n{setting} async={async_scheduling}: {stats}\n{expected}")
+    return got, stats, expected
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_expected_prefill_ids_keep_the_stock_engines_tokens(
     checkpoints: dict[str, Path], stock_bf16: list[list[list[int]]], async_scheduling: bool
@@ -257,16 +273,7 @@ def test_expected_prefill_ids_keep_the_stock_engines_tokens(
     """``expect_prefill``: the host computes prefill chunks' ids from the prompts and
     arms the eager steps with them. The tokens stay the stock engine's, prefill rows were
     gathered before their publish, and no expected id differed from the GPU's."""
-    llm = _engine(
-        checkpoints["bf16"], "mmap", expect_prefill=True, async_scheduling=async_scheduling
-    )
-    try:
-        got = _generate(llm)
-        (stats,) = llm.collective_rpc(_rows_stats)
-        (expected,) = llm.collective_rpc(_expected)
-    finally:
-        close(llm)
-    print(f"\nexpect_prefill async={async_scheduling}: {stats}\n{expected}")
+    got, stats, expected = _serve_expecting(checkpoints["bf16"], "expect_prefill", async_scheduling)
     assert_same_tokens(stock_bf16, got)
     assert stats["mode"] == "deferred" and stats["watchdog_releases"] == 0, stats
     assert expected.pop("runner") and expected.pop("hooks") >= len(WORKLOAD), expected
@@ -288,16 +295,7 @@ def test_expected_decode_ids_keep_the_stock_engines_tokens(
     graph with them while it prepares the inputs. The tokens stay the stock engine's,
     and no expected id differed from the GPU's. Synchronous scheduling waits for every
     step, so there every decode replay is armed early."""
-    llm = _engine(
-        checkpoints["bf16"], "mmap", expect_decode=True, async_scheduling=async_scheduling
-    )
-    try:
-        got = _generate(llm)
-        (stats,) = llm.collective_rpc(_rows_stats)
-        (expected,) = llm.collective_rpc(_expected)
-    finally:
-        close(llm)
-    print(f"\nexpect_decode async={async_scheduling}: {stats}\n{expected}")
+    got, stats, expected = _serve_expecting(checkpoints["bf16"], "expect_decode", async_scheduling)
     assert_same_tokens(stock_bf16, got)
     assert stats["mode"] == "deferred" and stats["watchdog_releases"] == 0, stats
     assert expected.pop("runner") and expected.pop("history"), expected

@@ -701,14 +701,23 @@ def test_capture_checks(capturing: list[bool]) -> None:
     assert not hk.wait_descs
 
 
-def test_replays_keep_two_steps_armed(capturing: list[bool]) -> None:
-    names = ["a", "b"]
+def _captured(
+    names: list[str], sizes: tuple[int, ...], capturing: list[bool]
+) -> tuple[RecordingPlan, PleRunnerHooks, Manager]:
+    """A recording plan of ``names``, its hooks and a manager, a FULL graph of each size
+    captured with rows (two ids a token), the plan's log cleared."""
     plan = RecordingPlan(names)
     hk = PleRunnerHooks(plan, rows_per_token=2)
     mgr = Manager()
-    for size in (2, 4):
+    for size in sizes:
         _capture(hk, mgr, Desc(FULL, size), capturing, lambda s=size: _forward(hk, names, s))
     plan.log.clear()
+    return plan, hk, mgr
+
+
+def test_replays_keep_two_steps_armed(capturing: list[bool]) -> None:
+    names = ["a", "b"]
+    plan, hk, mgr = _captured(names, (2, 4), capturing)
     plan.eager_begins.clear()
     # Async scheduling: the host launches step N+1 before completing step N.
     assert _replay(hk, mgr, Desc(FULL, 2)) == "out2"
@@ -794,12 +803,7 @@ def test_a_full_step_armed_early_replays_without_arming_again(capturing: list[bo
     Not outside a real step, for a graph that waits for no rows, or twice in a step. A
     step armed for one graph that replays another, or none, raises and aborts the plan."""
     names = ["a", "b"]
-    plan = RecordingPlan(names)
-    hk = PleRunnerHooks(plan, rows_per_token=2)
-    mgr = Manager()
-    for size in (2, 4):
-        _capture(hk, mgr, Desc(FULL, size), capturing, lambda s=size: _forward(hk, names, s))
-    plan.log.clear()
+    plan, hk, mgr = _captured(names, (2, 4), capturing)
     want = {"a": np.array([1, 2, -1, 4]), "b": np.array([5, 6, 7, 8])}
     for _ in range(3):
         with hk.step(dummy=False):

@@ -23,6 +23,20 @@ fn contiguous<'a>(
         .map_err(|_| to_pyerr(py, Error::invalid(format!("{what} must be C-contiguous"))))
 }
 
+/// A fresh `int64 [tokens, heads]` array filled by `fill` with the GIL released.
+fn ids_array<'py>(
+    py: Python<'py>,
+    tokens: usize,
+    heads: usize,
+    fill: impl FnOnce(&mut [i64]) -> crate::error::Result<()> + Send,
+) -> PyResult<Bound<'py, PyArray2<i64>>> {
+    let out = PyArray2::<i64>::zeros(py, [tokens, heads], false);
+    write_into(py, &out, |dst| {
+        py.detach(|| fill(dst)).map_err(|e| to_pyerr(py, e))
+    })?;
+    Ok(out)
+}
+
 #[pymethods]
 impl PyNGramHash {
     #[new]
@@ -57,14 +71,8 @@ impl PyNGramHash {
             contiguous(py, &query_start_loc, "query_start_loc")?,
             contiguous(py, &context, "ngram_context")?,
         );
-        let heads = self.inner.heads();
-        let out = PyArray2::<i64>::zeros(py, [t.len(), heads], false);
         let inner = &self.inner;
-        write_into(py, &out, |dst| {
-            py.detach(|| inner.ids(t, q, c, dst))
-                .map_err(|e| to_pyerr(py, e))
-        })?;
-        Ok(out)
+        ids_array(py, t.len(), inner.heads(), |dst| inner.ids(t, q, c, dst))
     }
 
     /// `int64 [requests, heads]`: each request's token at `positions[i]` of `history` row
@@ -85,14 +93,10 @@ impl PyNGramHash {
             contiguous(py, &rows, "rows")?,
             contiguous(py, &positions, "positions")?,
         );
-        let heads = self.inner.heads();
-        let out = PyArray2::<i64>::zeros(py, [r.len(), heads], false);
         let inner = &self.inner;
-        write_into(py, &out, |dst| {
-            py.detach(|| inner.ids_at(hist, width, r, p, dst))
-                .map_err(|e| to_pyerr(py, e))
-        })?;
-        Ok(out)
+        ids_array(py, r.len(), inner.heads(), |dst| {
+            inner.ids_at(hist, width, r, p, dst)
+        })
     }
 }
 
