@@ -341,31 +341,15 @@ class PleRunnerHooks:
                     f"ple-memops: the step was armed for the replay of {armed}, then "
                     f"replayed {desc}"
                 )
-            t0 = time.perf_counter_ns()
-            with self.driver.guard(lambda: f"the replay of {desc}"):
-                out = launch()
-            self.host.add("launch", time.perf_counter_ns() - t0)
-            return out
+            return self._launch(desc, launch)
         if desc not in self._wait_descs:
             return launch()
         self._check_usable()
         entry = self._ids_graphs.get(desc)
         if entry is not None:
             return self._replay_sync(desc, entry, launch)
-        rows = int(desc.num_tokens) * self.rows_per_token
-        # driver.launch(), in its three parts so each is timed on its own: completing the
-        # oldest step when `depth` are armed (a wait for its fill), arming, the launch.
-        t0 = time.perf_counter_ns()
-        with self.driver.guard(lambda: f"completing a step before the replay of {desc}"):
-            self.driver.settle(self.driver.depth - 1)
-        t1 = time.perf_counter_ns()
-        self.driver.arm(rows)
-        t2 = time.perf_counter_ns()
-        self.host.add("wait", t1 - t0)
-        self.host.add("arm", t2 - t1)
-        with self.driver.guard(lambda: f"the replay of {desc}"):
-            out = launch()
-        self.host.add("launch", time.perf_counter_ns() - t2)
+        self._arm(desc, int(desc.num_tokens) * self.rows_per_token)
+        out = self._launch(desc, launch)
         if self.stats_every is not None and not isinstance(self._scope, _Step):
             self.log_stats()  # a replay outside step(): step() checks its own at its end
         return out
@@ -742,16 +726,29 @@ class PleRunnerHooks:
         if padded is None:
             return False
         self._check_usable()
-        t0 = time.perf_counter_ns()
-        with self.driver.guard(lambda: f"completing a step before arming {desc}"):
-            self.driver.settle(self.driver.depth - 1)
-        t1 = time.perf_counter_ns()
-        self.driver.arm(rows, expected=padded)
+        self._arm(desc, rows, padded)
         scope.prearmed = desc
         self.expected_replays += 1
+        return True
+
+    def _arm(self, desc: Any, rows: int, expected: dict[str, Any] | None = None) -> None:
+        """``driver.arm`` in two parts, each timed on its own: completing the oldest step
+        when ``depth`` are armed (a wait for its fill), then arming."""
+        t0 = time.perf_counter_ns()
+        with self.driver.guard(lambda: f"completing a step before the replay of {desc}"):
+            self.driver.settle(self.driver.depth - 1)
+        t1 = time.perf_counter_ns()
+        self.driver.arm(rows, expected=expected)
         self.host.add("wait", t1 - t0)
         self.host.add("arm", time.perf_counter_ns() - t1)
-        return True
+
+    def _launch(self, desc: Any, launch: Callable[[], T]) -> T:
+        """The replay's launch, timed; an exception in it aborts the plan."""
+        t0 = time.perf_counter_ns()
+        with self.driver.guard(lambda: f"the replay of {desc}"):
+            out = launch()
+        self.host.add("launch", time.perf_counter_ns() - t0)
+        return out
 
     def _gather_pending(self, scope: _Step) -> None:
         """A synchronous plan's eager forward: every staged layer's ids to the host in one

@@ -222,7 +222,8 @@ class PrefillExpectations:
             have = self._tokens.get(int(rows[i]))
             if have is not None and int(computed[i]) + int(scheduled[i]) <= have.size:
                 known.append(i)
-        decode = self._decode_rows(rows, scheduled, prefill_len, positions, history, known)
+        hist = None if history is None else history_array(history)
+        decode = self._decode_rows(rows, scheduled, prefill_len, positions, hist, known)
         if not known and decode is None:
             return None
         h = self.ids_per_token
@@ -243,9 +244,9 @@ class PrefillExpectations:
                     a = int(starts[i]) * h
                     flat[a : a + n * h] = ids[done : done + n].reshape(-1)
                     done += n
-            if decode is not None:
+            if decode is not None and hist is not None:
                 which, at_rows, at_positions = decode
-                ids = ids_of.ids_at(history_array(history), at_rows, at_positions)
+                ids = ids_of.ids_at(hist, at_rows, at_positions)
                 flat.reshape(-1, h)[starts[which]] = self._checked(name, ids, which.size)
             out[name] = flat
         self.steps += 1
@@ -277,7 +278,7 @@ class PrefillExpectations:
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)
         if positions.size != rows.size:
             raise InvalidArgumentError(f"{positions.size} positions for {rows.size} rows")
-        n_rows, width = history_array(history).shape
+        n_rows, width = history.shape
         cand = (scheduled == 1) & (positions >= prefill_len) & (positions < width)
         cand &= (rows >= 0) & (rows < n_rows)
         cand[known] = False
