@@ -455,12 +455,13 @@ def check_delivery_stats(ckpt: Path) -> bool:
     costs = (
         "; host us per engine step over 400: total p50 41.2 p99 95.0, step p50 6.1 p99 9.0, "
         "arm p50 20.3 p99 40.2, wait p50 0.4 p99 30.1, check p50 3.0 p99 5.2, stats p50 0.2 "
-        "p99 0.5; graph launch p50 12.0 p99 20.1; GPU stall per step: layers.0 400 steps, 40 "
-        "stalled; us p50 0.0 p90 2.1 p99 61.0 max 90.2 mean 1.20; layers.6 400 steps, 0 "
-        "stalled; us p50 0.0 p90 0.0 p99 0.0 max 0.5 mean 0.01"
+        "p99 0.5; graph launch p50 12.0 p99 20.1, results wait p50 9.0 p99 30.0; GPU stall per "
+        "step: layers.0 400 steps, 40 stalled; us p50 0.0 p90 2.1 p99 61.0 max 90.2 mean 1.20; "
+        "layers.6 400 steps, 0 stalled; us p50 0.0 p90 0.0 p99 0.0 max 0.5 mean 0.01"
     )
     three = delivery_stats("\n".join([gpu_like + costs] * 3))
     good &= three.get("host_us", {}).get("launch") == 12.0
+    good &= three.get("host_us", {}).get("results_p99") == 30.0
     good &= three.get("host_us", {}).get("arm") == 20.3 and three.get("stall", {}).get(
         "layers.0", {}
     ) == {"steps": 800, "stalled_pct": 10.0, "p50_us": 0.0, "p99_us": 61.0, "max_us": 90.2,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 from pathlib import Path
@@ -41,12 +42,14 @@ _LAYER_STATS = re.compile(
 
 # "host us per engine step over 812: total p50 41.2 p99 95.0, step p50 6.1 p99 9.0, arm p50
 # 20.3 p99 40.2, wait p50 0.4 p99 30.1, check p50 3.0 p99 5.2, stats p50 0.2 p99 0.5, expect
-# p50 30.1 p99 50.2; graph launch p50 12.0 p99 20.1" (older wheels: no expect, no launch)
+# p50 30.1 p99 50.2; graph launch p50 12.0 p99 20.1, results wait p50 21.0 p99 900.3" (older
+# wheels: no results wait, no expect, no launch)
 _HOST = re.compile(
     r"host us per engine step over (\d+): total p50 ([\d.]+) p99 ([\d.]+), "
     r"step p50 ([\d.]+) p99 [\d.]+, arm p50 ([\d.]+) p99 [\d.]+, "
     r"wait p50 ([\d.]+) p99 ([\d.]+), check p50 ([\d.]+) p99 [\d.]+, stats p50 ([\d.]+)"
     r"(?: p99 [\d.]+)?(?:, expect p50 ([\d.]+) p99 [\d.]+)?(?:; graph launch p50 ([\d.]+))?"
+    r"(?: p99 [\d.]+, results wait p50 ([\d.]+) p99 ([\d.]+))?"
 )
 # "GPU stall per step: layers.0 812 steps, 40 stalled; us p50 0.0 p90 2.1 p99 61.0 max 90.2
 # mean 1.20; layers.6 ..."
@@ -66,7 +69,7 @@ _BY_SIZE = re.compile(r"span p50 by size: ((?:\d+ x\d+ [\d.]+(?:, )?)+)")
 _SIZE = re.compile(r"(\d+) x(\d+) ([\d.]+)")
 HOST_FIELDS = (
     "total_p50", "total_p99", "step", "arm", "wait", "wait_p99", "check", "stats", "expect",
-    "launch",
+    "launch", "results", "results_p99",
 )  # fmt: skip
 
 
@@ -251,7 +254,9 @@ def summarize(
                 }
             hosts = [r["host_us"] for r in good if r.get("host_us")]
             if hosts:
-                s["host_us"] = {f: statistics.median(h[f] for h in hosts) for f in HOST_FIELDS}
+                s["host_us"] = {
+                    f: statistics.median(h.get(f, math.nan) for h in hosts) for f in HOST_FIELDS
+                }
             graphs = [r["graphs"] for r in good if r.get("graphs")]
             if graphs:
                 s["graphs"] = {
@@ -346,7 +351,10 @@ def breakdown_markdown(
         "median [min, max] over the repeats). GPU busy: nvidia-smi's utilization.gpu over "
         "the load, @ its SM clock's median. GPU stall: the first PLE layer's consumer "
         "waiting for its rows, from the GPU's clock (steps stalled > 1 us, p50 / p99 / "
-        "mean us). Host: our code per engine step, p50 us (total / arm / wait / check). "
+        "mean us). Host: our code per engine step, p50 us (total / p99; arm, wait, check, "
+        "expect), then the engine's: its graph launch and its wait for a step's results "
+        "(vLLM's get_output under async scheduling: its copy's cost alone where the host paces "
+        "the engine, a GPU stall then off its critical path). "
         "Graphs (--time-graphs): a FULL replay's span on the GPU and the device's time "
         "between a graph's end and the next one's start, p50 us (two CUDA events a replay). "
         "CPU: cores the server's threads kept busy over the load (/proc: all of them, ours "
@@ -355,7 +363,8 @@ def breakdown_markdown(
         f"| load | backend | runs | ITL p50 ms | ITL p50 vs {ref} | tok/s vs {ref} "
         "| GPU busy @ SM clock "
         "| GPU stall: stalled, p50 / p99 / mean us | host us: total p50 / p99; arm, wait, "
-        "check, expect; graph launch | graphs on the GPU: span p50 / outside p50 us "
+        "check, expect; graph launch; results wait p50 / p99 "
+        "| graphs on the GPU: span p50 / outside p50 us "
         "| CPU cores: all / ours; busiest other thread |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -384,7 +393,9 @@ def breakdown_markdown(
         if h:
             host = (
                 f"{h['total_p50']:.0f} / {h['total_p99']:.0f}; {h['arm']:.0f}, {h['wait']:.0f}, "
-                f"{h['check']:.0f}, {_f(_num(h.get('expect')), 0)}; {_f(_num(h.get('launch')), 0)}"
+                f"{h['check']:.0f}, {_f(_num(h.get('expect')), 0)}; "
+                f"{_f(_num(h.get('launch')), 0)}; {_f(_num(h.get('results')), 0)} / "
+                f"{_f(_num(h.get('results_p99')), 0)}"
             )
         g = s.get("graphs")
         graphs = "-"

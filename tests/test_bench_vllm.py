@@ -325,7 +325,8 @@ def test_delivery_stats_read_the_expected_steps_of_each_layer() -> None:
 
 def test_cost_stats_read_the_host_time_with_and_without_expect() -> None:
     """The host-time part of a stats line, of this wheel (``expect`` between ``stats`` and
-    the graph launch) and of older ones (no ``expect``; no launch either)."""
+    the graph launch, the results' wait after it) and of older ones (no results' wait; no
+    ``expect``; no launch either)."""
     from vllm_report import cost_stats
 
     base = (
@@ -333,10 +334,26 @@ def test_cost_stats_read_the_host_time_with_and_without_expect() -> None:
         "arm p50 20.3 p99 40.2, wait p50 0.4 p99 30.1, check p50 3.0 p99 5.2, stats p50 0.2 "
         "p99 0.5"
     )
-    new = cost_stats([base + ", expect p50 31.5 p99 50.0; graph launch p50 12.0 p99 20.1"])
+    launch = "; graph launch p50 12.0 p99 20.1"
+    results = ", results wait p50 18.5 p99 4005.0"
+    new = cost_stats([base + ", expect p50 31.5 p99 50.0" + launch + results])
     assert new["host_us"]["expect"] == 31.5 and new["host_us"]["launch"] == 12.0
     assert new["host_us"]["arm"] == 20.3 and new["host_us"]["total_p50"] == 41.2
-    old = cost_stats([base + "; graph launch p50 12.0 p99 20.1"])["host_us"]
+    assert new["host_us"]["results"] == 18.5 and new["host_us"]["results_p99"] == 4005.0
+    # Step-weighted over the lines, as every field.
+    two = cost_stats(
+        [
+            base + ", expect p50 31.5 p99 50.0" + launch + results,
+            base.replace("over 400", "over 100")
+            + ", expect p50 31.5 p99 50.0"
+            + launch
+            + ", results wait p50 8.5 p99 5.0",
+        ]
+    )["host_us"]
+    assert two["results"] == (400 * 18.5 + 100 * 8.5) / 500
+    before = cost_stats([base + ", expect p50 31.5 p99 50.0" + launch])["host_us"]
+    assert before["expect"] == 31.5 and before["results"] != before["results"]
+    old = cost_stats([base + launch])["host_us"]
     assert old["launch"] == 12.0 and old["expect"] != old["expect"]  # NaN: not in the line
     older = cost_stats([base])["host_us"]
     assert older["stats"] == 0.2 and older["launch"] != older["launch"]

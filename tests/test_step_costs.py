@@ -75,14 +75,17 @@ def test_host_time_per_step_by_hook() -> None:
     t = threading.Thread(target=h.add, args=("check", 2500))
     t.start()
     t.join()
-    # The graph's launch is counted apart, not in our total.
+    # The graph's launch and the wait for a step's results are the engine's: counted
+    # apart, not in our total.
     h.add("launch", 9000)
+    h.add("results", 450_000)
     h.end_step()
     line = h.summary()
     assert line.startswith("host us per engine step over 1: total p50 2.5 p99 2.5")
     assert "check p50 2.5 p99 2.5" in line and "arm p50 0.0" in line
     assert line.endswith(
-        "stats p50 0.0 p99 0.0, expect p50 0.0 p99 0.0; graph launch p50 9.0 p99 9.0"
+        "stats p50 0.0 p99 0.0, expect p50 0.0 p99 0.0; graph launch p50 9.0 p99 9.0, "
+        "results wait p50 450.0 p99 450.0"
     )
     with pytest.raises(KeyError):
         h.add("sleep", 1)

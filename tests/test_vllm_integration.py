@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,6 +35,7 @@ import vllm_stand_in as stand_in  # noqa: E402
 from qwen4exp_ngram import NGramHasher, NGramLayout, _is_prime  # noqa: E402
 from safetensors.torch import save_file as save_torch  # noqa: E402
 
+from ple_memops.step_costs import HOST_KINDS  # noqa: E402
 from ple_memops.vllm import hooks, ops, settings  # noqa: E402
 from ple_memops.vllm.__main__ import main as cli  # noqa: E402
 from ple_memops.vllm.hooks import PleRunnerHooks, deferrable  # noqa: E402
@@ -460,6 +462,10 @@ class RecordingPlan:
     @property
     def in_flight(self) -> int:
         return len(self.armed)
+
+    @property
+    def poison_cause(self) -> str | None:
+        return self.poisoned
 
     def _live(self) -> None:
         if self.poisoned is not None:
@@ -956,6 +962,31 @@ def test_stand_in_eager_on_the_host(stand_in_ckpt: tuple[Path, dict[str, np.ndar
         assert r.check_ring(0, tables) == 2 * 8
     finally:
         r.shutdown()
+
+
+def test_a_steps_output_is_checked_and_the_engines_wait_for_it_timed() -> None:
+    """``hand_out`` (async scheduling's ``get_output``): the engine's time in it is
+    counted as ``results``, apart from our host time; a step whose rows failed is never
+    handed out."""
+    plan = RecordingPlan(["a"])
+    hk = PleRunnerHooks(plan, rows_per_token=2)
+    calls: list[int] = []
+
+    def get_output() -> str:
+        calls.append(1)
+        time.sleep(0.003)  # the step still running on the GPU
+        return "tokens"
+
+    assert hk.hand_out(get_output) == "tokens"
+    hk.host.end_step()
+    (step,) = hk.host.take()
+    assert step["results"] >= 3_000_000
+    assert sum(step[k] for k in HOST_KINDS) < 3_000_000  # not ours: the check alone
+    assert step["check"] > 0
+    plan.abort("a fill failed")
+    with pytest.raises(PoisonedError, match="a fill failed"):
+        hk.hand_out(get_output)
+    assert len(calls) == 2  # the output was waited for, then withheld
 
 
 def test_stats_lines_every_interval(

@@ -92,10 +92,17 @@ oldest step when ``depth`` are armed: a wait for a fill), ``check`` (the failure
 before a step's output is handed out), ``stats`` (the stats line), ``expect`` (computing
 the ids the host expects the step to publish: ``expect_prefill``, ``expect_decode``)."""
 
-ENGINE_KINDS = ("launch",)
+ENGINE_KINDS = ("launch", "results")
 """The engine's own host time that :class:`HostTime` counts beside ours, outside its
 ``total``: ``launch`` (the FULL graph's launch call, which the driver's work for the
-graph's nodes makes longer or shorter)."""
+graph's nodes makes longer or shorter) and ``results`` (the engine's thread handed a
+step's results under async scheduling: vLLM's ``get_output``, which waits for the step
+to finish on the GPU and copies its tokens out; near its copy's cost when the host paces
+the engine, the GPU's remaining time for the step when the GPU does). Where ``results``
+waits, a step's GPU time (a stall for rows among it) is on the engine's critical path;
+where it does not, the GPU's work hides behind the host's and only host time counts."""
+
+_ENGINE_LABELS = {"launch": "graph launch", "results": "results wait"}
 
 _KINDS = HOST_KINDS + ENGINE_KINDS
 
@@ -136,8 +143,9 @@ class HostTime:
 
     def summary(self) -> str:
         """``host us per engine step over N: total p50 a p99 b, step ..., arm ..., ...;
-        graph launch p50 c p99 d``, drained (the stats line's part). ``total`` is ours
-        (:data:`HOST_KINDS`); the launch is the engine's, apart."""
+        graph launch p50 c p99 d, results wait p50 e p99 f``, drained (the stats line's
+        part). ``total`` is ours (:data:`HOST_KINDS`); the launch and the results' wait
+        are the engine's (:data:`ENGINE_KINDS`), apart."""
         steps = self.take()
         if not steps:
             return "host us per engine step: no steps"
@@ -148,8 +156,8 @@ class HostTime:
 
         ours = [pct("total", [sum(s[k] for k in HOST_KINDS) for s in steps])]
         ours += [pct(k, [s[k] for s in steps]) for k in HOST_KINDS]
-        launch = pct("graph launch", [s["launch"] for s in steps])
-        return f"host us per engine step over {len(steps)}: {', '.join(ours)}; {launch}"
+        engine = [pct(_ENGINE_LABELS[k], [s[k] for s in steps]) for k in ENGINE_KINDS]
+        return f"host us per engine step over {len(steps)}: {', '.join(ours)}; {', '.join(engine)}"
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,11 @@
 #   PART=decode  gpu, mmap, mmap-decode (expect_decode: a decode graph's rows gathered while
 #                the host prepares it), mmap-b (A against A); paired against gpu, every mmap
 #                server with the GPU stall timing (~8 min on a fresh host)
+#   PART=results mmap, mmap-decode, mmap-b (A against A) at c1, c8 and c64 with the graphs'
+#                clock: whether the engine's thread waits for a step's results (the
+#                stats line's "results wait"), so whether a GPU stall is on the critical
+#                path at each load, and our host time with expect_decode's ids counted
+#                (~8 min on a fresh host)
 #
 # The two server sets cannot share the GPU: three GPU-table servers hold 3 x 37 GiB.
 set -uo pipefail
@@ -27,7 +32,7 @@ R=$PWD
 MODEL=(--layers 24 --ple-layers 1 --table-gib 24 --dtype bf16)
 LOAD=(--kv-cache-gib 6 --concurrency 64 --requests 256 --mixed-long 0 --repeats "${REPEATS:-5}"
       --start-timeout 300 --load-timeout 60)
-case "${PART:?PART=checks|gpu|mmap|decode}" in
+case "${PART:?PART=checks|gpu|mmap|decode|results}" in
 checks)
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
     (cd /tmp && timeout 300 python3 -m pytest "$R/tests/test_stall_gpu.py" \
@@ -47,6 +52,13 @@ gpu)
 decode)
     DEADLINE=${DEADLINE:-470} TAG=ladder_decode BENCH_ARGS="${MODEL[*]} ${LOAD[*]} \
         --backends gpu,mmap,mmap-decode,mmap-b --ref gpu --time-stalls" bash scripts/gpu/vllm_bench.sh
+    ;;
+results)
+    # Decode loads only, each concurrency's default request count (max(8, 6c)).
+    DEADLINE=${DEADLINE:-470} TAG=ladder_results BENCH_ARGS="${MODEL[*]} --kv-cache-gib 6 \
+        --concurrency 1,8,64 --mixed-long 0 --repeats ${REPEATS:-5} --start-timeout 300 \
+        --load-timeout 60 --backends mmap,mmap-decode,mmap-b --ref mmap --time-graphs" \
+        bash scripts/gpu/vllm_bench.sh
     ;;
 mmap)
     DEADLINE=${DEADLINE:-330} TAG=ladder_mmap BENCH_ARGS="${MODEL[*]} ${LOAD[*]} \

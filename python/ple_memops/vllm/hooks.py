@@ -519,6 +519,17 @@ class PleRunnerHooks:
         finally:
             self.host.add("check", time.perf_counter_ns() - t0)
 
+    def hand_out(self, get_output: Callable[[], T]) -> T:
+        """A step's output under async scheduling, as the engine takes it: vLLM's
+        ``get_output()`` (which waits for the step on the GPU), its time on the engine's
+        thread counted as ``results`` (the engine's, not ours: see
+        :data:`~ple_memops.step_costs.ENGINE_KINDS`), then :meth:`raise_if_failed`."""
+        t0 = time.perf_counter_ns()
+        result = get_output()
+        self.host.add("results", time.perf_counter_ns() - t0)
+        self.raise_if_failed()
+        return result
+
     def drain_for_shutdown(self) -> None:
         """Complete pending steps (bounded; a failure is logged and aborts the plan, so
         no captured wait can hold the device): before the engine synchronises the device

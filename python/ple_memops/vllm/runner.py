@@ -564,12 +564,8 @@ class PleGPUModelRunner(_BaseRunner):
             hooks.raise_if_failed()  # synchronous scheduling: the step is done on the GPU
             return out
 
-        def checked_output() -> Any:
-            result = get_output()  # waits for the step's results on the GPU
-            hooks.raise_if_failed()
-            return result
-
-        out.get_output = checked_output  # async scheduling: checked when handed out
+        # Async scheduling: checked when handed out, the engine's wait for it timed.
+        out.get_output = lambda: hooks.hand_out(get_output)
         return out
 
     def capture_model(self, *args: Any, **kwargs: Any) -> int:
