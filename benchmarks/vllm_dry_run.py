@@ -489,7 +489,8 @@ class _StampedEvent:
 def check_graph_lines() -> bool:
     """``graph_stats`` reads the ``ple-memops graphs`` lines the plugin's graph manager
     writes (``GraphTimesLog``, over a fake stream: graphs of 100 then 300 us, 20 us
-    apart, of batch sizes 1 and 2), the first line of a load dropped."""
+    apart, of batch sizes 1 and 2, a step's results waited for once a line), the first
+    line of a load dropped."""
     from ple_memops.step_costs import GraphClock
     from ple_memops.vllm.runner import GraphTimesLog
 
@@ -504,6 +505,7 @@ def check_graph_lines() -> bool:
 
             timer.around(graph, key=1 if span < 200 else 2)  # the graph's batch size
             now[0] += 20.0
+        timer.clock.results(lambda: None)()  # the engine's wait for a step's results
         lines.append(timer.log())
     got = graph_stats("\n".join(f"INFO x {ln}" for ln in lines))
     g = got.get("graphs", {})
@@ -513,6 +515,8 @@ def check_graph_lines() -> bool:
         and abs(g.get("span_p50_us", 0) - 700 / 3) < 1e-6
         and abs(g.get("outside_p50_us", 0) - 20.0) < 1e-6
         and g.get("by_size") == {1: [4, 100.0], 2: [8, 300.0]}
+        and g.get("launch_host_p50_us") is not None
+        and g.get("results_p99_us") is not None
     )
     log(f"graph lines: {'parsed' if good else 'NOT parsed'} ({lines[1]!r} -> {got})")
     return good

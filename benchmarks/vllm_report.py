@@ -64,6 +64,17 @@ _GRAPHS = re.compile(
     r"p99 ([\d.]+)(?:; period p50 ([\d.]+); outside the graph p50 (-?[\d.]+))?"
 )
 GRAPH_FIELDS = ("span_p50_us", "span_p99_us", "period_p50_us", "outside_p50_us")
+# "...; host launch us p50 80.1 p99 140.2; results wait us p50 20.3 p99 3900.0" (the host's
+# side of the same line: the launch call, and the engine's wait for a step's results)
+_GRAPH_HOST = {
+    ("launch_host_p50_us", "launch_host_p99_us"): re.compile(
+        r"; host launch us p50 ([\d.]+) p99 ([\d.]+)"
+    ),
+    ("results_p50_us", "results_p99_us"): re.compile(
+        r"; results wait us p50 ([\d.]+) p99 ([\d.]+)"
+    ),
+}
+GRAPH_HOST_FIELDS = tuple(f for pair in _GRAPH_HOST for f in pair)
 # "...; span p50 by size: 16 x120 4950.1, 24 x80 5101.2" (each FULL graph's batch size)
 _BY_SIZE = re.compile(r"span p50 by size: ((?:\d+ x\d+ [\d.]+(?:, )?)+)")
 _SIZE = re.compile(r"(\d+) x(\d+) ([\d.]+)")
@@ -132,6 +143,11 @@ def graph_stats(text: str) -> dict[str, Any]:
         got = [(int(m.group(1)), float(m.group(i))) for m in found if m.group(i) is not None]
         k = sum(c for c, _ in got)
         out[f] = sum(c * x for c, x in got) / k if k else None
+    for fields, pattern in _GRAPH_HOST.items():
+        host = [(int(m.group(1)), h) for ln, m in matched if (h := pattern.search(ln))]
+        k = sum(c for c, _ in host)
+        for i, f in enumerate(fields, start=1):
+            out[f] = sum(c * float(h.group(i)) for c, h in host) / k if k else None
     sizes: dict[int, list[tuple[int, float]]] = {}
     for ln in lines:
         for size, got in sizes_of(ln).items():
@@ -260,7 +276,8 @@ def summarize(
             graphs = [r["graphs"] for r in good if r.get("graphs")]
             if graphs:
                 s["graphs"] = {
-                    f: _median_of([g.get(f) for g in graphs]) for f in ("launches", *GRAPH_FIELDS)
+                    f: _median_of([g.get(f) for g in graphs])
+                    for f in ("launches", *GRAPH_FIELDS, *GRAPH_HOST_FIELDS)
                 }
                 # Keyed by batch size; a run's JSON read back has the sizes as strings.
                 by = [{int(k): v for k, v in g["by_size"].items()}
@@ -355,7 +372,8 @@ def breakdown_markdown(
         "expect), then the engine's: its graph launch and its wait for a step's results "
         "(vLLM's get_output under async scheduling: its copy's cost alone where the host paces "
         "the engine, a GPU stall then off its critical path). "
-        "Graphs (--time-graphs): a FULL replay's span on the GPU and the device's time "
+        "Graphs (--time-graphs, any plugin server, the GPU table's too): a FULL replay's "
+        "span on the GPU and the device's time "
         "between a graph's end and the next one's start, p50 us (two CUDA events a replay). "
         "CPU: cores the server's threads kept busy over the load (/proc: all of them, ours "
         "(`ple-*`), the busiest other thread).",
@@ -364,7 +382,8 @@ def breakdown_markdown(
         "| GPU busy @ SM clock "
         "| GPU stall: stalled, p50 / p99 / mean us | host us: total p50 / p99; arm, wait, "
         "check, expect; graph launch; results wait p50 / p99 "
-        "| graphs on the GPU: span p50 / outside p50 us "
+        "| graphs on the GPU: span p50 / outside p50 us; host launch p50; results wait "
+        "p50 / p99 "
         "| CPU cores: all / ours; busiest other thread |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -401,6 +420,11 @@ def breakdown_markdown(
         graphs = "-"
         if g and g.get("span_p50_us") is not None:
             graphs = f"{g['span_p50_us']:,.1f} / {_f(g.get('outside_p50_us'), 1)}"
+            if g.get("launch_host_p50_us") is not None:
+                graphs += (
+                    f"; {_f(g.get('launch_host_p50_us'), 0)}; "
+                    f"{_f(g.get('results_p50_us'), 0)} / {_f(g.get('results_p99_us'), 0)}"
+                )
         cpu = "-"
         if s.get("cpu_cores") is not None:
             top = s.get("cpu_top")

@@ -483,6 +483,38 @@ def test_the_report_compares_graph_spans_at_equal_batch_sizes(fake_stream: Any) 
     assert sizes_markdown(one_size, "gpu-plugin") == ""
 
 
+def test_graph_lines_give_the_host_launch_and_the_wait_for_results(fake_stream: Any) -> None:
+    """The host's side of a graph line (the launch call, the engine's wait for a step's
+    results) as ``GraphClock`` writes it, launch-weighted over a load's lines (the first
+    dropped), and absent in the lines of older wheels."""
+    from vllm_report import graph_stats
+
+    from ple_memops.step_costs import GraphClock
+
+    clock = GraphClock(event=fake_stream.event)
+    clock.around(lambda: None)
+    clock.results(lambda: None)()
+    times = clock.summary()
+    assert times is not None
+    text = f"INFO ple-memops graphs, last 0.5 s: {times.text()}"
+    assert "; host launch us p50 " in text and "; results wait us p50 " in text
+    head = "INFO ple-memops graphs, last 0.5 s: {} graphs on the GPU: span us p50 5000.0 p99 6000.0"
+    lines = [
+        head.format(10) + "; host launch us p50 999.0 p99 999.0",  # dropped: the first
+        head.format(30) + "; host launch us p50 80.0 p99 100.0; results wait us p50 20.0 p99 900.0",
+        head.format(10) + "; host launch us p50 120.0 p99 300.0; results wait us p50 4000.0 "
+        "p99 4100.0; span p50 by size: 64 x10 5000.0",
+    ]
+    g = graph_stats("\n".join(lines))["graphs"]
+    assert g["launches"] == 40 and g["launch_host_p50_us"] == (30 * 80 + 10 * 120) / 40
+    assert g["launch_host_p99_us"] == (30 * 100 + 10 * 300) / 40
+    assert g["results_p50_us"] == (30 * 20 + 10 * 4000) / 40
+    assert g["results_p99_us"] == (30 * 900 + 10 * 4100) / 40
+    old = graph_stats("\n".join([head.format(1), head.format(5)]))["graphs"]
+    assert old["launches"] == 5 and old["results_p50_us"] is None
+    assert old["launch_host_p50_us"] is None
+
+
 def test_the_sm_clock_is_sampled_and_shown_beside_gpu_busy() -> None:
     """nvidia-smi's samples (busy %, SM MHz, watts; ``[N/A]`` where it has no value) give
     each load the busy mean, the clock's median and lowest sample and the power's median,

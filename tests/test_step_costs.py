@@ -6,6 +6,7 @@ events a fake GPU stamps (its CUDA side runs in ``test_stall_gpu.py`` too)."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -212,3 +213,25 @@ def test_graph_clock_gives_each_keys_span(fake_stream: Any) -> None:
     clock.around(lambda: None)
     s = clock.summary()
     assert s is not None and s.by_key == () and "by size" not in s.text()
+
+
+def test_graph_clock_times_the_launch_call_and_the_wait_for_results(fake_stream: Any) -> None:
+    """On the host's side: each launch call's own time (not its events' records), and
+    the engine's wait for a step's results through :meth:`GraphClock.results`; both
+    drained by the summary, ``None`` where nothing was timed."""
+    gpu = fake_stream
+    clock = GraphClock(event=gpu.event)
+    for ms in (1, 3):
+        clock.around(lambda ms=ms: time.sleep(ms / 1e3))
+    get = clock.results(lambda: (time.sleep(0.004), "tokens")[1])
+    assert get() == "tokens"
+    s = clock.summary()
+    assert s is not None and s.launch_host_us is not None and s.results_us is not None
+    assert 1_000 <= s.launch_host_us[0] < 3_000 <= s.launch_host_us[1]
+    assert s.results_us[0] == s.results_us[1] >= 4_000
+    assert "; host launch us p50 " in s.text() and "; results wait us p50 " in s.text()
+    # Drained with the launches: the next interval's own, none without a wait.
+    clock.around(lambda: None)
+    s = clock.summary()
+    assert s is not None and s.launch_host_us is not None and s.launch_host_us[0] < 1_000
+    assert s.results_us is None and "results wait" not in s.text()

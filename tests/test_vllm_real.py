@@ -287,6 +287,57 @@ def test_time_graphs_times_every_full_replay_armed_or_not(
     assert times is not None and times.launches == 1 and times.span_p50_us == 100.0
 
 
+def test_the_runner_times_the_engines_wait_for_a_steps_results(
+    monkeypatch: pytest.MonkeyPatch, fake_stream: Any
+) -> None:
+    """Under async scheduling the runner's output is handed out later (vLLM's
+    ``get_output``): with ``time_graphs`` its wait is timed on the graphs' clock, the GPU
+    table's engine (no rows hooks) too; with rows hooks it is checked before it is handed
+    out; with neither the output is vLLM's, untouched."""
+    import time
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu import model_runner as vllm_model_runner
+
+    from ple_memops.step_costs import GraphClock
+    from ple_memops.vllm.runner import GraphTimesLog, PleGPUModelRunner
+
+    class Output:  # vLLM's AsyncOutput: the step still runs on the GPU
+        def get_output(self) -> str:
+            time.sleep(0.003)
+            return "tokens"
+
+    monkeypatch.setattr(
+        vllm_model_runner.GPUModelRunner, "sample_tokens", lambda self, *a, **k: Output()
+    )
+    runner = object.__new__(PleGPUModelRunner)
+    clock = GraphClock(event=fake_stream.event)
+    runner.cudagraph_manager = SimpleNamespace(ple_clock=GraphTimesLog(3600.0, clock))
+    assert runner.sample_tokens(None).get_output() == "tokens"
+    clock.around(lambda: None)
+    times = clock.summary()
+    assert times is not None and times.results_us is not None
+    assert times.results_us[0] >= 3_000
+    # Rows hooks as well: timed, then checked, then handed out.
+    handed: list[str] = []
+
+    def hand_out(get: Any) -> Any:
+        out = get()
+        handed.append(out)
+        return out
+
+    runner.ple_rows = SimpleNamespace(hand_out=hand_out)  # type: ignore[assignment]
+    assert runner.sample_tokens(None).get_output() == "tokens" and handed == ["tokens"]
+    clock.around(lambda: None)
+    times = clock.summary()
+    assert times is not None and times.results_us is not None
+    # Neither: vLLM's own output.
+    runner.ple_rows = None
+    runner.cudagraph_manager = SimpleNamespace(ple_clock=None)
+    out = runner.sample_tokens(None)
+    assert type(out) is Output and "get_output" not in vars(out)
+
+
 def test_forcing_the_fallback_on_some_ranks() -> None:
     """The test switch that makes a plan synchronous: on every rank, or only on the
     listed world ranks (the one-rank fault of a tensor-parallel engine)."""

@@ -181,11 +181,18 @@ class GraphTimes:
     """``(key, launches, span p50 us)`` of each key the launches were timed with (a FULL
     graph's batch size), most launches first; empty when none was given. A p50 over a
     load whose batches vary mixes graph sizes; two servers compare at equal keys."""
+    launch_host_us: tuple[float, float] | None = None
+    """``(p50, p99)`` of the launch call itself on the host (the engine's thread in
+    ``cudaGraphLaunch`` and what wraps it), over every launch timed in the interval."""
+    results_us: tuple[float, float] | None = None
+    """``(p50, p99)`` of the engine's wait for a step's results (:meth:`GraphClock.results`:
+    vLLM's ``get_output`` under async scheduling), ``None`` where none was handed out."""
 
     def text(self) -> str:
         """``N graphs on the GPU: span us p50 a p99 b; period p50 c; outside the graph p50
-        d``, then ``; span p50 by size: k xn s, ...`` when the launches had keys (the line
-        :class:`GraphClock` users log)."""
+        d``, then ``; host launch us p50 e p99 f``, ``; results wait us p50 g p99 h`` and
+        ``; span p50 by size: k xn s, ...`` where measured (the line :class:`GraphClock`
+        users log)."""
         out = (
             f"{self.launches} graphs on the GPU: span us p50 {self.span_p50_us:.1f} "
             f"p99 {self.span_p99_us:.1f}"
@@ -196,6 +203,12 @@ class GraphTimes:
                 f"{self.outside_p50_us:.1f}"
             )
         out += f"; {self.dropped} dropped" if self.dropped else ""
+        if self.launch_host_us is not None:
+            p50, p99 = self.launch_host_us
+            out += f"; host launch us p50 {p50:.1f} p99 {p99:.1f}"
+        if self.results_us is not None:
+            p50, p99 = self.results_us
+            out += f"; results wait us p50 {p50:.1f} p99 {p99:.1f}"
         if self.by_key:
             sizes = ", ".join(f"{k} x{n} {p50:.1f}" for k, n, p50 in self.by_key)
             out += f"; span p50 by size: {sizes}"
@@ -214,7 +227,12 @@ class GraphClock:
     :meth:`take` reads the launches the GPU has finished, oldest first, and recycles their
     events (never blocks). At most ``window`` launches wait unread; beyond it the oldest
     are dropped and counted. ``event`` makes one timing event (default: torch's CUDA
-    event; tests pass their own)."""
+    event; tests pass their own).
+
+    On the host's side, :meth:`around` also times the launch call itself, and
+    :meth:`results` times the engine's wait for a step's results: :meth:`summary` gives
+    both (the last ``window`` of each), so an engine with its tables on the GPU and one
+    with deferred rows compare there too, not only on the GPU."""
 
     def __init__(self, window: int = 4096, event: Callable[[], Any] | None = None) -> None:
         if window < 2:
@@ -228,6 +246,8 @@ class GraphClock:
         self._last_start: Any = None
         """The start event of the last launch read (the next period's other end)."""
         self._last_span = 0.0
+        self._launch_ns: deque[int] = deque(maxlen=self._window)
+        self._results_ns: deque[int] = deque(maxlen=self._window)
 
     def _new(self) -> Any:
         return self._spare.pop() if self._spare else self._event()
@@ -242,11 +262,28 @@ class GraphClock:
                 self._dropped += 1
                 self._last_start = None
         start.record(stream)  # None: the current stream
+        t0 = time.perf_counter_ns()
         out = launch()
+        ns = time.perf_counter_ns() - t0
         end.record(stream)
         with self._lock:
             self._pending.append((start, end, key))
+            self._launch_ns.append(ns)
         return out
+
+    def results(self, get: Callable[[], T]) -> Callable[[], T]:
+        """``get`` (a step's results, e.g. vLLM's ``get_output``), timed when called: the
+        engine's wait for the step on the GPU, in :meth:`summary`'s ``results_us``."""
+
+        def timed() -> T:
+            t0 = time.perf_counter_ns()
+            out = get()
+            ns = time.perf_counter_ns() - t0
+            with self._lock:
+                self._results_ns.append(ns)
+            return out
+
+        return timed
 
     def take(self) -> list[tuple[float, float | None]]:
         """``(span_us, period_us)`` of every launch the GPU has finished since the last
@@ -279,6 +316,9 @@ class GraphClock:
         got = self._take()
         with self._lock:
             dropped, self._dropped = self._dropped, 0
+            launch_ns, results_ns = list(self._launch_ns), list(self._results_ns)
+            self._launch_ns.clear()
+            self._results_ns.clear()
         if not got:
             return None
         spans = sorted(s for s, _, _, _ in got)
@@ -300,7 +340,16 @@ class GraphClock:
             outside_p50_us=percentile(outside, 50) if outside else None,
             dropped=dropped,
             by_key=by_key,
+            launch_host_us=_p50_p99_us(launch_ns),
+            results_us=_p50_p99_us(results_ns),
         )
+
+
+def _p50_p99_us(ns: list[int]) -> tuple[float, float] | None:
+    if not ns:
+        return None
+    us = sorted(x / 1e3 for x in ns)
+    return percentile(us, 50), percentile(us, 99)
 
 
 def _cuda_timing_event() -> Any:

@@ -16,11 +16,12 @@
 #   PART=decode  gpu, mmap, mmap-decode (expect_decode: a decode graph's rows gathered while
 #                the host prepares it), mmap-b (A against A); paired against gpu, every mmap
 #                server with the GPU stall timing (~8 min on a fresh host)
-#   PART=results mmap, mmap-decode, mmap-b (A against A) at c1, c8 and c64 with the graphs'
-#                clock: whether the engine's thread waits for a step's results (the
-#                stats line's "results wait"), so whether a GPU stall is on the critical
-#                path at each load, and our host time with expect_decode's ids counted
-#                (~8 min on a fresh host)
+#   PART=results gpu-plugin (the GPU table, the plugin installed), mmap, mmap-decode,
+#                mmap-b (A against A) at c1, c8 and c64, every server with the graphs'
+#                clock: whether the engine's thread waits for a step's results ("results
+#                wait"), so whether a GPU stall is on the critical path at each load; the
+#                launch call's host time beside the GPU table's; our host time with
+#                expect_decode's ids counted; paired against gpu-plugin (~8 min)
 #
 # The two server sets cannot share the GPU: three GPU-table servers hold 3 x 37 GiB.
 set -uo pipefail
@@ -55,10 +56,10 @@ decode)
     ;;
 results)
     # Decode loads only, each concurrency's default request count (max(8, 6c)).
-    DEADLINE=${DEADLINE:-470} TAG=ladder_results BENCH_ARGS="${MODEL[*]} --kv-cache-gib 6 \
+    DEADLINE=${DEADLINE:-480} TAG=ladder_results BENCH_ARGS="${MODEL[*]} --kv-cache-gib 6 \
         --concurrency 1,8,64 --mixed-long 0 --repeats ${REPEATS:-5} --start-timeout 300 \
-        --load-timeout 60 --backends mmap,mmap-decode,mmap-b --ref mmap --time-graphs" \
-        bash scripts/gpu/vllm_bench.sh
+        --load-timeout 60 --backends gpu-plugin,mmap,mmap-decode,mmap-b --ref gpu-plugin \
+        --time-graphs" bash scripts/gpu/vllm_bench.sh
     ;;
 mmap)
     DEADLINE=${DEADLINE:-330} TAG=ladder_mmap BENCH_ARGS="${MODEL[*]} ${LOAD[*]} \

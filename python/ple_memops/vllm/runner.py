@@ -552,6 +552,12 @@ class PleGPUModelRunner(_BaseRunner):
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         out = super().sample_tokens(*args, **kwargs)
         hooks = self.ple_rows
+        manager: Any = getattr(self, "cudagraph_manager", None)
+        clock: GraphTimesLog | None = getattr(manager, "ple_clock", None)
+        if clock is not None and out is not None and hasattr(out, "get_output"):
+            # time_graphs, any plugin engine (the GPU table's too): the engine's wait
+            # for the step's results, beside the graphs' times.
+            out.get_output = clock.clock.results(out.get_output)
         if hooks is None or out is None:
             return out
         if self.ple_history is not None:
