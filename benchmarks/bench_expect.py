@@ -19,14 +19,19 @@ tokens, 8 heads each: 16 row ids a token, rows of ``--row-bytes``), from one tab
 Then ``host ids of a decode step``: :meth:`PrefillExpectations.step` for 1, 8 and 64 decode
 tokens read from a token history (``expect_decode``: vLLM's ``all_token_ids``, here a
 ``[1024, 4096]`` int32 array), ``--layers`` tables, ``--decode-calls`` calls each, checked
-against the ids of each request's whole sequence.
+against the ids of each request's whole sequence: back to back, then (``--call-gap-us``,
+0 to skip) each call after that long asleep, as in an engine, where a step's other work
+runs between two calls and leaves the caches cold; with ``--contend US`` also while
+another Python thread wants the GIL (``US`` microseconds of Python work, then
+``--contend-gap-us`` asleep, as vLLM's threads that move requests and results do beside
+the engine's).
 
 On this machine's CPUs and page cache, not the H200 host's: it says what moves and by how
 much relative to the gather, not the engine's numbers. It prints the table; it asserts
 nothing (the rows' bytes are checked, as every benchmark here does).
 
     python3 benchmarks/bench_expect.py [--tokens 2048] [--decodes 64] [--rounds 30] \
-        [--decode-calls 2000]
+        [--decode-calls 2000] [--call-gap-us 500] [--contend 200]
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ from __future__ import annotations
 import argparse
 import functools
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +83,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--lead-ms", type=float, default=5.0)
     ap.add_argument("--decode-calls", type=int, default=2000)
+    ap.add_argument("--contend", type=float, default=0.0, help="us of Python work a turn")
+    ap.add_argument("--contend-gap-us", type=float, default=300.0)
+    ap.add_argument("--call-gap-us", type=float, default=0.0)
     args = ap.parse_args()
     h = (NGRAM - 1) * HEADS
     rows = args.table_mib * (1 << 20) // args.row_bytes
@@ -172,12 +183,54 @@ def _decode_ids(args: argparse.Namespace) -> None:
                 seq = history[rows[i], : positions[i] + 1]
                 want = ids_of.for_requests([seq], [int(positions[i])], [1])
                 np.testing.assert_array_equal(got[name][i * h : (i + 1) * h], want.reshape(-1))
-        times = []
-        for _ in range(args.decode_calls):
-            t0 = time.perf_counter_ns()
-            step()
-            times.append((time.perf_counter_ns() - t0) / 1e3)
+        times = _timed(step, args.decode_calls)
         print(f"| {n} decode tokens | {_p(times, 50):.1f} | {_p(times, 90):.1f} |")
+        if args.call_gap_us > 0:
+            gap = f"{n} decode tokens, {args.call_gap_us:.0f} us asleep before each"
+            times = _timed(step, args.decode_calls, gap_us=args.call_gap_us)
+            print(f"| {gap} | {_p(times, 50):.1f} | {_p(times, 90):.1f} |")
+            if args.contend > 0:
+                with _contender(args.contend, args.contend_gap_us):
+                    times = _timed(step, args.decode_calls, gap_us=args.call_gap_us)
+                print(
+                    f"| {gap}, another thread {args.contend:.0f} us of every "
+                    f"{args.contend + args.contend_gap_us:.0f} | {_p(times, 50):.1f} | "
+                    f"{_p(times, 90):.1f} |"
+                )
+
+
+def _timed(call: Callable[[], object], calls: int, gap_us: float = 0.0) -> list[float]:
+    """Each call's time in us; ``gap_us`` of sleep between calls (the GIL given up)."""
+    times = []
+    for _ in range(calls):
+        if gap_us:
+            time.sleep(gap_us / 1e6)
+        t0 = time.perf_counter_ns()
+        call()
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    return times
+
+
+@contextmanager
+def _contender(busy_us: float, gap_us: float) -> Iterator[None]:
+    """A thread that wants the GIL: ``busy_us`` of Python work (building and encoding
+    small dicts, as a serialiser does), then ``gap_us`` asleep, until the block ends."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            end = time.perf_counter_ns() + busy_us * 1e3
+            while time.perf_counter_ns() < end:
+                repr({"id": 1, "tokens": [1, 2, 3], "text": "x"})
+            time.sleep(gap_us / 1e6)
+
+    t = threading.Thread(target=run, name="contender", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
 
 
 if __name__ == "__main__":

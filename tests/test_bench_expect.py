@@ -11,7 +11,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_expect.py"
 
 def test_bench_expect_prints_both_variants() -> None:
     args = ["--tokens", "64", "--decodes", "4", "--rounds", "2", "--table-mib", "4"]
-    args += ["--decode-calls", "20"]
+    args += ["--decode-calls", "20", "--call-gap-us", "50", "--contend", "20"]
     out = subprocess.run(
         [sys.executable, str(SCRIPT), *args, "--lead-ms", "1", "--layers", "2"],
         capture_output=True,
@@ -29,7 +29,13 @@ def test_bench_expect_prints_both_variants() -> None:
         "| publish -> rows ready, expected",
         "| READY -> FILLED, expected",
         "| host ids of a decode step, 2 tables",
-        "| 1 decode tokens",
-        "| 8 decode tokens",
-        "| 64 decode tokens",
+        *(
+            f"| {n} decode tokens{then}"
+            for n in (1, 8, 64)
+            for then in (
+                "",
+                ", 50 us asleep before each",
+                ", 50 us asleep before each, another thread 20 us of every 320",
+            )
+        ),
     ], out
