@@ -84,13 +84,24 @@ def plot(docs: list[tuple[str, dict[str, Any]]], out: Path, title: str) -> None:
     fig.savefig(out, dpi=110)
 
 
+def _results_wait(r: dict[str, Any]) -> float | None:
+    got = (r.get("graphs") or {}).get("results_p50_us")
+    return None if got is None else float(got)
+
+
 def _costs(ax: Any, name: str, runs: list[dict[str, Any]], backends: list[str]) -> None:
-    """Per backend (c64 and every load together): GPU stall mean of the first PLE layer
-    and host p50 per engine step, each repeat a dot, the median a bar."""
-    shown = [b for b in backends if any(r.get("stall") or r.get("host_us") for r in runs
-                                        if r["backend"] == b)]  # fmt: skip
+    """Per backend (every load together): GPU stall mean of the first PLE layer, our
+    host p50 per engine step and, with the graphs' clock, the engine's wait for a step's
+    results (p50: near zero where the host paces the step, so a stall is off its critical
+    path), each repeat a dot, the median a bar."""
+    shown = [b for b in backends if any(r.get("stall") or r.get("host_us") or
+                                        _results_wait(r) is not None
+                                        for r in runs if r["backend"] == b)]  # fmt: skip
+    labels = ("GPU stall, mean", "our host time, p50", "engine's wait for results, p50")
+    width = 0.8 / len(labels)
+    used: set[str] = set()
     for bi, b in enumerate(shown):
-        stall, host = [], []
+        stall, host, wait = [], [], []
         for r in runs:
             if r["backend"] != b:
                 continue
@@ -99,12 +110,15 @@ def _costs(ax: Any, name: str, runs: list[dict[str, Any]], backends: list[str]) 
                 stall.append(r["stall"][first]["mean_us"])
             if r.get("host_us"):
                 host.append(r["host_us"]["total_p50"])
-        for k, (xs, label) in enumerate(((stall, "GPU stall, mean"), (host, "host, p50"))):
+            if (w := _results_wait(r)) is not None:
+                wait.append(w)
+        for k, (xs, label) in enumerate(zip((stall, host, wait), labels, strict=True)):
             if not xs:
                 continue
-            x = bi + (k - 0.5) * 0.38
-            ax.bar(x, statistics.median(xs), 0.34, color=f"C{k + 2}", alpha=0.6,
-                   label=label if bi == 0 else None)  # fmt: skip
+            x = bi + (k - (len(labels) - 1) / 2) * width
+            ax.bar(x, statistics.median(xs), width * 0.9, color=f"C{k + 2}", alpha=0.6,
+                   label=None if label in used else label)  # fmt: skip
+            used.add(label)
             ax.plot([x] * len(xs), xs, "k.", ms=4)
     ax.set_xticks(range(len(shown)), shown, fontsize=8)
     ax.set_ylabel("us per step")
