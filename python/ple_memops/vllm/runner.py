@@ -21,8 +21,11 @@ What each override adds (see :class:`~ple_memops.vllm.hooks.PleRunnerHooks`):
 ``GPUModelRunner.prepare_inputs``      with ``expect_prefill`` / ``expect_decode``: the ids
                                        the host knows, before vLLM's own preparation; a
                                        FULL graph's step armed then (``hooks.prearm``)
-``GPUModelRunner.sample_tokens``       the output checked when handed out; with
-                                       ``expect_decode``, an event after the sampling
+``GPUModelRunner.sample_tokens``       the output checked when handed out, the engine's
+                                       wait for it timed (``results``; with
+                                       ``time_graphs`` also on the graphs' clock, hooks
+                                       or none); with ``expect_decode``, an event after
+                                       the sampling
 ``GPUModelRunner.capture_model``       pending steps completed first
 ``GPUModelRunner.shutdown``            drain, synchronise the device, close the plan
 ``CudaGraphManager.capture``           each descriptor's warm-up without data, its capture
