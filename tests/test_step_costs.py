@@ -235,3 +235,11 @@ def test_graph_clock_times_the_launch_call_and_the_wait_for_results(fake_stream:
     s = clock.summary()
     assert s is not None and s.launch_host_us is not None and s.launch_host_us[0] < 1_000
     assert s.results_us is None and "results wait" not in s.text()
+    # While no launch has finished on the GPU, the host's times wait with them.
+    gpu.done = -1.0
+    clock.around(lambda: None)
+    clock.results(lambda: None)()
+    assert clock.summary() is None
+    gpu.done = float("inf")
+    s = clock.summary()
+    assert s is not None and s.launches == 1 and s.results_us is not None

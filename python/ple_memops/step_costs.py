@@ -314,13 +314,13 @@ class GraphClock:
         """The launches :meth:`take` would return, as percentiles (``None`` if none
         finished)."""
         got = self._take()
+        if not got:
+            return None  # the host's times wait for the launches they go with
         with self._lock:
             dropped, self._dropped = self._dropped, 0
             launch_ns, results_ns = list(self._launch_ns), list(self._results_ns)
             self._launch_ns.clear()
             self._results_ns.clear()
-        if not got:
-            return None
         spans = sorted(s for s, _, _, _ in got)
         periods = sorted(p for _, p, _, _ in got if p is not None)
         outside = sorted(o for _, _, o, _ in got if o is not None)
