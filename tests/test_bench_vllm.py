@@ -621,3 +621,21 @@ def test_the_verdict_judges_paired_itl_against_the_runs_reference() -> None:
     v = verdict(off, summarize(off, [*backends, "offload"]), "gpu-plugin", "offload", solo=True)
     assert "mixed: tok/s" in v and "mixed: TTFT p50 150 ms > offload 100 ms" in v
     assert "not measured: c8: tok/s vs offload" in v
+
+    # A second mmap server and the engine's wait for results (the graphs' clock) are
+    # given beside the A/A.
+    more = [
+        *rows,
+        *(
+            dict(row(load, rep, "mmap-b", itl * (1 + 0.001 * rep) * 1.01), graphs=None)
+            for load, itl in (("c8", 5.43), ("mixed", 5.87))
+            for rep in (1, 2, 3)
+        ),
+    ]
+    more = [dict(r, graphs={"results_p50_us": 28.0}) if r["backend"] == "mmap" else r
+            for r in more]  # fmt: skip
+    v = verdict(more, summarize(more, [*backends, "mmap-b"]), "gpu-plugin", "offload", solo=True)
+    assert (
+        "c8 ITL p50 +0.00% vs gpu-plugin (A/A +0.00%; second mmap +1.00%; engine's wait for "
+        "results p50 28 us)" in v
+    ), v
