@@ -154,9 +154,16 @@ async def measure(
     tables: list[Path],
     vocab: int,
     rows: list[dict[str, Any]],
+    share_end: float | None = None,
 ) -> list[dict[str, Any]]:
     """Warm-up, then repeats x loads x backends (rotating order) until done or the deadline;
-    each measurement is appended to ``rows`` as it ends (kept when interrupted)."""
+    each measurement is appended to ``rows`` as it ends (kept when interrupted).
+
+    ``share_end`` (``--solo``: the monotonic time a server's share of the run ends) stops
+    the loads only between repeats: a started repeat runs every load (within the
+    deadline), so a server whose share is short still has each load measured once, to be
+    paired with the other servers' (a reference whose first start compiled vLLM's
+    kernels once had c1 and c8 only)."""
     took: dict[str, float] = {}
     live = [b for b in args.backends if b in servers and servers[b].healthy]
     async with Client(args.request_timeout) as client:
@@ -186,6 +193,9 @@ async def measure(
         stop = False
         for r in range(args.repeats):
             if stop:
+                break
+            if r and share_end is not None and time.monotonic() >= share_end:
+                log(f"this server's share is used: {r} repeats")
                 break
             cache_before = None
             if args.cold and tables:
@@ -602,8 +612,9 @@ def _solo(
     rows: list[dict[str, Any]],
 ) -> None:
     """``--solo``: each backend's server alone on the GPU, one after another: started,
-    measured (every repeat it has time for), profiled and sampled as asked, its facts read,
-    stopped (``servers`` keeps them for the report).
+    measured (the repeats its share has time for, the first one whole: every load once,
+    within the deadline), profiled and sampled as asked, its facts read, stopped
+    (``servers`` keeps them for the report).
 
     The time is split by loads, not by wall time: once a server is healthy, its loads get
     an equal share of what is left after the starts and stops still to come (each
@@ -638,10 +649,13 @@ def _solo(
         loads_s = min(max(loads_s, SOLO_MIN_LOADS_S), max(0.0, left() - stop_s))
         log(f"{b}: {loads_s:.0f} s for its loads")
         whole = vllm_clock.DEADLINE
-        vllm_clock.DEADLINE = min(whole, time.monotonic() + loads_s)
+        one = argparse.Namespace(**{**vars(args), "backends": [b]})
+        # The share ends between repeats (the first repeat runs whole); what the loads
+        # left of it bounds the profile and the stacks.
+        share_end = time.monotonic() + loads_s
+        asyncio.run(measure(one, {b: srv}, tables, vocab, rows, share_end))
+        vllm_clock.DEADLINE = min(whole, max(time.monotonic(), share_end))
         try:
-            one = argparse.Namespace(**{**vars(args), "backends": [b]})
-            asyncio.run(measure(one, {b: srv}, tables, vocab, rows))
             if args.profile_steps:
                 asyncio.run(profile(one, {b: srv}, vocab))
             if args.py_spy:

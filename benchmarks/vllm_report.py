@@ -512,7 +512,10 @@ def verdict(
     A target whose other side the run did not measure is listed as not measured, never as
     missed. Where the run has ``ref``'s A/A partner (``<ref>-b``: ``gpu-b``,
     ``gpu-plugin-b``), its own paired ITL is given per load: what two identical servers
-    differed by in this run, the resolution of the ITL verdict; a second mmap server
+    differed by in this run, the resolution of the ITL verdict. A comparison the A/A pair
+    cannot resolve is listed as not resolved, neither met nor missed: the ITL where the
+    two identical servers differ by more than the 1% target, tok/s and TTFT where they
+    differ by at least as much as mmap and ``slow`` do. A second mmap server
     (``mmap-b``) gives its paired ITL too, and with the graphs' clock the mmap server's
     wait for a step's results says whether the GPU's time was on the engine's critical
     path at that load (tens of us: the host paced it)."""
@@ -521,7 +524,15 @@ def verdict(
     notes: list[str] = []
     misses: list[str] = []
     unmeasured: list[str] = []
+    unresolved: list[str] = []
     itl = paired(rows, ref, "itl_p50_ms", solo)
+    tok = paired(rows, ref, "tok_s", solo)
+    ttft = paired(rows, ref, "ttft_p50_ms", solo)
+
+    def aa_of(pairs: dict[tuple[str, str], list[float]], load: str) -> float | None:
+        """The A/A pair's median difference at ``load``, in percent (None: no pair)."""
+        xs = pairs.get((load, f"{ref}-b"))
+        return statistics.median(xs) if xs else None
 
     def get(load: str, b: str, k: str) -> float | None:
         s = summary.get((load, b))
@@ -541,26 +552,36 @@ def verdict(
             parts += [f"engine's wait for results p50 {waited:.0f} us"] if waited else []
             aa_note = f" ({'; '.join(parts)})" if parts else ""
             notes.append(f"{load} ITL p50 {dm:+.2f}% vs {ref}{aa_note}")
-            if dm > 1:
+            if aa and abs(statistics.median(aa)) > 1:
+                unresolved.append(f"{load}: ITL vs {ref} (A/A {statistics.median(aa):+.2f}%)")
+            elif dm > 1:
                 misses.append(f"{load}: ITL p50 {dm:+.2f}% vs {ref}{aa_note} (target <= +1%)")
         else:
             unmeasured.append(f"{load}: ITL vs {ref}")
         m, u = get(load, "mmap", "tok_s"), get(load, slow, "tok_s")
         if m is not None and u:
-            notes.append(f"{load} tok/s {(m / u - 1) * 100:+.2f}% vs {slow}")
-            if m < u:
-                misses.append(f"{load}: tok/s {(m / u - 1) * 100:+.2f}% vs {slow} (target >= 0)")
+            diff, aa_tok = (m / u - 1) * 100, aa_of(tok, load)
+            notes.append(f"{load} tok/s {diff:+.2f}% vs {slow}")
+            if aa_tok is not None and abs(aa_tok) >= abs(diff):
+                unresolved.append(f"{load}: tok/s vs {slow} (A/A {aa_tok:+.2f}%)")
+            elif m < u:
+                misses.append(f"{load}: tok/s {diff:+.2f}% vs {slow} (target >= 0)")
         else:
             unmeasured.append(f"{load}: tok/s vs {slow}")
     if ("mixed", "mmap") in summary:
         mt, ut = get("mixed", "mmap", "ttft_p50_ms"), get("mixed", slow, "ttft_p50_ms")
         if mt is not None and ut is not None:
             notes.append(f"mixed TTFT p50 {mt:.0f} vs {slow} {ut:.0f} ms")
-            if mt > ut:
+            aa_ttft = aa_of(ttft, "mixed")
+            if ut and aa_ttft is not None and abs(aa_ttft) >= abs((mt / ut - 1) * 100):
+                unresolved.append(f"mixed: TTFT vs {slow} (A/A {aa_ttft:+.2f}%)")
+            elif mt > ut:
                 misses.append(f"mixed: TTFT p50 {mt:.0f} ms > {slow} {ut:.0f} ms")
         else:
             unmeasured.append(f"mixed: TTFT vs {slow}")
     head = "targets missed: " + "; ".join(misses) if misses else "no target missed"
+    if unresolved:
+        head += "; not resolved: " + ", ".join(unresolved)
     if unmeasured:
         head += "; not measured: " + ", ".join(unmeasured)
     return f"VERDICT (reported, not asserted): {head}. [{'; '.join(notes)}]"
