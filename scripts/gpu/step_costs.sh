@@ -22,6 +22,14 @@
 #                wait"), so whether a GPU stall is on the critical path at each load; the
 #                launch call's host time beside the GPU table's; our host time with
 #                expect_decode's ids counted; paired against gpu-plugin (~8 min)
+#   PART=solo    the targets' run: gpu-plugin, mmap, gpu-plugin-b (A against A), uva, each
+#                server alone on the GPU (--solo) at c1, c8, c64 and the mixed load, the
+#                graphs' clock on the plugin's servers; paired against gpu-plugin's median.
+#                Long: start it detached (~14 min with the engine tests after it,
+#                BENCHMARKS.md "Each server alone on the GPU"), e.g.
+#                  bash scripts/gpu/detached.sh start solo env PART=solo bash scripts/gpu/step_costs.sh
+#                  bash scripts/gpu/detached.sh collect solo 540   # again until exit 0
+#   PART=solo4   the same on the bench's default model (24 layers, four 1 GiB tables)
 #
 # The two server sets cannot share the GPU: three GPU-table servers hold 3 x 37 GiB.
 set -uo pipefail
@@ -33,7 +41,9 @@ R=$PWD
 MODEL=(--layers 24 --ple-layers 1 --table-gib 24 --dtype bf16)
 LOAD=(--kv-cache-gib 6 --concurrency 64 --requests 256 --mixed-long 0 --repeats "${REPEATS:-5}"
       --start-timeout 300 --load-timeout 60)
-case "${PART:?PART=checks|gpu|mmap|decode|results}" in
+SOLO=(--kv-cache-gib 6 --solo --time-graphs --backends gpu-plugin,mmap,gpu-plugin-b,uva
+      --ref gpu-plugin --repeats "${REPEATS:-5}")
+case "${PART:?PART=checks|gpu|mmap|decode|results|solo|solo4}" in
 checks)
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
     (cd /tmp && timeout 300 python3 -m pytest "$R/tests/test_stall_gpu.py" \
@@ -60,6 +70,14 @@ results)
         --concurrency 1,8,64 --mixed-long 0 --repeats ${REPEATS:-5} --start-timeout 300 \
         --load-timeout 60 --backends gpu-plugin,mmap,mmap-decode,mmap-b --ref gpu-plugin \
         --time-graphs" bash scripts/gpu/vllm_bench.sh
+    ;;
+solo)
+    DEADLINE=${DEADLINE:-820} TAG=solo24 BENCH_ARGS="${MODEL[*]} ${SOLO[*]}" \
+        bash scripts/gpu/vllm_bench.sh
+    ;;
+solo4)
+    DEADLINE=${DEADLINE:-760} TAG=solo4 BENCH_ARGS="--layers 24 --dtype bf16 ${SOLO[*]}" \
+        bash scripts/gpu/vllm_bench.sh
     ;;
 mmap)
     DEADLINE=${DEADLINE:-330} TAG=ladder_mmap BENCH_ARGS="${MODEL[*]} ${LOAD[*]} \
