@@ -1090,30 +1090,22 @@ def test_settings_spin_and_stats_interval() -> None:
         S.for_engine({"ple_memops": {"spinning": 1}}, {})
 
 
-def test_settings_expect_prefill() -> None:
+@pytest.mark.parametrize(
+    ("name", "other"), [("expect_prefill", "expect_decode"), ("expect_decode", "expect_prefill")]
+)
+def test_settings_expected_ids(name: str, other: str) -> None:
+    """``expect_prefill`` and ``expect_decode``: off by default, each its own switch."""
     S = settings.Settings
-    assert not S.from_env({}).expect_prefill and not S().expect_prefill
-    env = {"PLE_MEMOPS_EXPECT_PREFILL": "1"}
-    assert S.from_env(env).expect_prefill
-    assert not S.for_engine({"ple_memops": {"expect_prefill": False}}, env).expect_prefill
-    assert S.for_engine({"ple_memops": {"expect_prefill": "on"}}, {}).expect_prefill
-    with pytest.raises(InvalidArgumentError, match="PLE_MEMOPS_EXPECT_PREFILL must be"):
-        S.from_env({"PLE_MEMOPS_EXPECT_PREFILL": "maybe"})
-    with pytest.raises(InvalidArgumentError, match=r"\['expect_prefill'\] must be 1 or 0"):
-        S.for_engine({"ple_memops": {"expect_prefill": 2}}, {})
-
-
-def test_settings_expect_decode() -> None:
-    S = settings.Settings
-    assert not S.from_env({}).expect_decode and not S().expect_decode
-    env = {"PLE_MEMOPS_EXPECT_DECODE": "1"}
-    assert S.from_env(env).expect_decode and not S.from_env(env).expect_prefill
-    assert not S.for_engine({"ple_memops": {"expect_decode": False}}, env).expect_decode
-    assert S.for_engine({"ple_memops": {"expect_decode": "on"}}, {}).expect_decode
-    with pytest.raises(InvalidArgumentError, match="PLE_MEMOPS_EXPECT_DECODE must be"):
-        S.from_env({"PLE_MEMOPS_EXPECT_DECODE": "maybe"})
-    with pytest.raises(InvalidArgumentError, match=r"\['expect_decode'\] must be 1 or 0"):
-        S.for_engine({"ple_memops": {"expect_decode": 2}}, {})
+    var = f"PLE_MEMOPS_{name.upper()}"
+    assert not getattr(S.from_env({}), name) and not getattr(S(), name)
+    env = {var: "1"}
+    assert getattr(S.from_env(env), name) and not getattr(S.from_env(env), other)
+    assert not getattr(S.for_engine({"ple_memops": {name: False}}, env), name)
+    assert getattr(S.for_engine({"ple_memops": {name: "on"}}, {}), name)
+    with pytest.raises(InvalidArgumentError, match=f"{var} must be"):
+        S.from_env({var: "maybe"})
+    with pytest.raises(InvalidArgumentError, match=rf"\['{name}'\] must be 1 or 0"):
+        S.for_engine({"ple_memops": {name: 2}}, {})
 
 
 def test_settings_split_rows() -> None:
