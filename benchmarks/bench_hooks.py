@@ -5,19 +5,24 @@ steady decode load does, on a plan of gather workers that fill host rows: each s
 the step's scope, replays a FULL graph (``replay``: completing the oldest armed step,
 arming every table, the "launch", which here publishes the step's ids from the host as
 the GPU would), checks for failures before the output is handed out, then the host does
-``--gap-us`` of other work (the engine's own: it evicts our code from the caches, which a
-tight loop would hide). The table is the stats line's own host time by hook, p50 and p99
-over ``--steps`` steps, for 1 and 4 tables, repeated ``--repeats`` times in turn.
-``--tokens`` and ``--row-bytes`` set a step's size (an engine's c64 step gathers for
-hundreds of microseconds, while our next calls run); ``--publish-at next-step`` hands a
-step's ids to the worker as the host prepares the next step instead of at the launch.
+the engine's own work until ``--gap-us`` have passed. That work evicts our code and data
+from the caches, as vLLM's step does between our hooks: ``--between evict`` (the default)
+reads a buffer larger than the last-level cache (its size from sysfs); ``--between
+sleep`` only sleeps, which leaves our working set cached and measures several times less
+than the engine does (the code of `08132af` on the 2-vCPU VM: 10 us a step asleep, 56
+evicted, where the H200 engine's stats line said 45). The table is the stats line's own
+host time by hook, p50 and p99 over ``--steps`` steps, for 1 and 4 tables, repeated
+``--repeats`` times in turn. ``--tokens`` and ``--row-bytes`` set a step's size (an
+engine's c64 step gathers for hundreds of microseconds, while our next calls run);
+``--publish-at next-step`` hands a step's ids to the worker as the host prepares the next
+step instead of at the launch.
 
 The cost this measures is Python's (call layers, context managers, locks) and the native
-calls', on this CPU; on the H200 host the same code measured 77-135 us a step at p50 in the
-real engine (BENCHMARKS.md). It prints the table; it asserts nothing.
+calls', on this CPU, mostly in cache misses once evicted. It prints the table; it asserts
+nothing.
 
     python3 benchmarks/bench_hooks.py [--steps 3000] [--repeats 3] [--tokens 64 \
-        --row-bytes 15360] [--publish-at next-step]
+        --row-bytes 15360] [--publish-at next-step] [--between sleep]
 """
 
 from __future__ import annotations
@@ -69,6 +74,40 @@ def build(
     return PleRunnerHooks(plan, rows_per_token=1), opened
 
 
+def llc_bytes() -> int:
+    """The last-level cache's size (sysfs: the highest cache level of cpu0), else 32 MiB."""
+    best = (0, 32 << 20)
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        n = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        if level > best[0]:
+            best = (level, n)
+    return best[1]
+
+
+class Between:
+    """The engine's work between two steps: ``evict`` reads one byte a cache line of a
+    buffer twice the last-level cache (numpy, so it takes little of the gap), then
+    sleeps out the gap; ``sleep`` only sleeps."""
+
+    def __init__(self, how: str, gap_us: float) -> None:
+        self.gap = gap_us / 1e6
+        self.buf = np.ones(2 * llc_bytes(), dtype=np.uint8) if how == "evict" else None
+
+    def __call__(self) -> None:
+        t0 = time.perf_counter()
+        if self.buf is not None:
+            self.buf[::64].sum()
+        left = self.gap - (time.perf_counter() - t0)
+        if left > 0:
+            time.sleep(left)
+
+
 def run(
     tables: int,
     steps: int,
@@ -76,6 +115,7 @@ def run(
     tokens: int = 8,
     row_bytes: int = 512,
     publish_at: str = "launch",
+    between: str = "evict",
 ) -> dict[str, tuple[float, float]]:
     with tempfile.TemporaryDirectory() as tmp:
         hooks, opened = build(Path(tmp), tables, tokens, row_bytes)
@@ -92,6 +132,7 @@ def run(
         # checks the step before); "next-step": the GPU reaches it as the host prepares the
         # next one (the worker gathers while the host arms that one).
         launch = publish if publish_at == "launch" else (lambda: None)
+        engine_work = Between(between, gap_us)
         try:
             hooks.host.take()
             for k in range(steps):
@@ -100,7 +141,7 @@ def run(
                 with hooks.step(dummy=False):
                     hooks.replay(desc, launch)
                 hooks.raise_if_failed()
-                time.sleep(gap_us / 1e6)
+                engine_work()
             if publish_at == "next-step":
                 publish()
             samples = hooks.host.take()
@@ -123,7 +164,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--gap-us", type=float, default=500.0, help="other host work between steps")
+    p.add_argument("--gap-us", type=float, default=500.0, help="the engine's time between steps")
+    p.add_argument(
+        "--between",
+        choices=["evict", "sleep"],
+        default="evict",
+        help="the engine's work between steps: evict the caches (as vLLM's step does), or "
+        "only sleep (our working set stays cached)",
+    )
     p.add_argument("--tables", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     p.add_argument("--tokens", type=int, default=8, help="rows a step (one a token)")
     p.add_argument(
@@ -146,13 +194,17 @@ def main() -> None:
     kinds = ("total", "step", "arm", "wait", "check")
     print(
         f"host us per engine step, p50 / p99 over {args.steps} steps of {args.tokens} rows "
-        f"of {args.row_bytes} B ({args.gap_us:.0f} us of other host work between steps)\n"
+        f"of {args.row_bytes} B ({args.gap_us:.0f} us between steps, "
+        f"{'the caches evicted' if args.between == 'evict' else 'asleep'})\n"
     )
     print("| tables | repeat | " + " | ".join(kinds) + " |")
     print("|---|---|" + "---|" * len(kinds))
     for r in range(args.repeats):
         for n in args.tables:
-            got = run(n, args.steps, args.gap_us, args.tokens, args.row_bytes, args.publish_at)
+            got = run(
+                n, args.steps, args.gap_us, args.tokens, args.row_bytes, args.publish_at,
+                args.between,
+            )  # fmt: skip
             cells = " | ".join(f"{got[k][0]:.1f} / {got[k][1]:.1f}" for k in kinds)
             print(f"| {n} | {r + 1} | {cells} |", flush=True)
 
