@@ -115,7 +115,10 @@ class GatherWorker:
         spin: seconds the worker stays hot (spinning, then yielding) while it waits for
             ids or for the next step, before short sleeps (default 0.002). A sleeping
             worker sees READY late: on a VM, waking an idle vCPU can take longer than the
-            gather itself.
+            gather itself. Past ``spin`` with nothing armed the worker naps (50 us at a
+            time) for 50 ms before it blocks, so the host's :meth:`begin` at a serving
+            loop's pace never pays a wake-up (a syscall and an interrupt, 5-20 us on a
+            VM).
         predict_ready: place the hot window where READY is expected instead of at
             :meth:`begin`: once three steps were armed ahead of their READY, the worker
             sleeps (100 us at a time, READY checked between) until 90% of the earliest of
@@ -331,3 +334,9 @@ class GatherWorker:
 
             raise ClosedError("worker is closed")
         return self._core
+
+
+def native_worker(worker: GatherWorker) -> _native.GatherWorkerCore:
+    """The worker's native half (for a plan's one-call step: ``_native.advance_workers``);
+    raises :class:`~ple_memops.ClosedError` once the worker is closed."""
+    return worker._live()

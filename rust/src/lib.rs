@@ -70,4 +70,6 @@ pub use error::{Error, ErrorKind, Result};
 pub use ngram::NGramHash;
 pub use probe::{probe, Capability, Check};
 pub use table::{MmapTable, RowIds, Selector, TableOptions};
-pub use worker::{GatherWorker, PublishPath, RowMap, RowSource, WorkerOptions, WorkerStats};
+pub use worker::{
+    advance, Advanced, GatherWorker, PublishPath, RowMap, RowSource, WorkerOptions, WorkerStats,
+};

@@ -5,12 +5,14 @@ use std::time::Duration;
 
 use numpy::PyReadonlyArray1;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyTuple};
 
 use super::table::PyMmapTable;
 use super::{counters, secs, stream_of, to_pyerr, IntoPy, PyDeferredRows};
 use crate::error::Error;
-use crate::worker::{GatherWorker, PublishPath, RowMap, RowSource, WorkerOptions, DEFAULT_SPIN};
+use crate::worker::{
+    advance, GatherWorker, PublishPath, RowMap, RowSource, WorkerOptions, DEFAULT_SPIN,
+};
 
 /// The native half of `ple_memops.GatherWorker` (use that class, not this one).
 #[pyclass(name = "GatherWorkerCore", module = "ple_memops._native", frozen)]
@@ -71,6 +73,7 @@ impl PyGatherWorker {
             spin,
             predict_ready,
             skip_gather,
+            ..WorkerOptions::default()
         };
         let rows = rows.get().rows().clone();
         let source: Arc<dyn RowSource> = Arc::new(table.get().table().clone());
@@ -209,6 +212,38 @@ impl PyGatherWorker {
     }
 }
 
+/// One engine step for every worker of a plan (`crate::worker::advance`): complete the
+/// oldest steps while `depth` are armed, then arm each for `rows` rows. Returns `(steps
+/// completed, ns completing, ns arming)`. The GIL is kept unless a fill must be waited
+/// for (as `complete`).
+#[pyfunction]
+#[pyo3(signature = (workers, rows, eager, depth, timeout_s))]
+fn advance_workers(
+    py: Python<'_>,
+    workers: &Bound<'_, PyTuple>,
+    rows: usize,
+    eager: bool,
+    depth: usize,
+    timeout_s: f64,
+) -> PyResult<(usize, u64, u64)> {
+    let t: Duration = secs(timeout_s, "timeout").py(py)?;
+    let bound = workers
+        .iter()
+        .map(|w| w.cast_into::<PyGatherWorker>().map_err(PyErr::from))
+        .collect::<PyResult<Vec<_>>>()?;
+    let inner: Vec<&GatherWorker> = bound.iter().map(|w| &w.get().inner).collect();
+    let done = advance(&inner, rows, eager, depth, |w| {
+        py.detach(|| w.wait_and_complete(t))
+    })
+    .py(py)?;
+    Ok((
+        done.completed,
+        done.wait.as_nanos() as u64,
+        done.arm.as_nanos() as u64,
+    ))
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyGatherWorker>()
+    m.add_class::<PyGatherWorker>()?;
+    m.add_function(wrap_pyfunction!(advance_workers, m)?)
 }

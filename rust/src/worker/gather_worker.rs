@@ -101,6 +101,7 @@ impl GatherWorker {
                 captures: Vec::new(),
                 host_published: 0,
                 expected: Vec::new(),
+                idle: false,
             }),
             cv: Condvar::new(),
             armed_seq: AtomicU64::new(0),
@@ -212,8 +213,18 @@ impl GatherWorker {
             // Under the lock that armed the step: the worker reaches it knowing.
             ctl.expected.push((step, ids));
         }
-        sh.armed_seq.store(step, Ordering::Release);
-        sh.cv.notify_all();
+        let idle = ctl.idle;
+        // Signalled after unlocking: a polling worker that sees `armed_seq` takes `ctl`
+        // at once, and finding it held would make the unlock a futex wake (a syscall and
+        // an interrupt to its core, paid here on the engine's thread). A worker blocked
+        // on `cv` (it set `idle` under `ctl` before waiting) is woken; a polling one sees
+        // `armed_seq`, and a notify would be a syscall for nobody.
+        drop(ctl);
+        // The newest, even if another thread's begin() stored after us.
+        sh.armed_seq.fetch_max(step, Ordering::Release);
+        if idle {
+            sh.cv.notify_all();
+        }
         Ok(step)
     }
 

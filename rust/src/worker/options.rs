@@ -92,6 +92,17 @@ pub struct WorkerOptions {
     /// it held, so consumers read stale rows). Times the protocol without the host's
     /// gather; never for serving.
     pub skip_gather: bool,
+    /// After its hot window with nothing armed, how long the worker naps (sleeps of
+    /// [`IDLE_NAP`], looking for an armed step between them) before it blocks. Arming a
+    /// napping worker costs the host nothing; arming a blocked one costs a wake-up (a
+    /// futex syscall and an interrupt to the worker's core: 5-20 us on the arming thread
+    /// on a VM, paid on every step of a serving loop whose steps are longer than `spin`).
+    /// A step armed during a nap is seen at most one nap late, long before the GPU can
+    /// publish its ids after the launch that follows the arming.
+    pub idle_naps: Duration,
+    /// How often a blocked worker (past `idle_naps`, nothing armed) wakes to look for a
+    /// READY nobody armed it for. Arming wakes it at once whatever this is.
+    pub idle_poll: Duration,
 }
 
 impl Default for WorkerOptions {
@@ -104,9 +115,21 @@ impl Default for WorkerOptions {
             spin: DEFAULT_SPIN,
             predict_ready: false,
             skip_gather: false,
+            idle_naps: DEFAULT_IDLE_NAPS,
+            idle_poll: DEFAULT_IDLE_POLL,
         }
     }
 }
+
+/// Default for [`WorkerOptions::idle_naps`]: a serving loop's steps are milliseconds
+/// apart; a worker whose engine went quiet blocks after this.
+pub const DEFAULT_IDLE_NAPS: Duration = Duration::from_millis(50);
+
+/// One nap of an idle worker ([`WorkerOptions::idle_naps`]).
+pub const IDLE_NAP: Duration = Duration::from_micros(50);
+
+/// Default for [`WorkerOptions::idle_poll`].
+pub const DEFAULT_IDLE_POLL: Duration = Duration::from_millis(1);
 
 /// Default for [`WorkerOptions::spin`].
 pub const DEFAULT_SPIN: Duration = Duration::from_millis(2);

@@ -8,8 +8,6 @@ const SPIN_PAUSE: Duration = Duration::from_micros(50);
 /// Sleep between READY checks once a step has waited longer than `spin` (with a fine timer
 /// slack: see `os::fine_timer_slack`).
 pub(super) const NAP: Duration = Duration::from_micros(20);
-/// How often an idle (cold) worker looks for a READY nobody armed it for.
-pub(super) const IDLE_POLL: Duration = Duration::from_millis(1);
 /// The sleeps of a predicted wait (`WorkerOptions::predict_ready`): a READY that comes
 /// while the worker sleeps is seen at most this late.
 pub(super) const SLEEP_CHUNK: Duration = Duration::from_micros(100);

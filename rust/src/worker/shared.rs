@@ -34,6 +34,9 @@ pub(super) struct Ctl {
     /// [`GatherWorker::begin_expecting`](super::GatherWorker::begin_expecting), taken by
     /// the worker when it reaches the step.
     pub(super) expected: Vec<(u64, Vec<i64>)>,
+    /// The worker blocks on `cv` for the next armed step (past its hot window): arming
+    /// must wake it. Otherwise it polls `armed_seq` and arming costs no syscall.
+    pub(super) idle: bool,
 }
 
 impl Ctl {

@@ -927,3 +927,131 @@ fn a_step_with_expected_ids_released_before_ready_never_hangs() {
     assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
     assert!(rows.is_released());
 }
+
+/// Two tables' workers, each over its own host rows (staging `4 x 4` bytes each).
+fn two_workers(
+    staging: &mut [Vec<u8>; 2],
+    src: Arc<dyn RowSource>,
+) -> (Vec<DeferredRows>, Vec<GatherWorker>) {
+    let rows: Vec<DeferredRows> = staging.iter_mut().map(|s| host_rows(4, 4, s)).collect();
+    let workers = rows
+        .iter()
+        .map(|r| GatherWorker::new(r.clone(), src.clone(), RowMap::Identity, opts(4, 8)).unwrap())
+        .collect();
+    (rows, workers)
+}
+
+#[test]
+fn advance_completes_the_oldest_step_of_every_worker_at_depth_then_arms_all() {
+    let mut staging = [vec![0u8; 16], vec![0u8; 16]];
+    let (_rows, workers) = two_workers(&mut staging, Arc::new(Counting { rows: 10, width: 4 }));
+    let ws: Vec<&GatherWorker> = workers.iter().collect();
+    let never = |_: &GatherWorker| -> Result<()> { panic!("nothing should wait") };
+    // Below depth: arms only.
+    let a = advance(&ws, 2, false, 2, never).unwrap();
+    assert_eq!(
+        (a.completed, ws[0].in_flight(), ws[1].in_flight()),
+        (0, 1, 1)
+    );
+    for w in &ws {
+        w.publish_from_host(&[1, 2], T).unwrap();
+    }
+    let a = advance(&ws, 3, false, 2, never).unwrap();
+    assert_eq!((a.completed, ws[0].in_flight()), (0, 2));
+    for w in &ws {
+        w.publish_from_host(&[3, 4, 5], T).unwrap();
+    }
+    // At depth: the first step of each is completed (filled: no wait), then both armed.
+    wait_for("both fills", || ws.iter().all(|w| w.stats().fills == 2));
+    let a = advance(&ws, 1, true, 2, never).unwrap();
+    assert_eq!(a.completed, 1);
+    assert_eq!((ws[0].in_flight(), ws[1].in_flight()), (2, 2));
+    assert_eq!((ws[0].stats().steps, ws[1].stats().steps), (1, 1));
+    // depth 1 completes both remaining filled steps... only once the third has its ids.
+    for w in &ws {
+        w.publish_from_host(&[6], T).unwrap();
+    }
+    let mut waited = 0;
+    let a = advance(&ws, 1, false, 1, |w| {
+        waited += 1;
+        w.wait_and_complete(T)
+    })
+    .unwrap();
+    assert_eq!(a.completed, 2);
+    assert!(waited <= 2, "at most the eager step's fill was waited for");
+    assert_eq!((ws[0].in_flight(), ws[1].in_flight()), (1, 1));
+    assert_eq!(ws[0].stats().eager_fills, 1);
+    assert!(a.wait >= Duration::ZERO && a.arm > Duration::ZERO);
+    assert_eq!(
+        advance(&ws, 1, false, 0, never).unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
+    for w in &workers {
+        w.close();
+    }
+}
+
+#[test]
+fn advance_completes_every_worker_and_returns_the_first_error() {
+    let mut staging = [vec![0u8; 16], vec![0u8; 16]];
+    let (rows, workers) = two_workers(&mut staging, Arc::new(Counting { rows: 10, width: 4 }));
+    let ws: Vec<&GatherWorker> = workers.iter().collect();
+    advance(&ws, 2, false, 1, |_| unreachable!()).unwrap();
+    ws[0].publish_from_host(&[1, 99], T).unwrap(); // 99: out of range
+    ws[1].publish_from_host(&[1, 2], T).unwrap();
+    let e = advance(&ws, 2, false, 1, |w| w.wait_and_complete(T)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::RowId, "{e}");
+    // The second worker's step was completed too, and nothing new was armed.
+    assert_eq!((ws[1].in_flight(), ws[1].stats().steps), (0, 1));
+    assert!(rows[0].poison_cause().unwrap().contains("out of range"));
+    // A closed worker: typed, nothing armed on the others.
+    ws[1].close();
+    let e = advance(&ws[1..], 2, false, 1, |_| unreachable!()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Closed);
+    assert_eq!(ws[1].in_flight(), 0);
+    ws[0].close();
+}
+
+#[test]
+fn arming_wakes_a_blocked_worker_and_a_napping_one_sees_it_unwoken() {
+    // No hot window, and an idle poll far beyond the completions' timeout: a step is
+    // filled in time only if begin() wakes the blocked worker.
+    let mut staging = vec![0u8; 4 * 4];
+    let rows = host_rows(4, 4, &mut staging);
+    let o = WorkerOptions {
+        spin: Duration::ZERO,
+        idle_naps: Duration::ZERO,
+        idle_poll: Duration::from_secs(60),
+        ..opts(4, 8)
+    };
+    let src = Arc::new(Counting { rows: 10, width: 4 });
+    let w = GatherWorker::new(rows.clone(), src.clone(), RowMap::Identity, o).unwrap();
+    for step in 0..20i64 {
+        // Give the worker time to block (it may also be armed while still looking).
+        std::thread::sleep(Duration::from_millis(2));
+        w.begin(4).unwrap();
+        w.publish_from_host(&[step % 10], T).unwrap();
+        w.complete(Duration::from_secs(5)).unwrap();
+        assert!(staging[..4].iter().all(|&b| b == (step % 10) as u8 + 1));
+    }
+    w.close();
+    // A hot or napping worker (no hot window: naps only) is armed without a wake and
+    // still fills.
+    let mut staging = vec![0u8; 4 * 4];
+    let rows = host_rows(4, 4, &mut staging);
+    let o = WorkerOptions {
+        spin: Duration::ZERO,
+        idle_naps: Duration::from_secs(60),
+        idle_poll: Duration::from_secs(60),
+        ..opts(4, 8)
+    };
+    let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, o).unwrap();
+    for step in 0..20i64 {
+        std::thread::sleep(Duration::from_millis(1));
+        w.begin(4).unwrap();
+        w.publish_from_host(&[step % 10], T).unwrap();
+        w.complete(Duration::from_secs(5)).unwrap();
+    }
+    assert_eq!(w.stats().fills, 20);
+    w.close();
+}

@@ -4,7 +4,8 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::pace::{pause, ReadyPredictor, IDLE_POLL, NAP, SLEEP_CHUNK};
+use super::options::IDLE_NAP;
+use super::pace::{pause, ReadyPredictor, NAP, SLEEP_CHUNK};
 use super::shared::{Ctl, Shared};
 use super::warm::WarmThreads;
 use crate::error::{Error, Op, Result};
@@ -12,9 +13,10 @@ use crate::error::{Error, Op, Result};
 impl Shared {
     /// The next armed step to fill, with the ids the host expects of it if any (taken
     /// under the same lock); `None` once stopped. While nothing is armed, stay hot for
-    /// `spin` (a serving loop arms the next step within milliseconds), then block, waking
-    /// every `IDLE_POLL`. Any READY seen meanwhile came from a replay that nobody armed
-    /// this worker for: release it (see [`Self::unarmed_replay`]).
+    /// `spin` (a serving loop arms the next step within milliseconds), nap for
+    /// `idle_naps` (arming costs the host no wake-up), then block until armed, waking
+    /// every `idle_poll`. Any READY seen meanwhile came from a replay
+    /// that nobody armed this worker for: release it (see [`Self::unarmed_replay`]).
     pub(super) fn next_step(&self) -> Option<(u64, Option<Vec<i64>>)> {
         let t0 = Instant::now();
         loop {
@@ -32,23 +34,27 @@ impl Shared {
                 continue;
             }
             let waited = t0.elapsed();
-            if waited >= self.opts.spin {
-                drop(
-                    self.cv
-                        .wait_timeout(ctl, IDLE_POLL)
-                        .unwrap_or_else(|e| e.into_inner()),
-                );
+            let window = self.opts.spin + self.opts.idle_naps;
+            if waited >= window {
+                // Set under `ctl`, which begin() holds to arm: it notifies iff it saw this.
+                ctl.idle = true;
+                let (mut ctl, _) = self
+                    .cv
+                    .wait_timeout(ctl, self.opts.idle_poll)
+                    .unwrap_or_else(|e| e.into_inner());
+                ctl.idle = false;
                 continue;
             }
             let handled = ctl.handled;
             drop(ctl);
-            // Hot: poll the lock-free words until something changes (or the window ends).
+            // Hot, then napping: poll the lock-free words until something changes (or
+            // the window ends).
             while self.armed_seq.load(Ordering::Acquire) <= handled
                 && !self.mailbox().is_ready()
                 && !self.stop.load(Ordering::Acquire)
-                && t0.elapsed() < self.opts.spin
+                && t0.elapsed() < window
             {
-                pause(t0.elapsed(), self.opts.spin, NAP);
+                pause(t0.elapsed(), self.opts.spin, IDLE_NAP);
             }
         }
     }
