@@ -4,6 +4,7 @@ transformers runner."""
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -93,6 +94,98 @@ def test_completions_that_wait_for_a_fill_are_counted_and_timed(table: Any) -> N
     assert got.mean_complete_wait_us is not None and got.mean_complete_wait_us >= 20_000, got
     np.testing.assert_array_equal(p.staging("t", 2), table.gather([3, 4]))
     assert StepCounters().mean_complete_wait_us is None
+    driver.shutdown()
+
+
+def _two_table_plan(table: pm.MmapTable) -> RowsPlan:
+    layers = []
+    for name in ("a", "b"):
+        rows = pm.DeferredRows(8, table.row_bytes, device="cpu", watchdog=None)
+        layers.append(PlanLayer(name, table, rows, pm.GatherWorker(rows, table, depth=2)))
+    return RowsPlan(layers, "deferred", None, None, 5.0)
+
+
+class _NoAdvance:
+    """A plan without ``advance`` (any other PlanLike): the driver steps it call by call."""
+
+    def __init__(self, plan: RowsPlan) -> None:
+        self._plan = plan
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "advance":
+            raise AttributeError(name)
+        return getattr(self._plan, name)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["one-native-call", "call-by-call"])
+def test_advance_completes_at_depth_then_arms_every_table_timed(table: Any, native: bool) -> None:
+    p = _two_table_plan(table)
+    driver = StepDriver(p if native else _NoAdvance(p), depth=2)  # type: ignore[arg-type]
+    base = {n: driver.counters(n) for n in ("a", "b")}
+    done = [driver.advance(2)]
+    for n in ("a", "b"):
+        driver.publish_host(n, [1, 2])
+    done.append(driver.advance(3))
+    for n, ids in (("a", [3, 4, 5]), ("b", [6, 7, 8])):
+        driver.publish_host(n, ids)
+    done.append(driver.advance(1, eager=True))  # depth reached: the oldest completes first
+    assert [d.completed for d in done] == [0, 0, 1]
+    assert all(d.wait_ns >= 0 and d.arm_ns > 0 for d in done)
+    assert driver.in_flight == 2 and (driver.armed_steps, driver.completed_steps) == (3, 1)
+    for n in ("a", "b"):
+        driver.publish_host(n, [9])
+    driver.drain()
+    np.testing.assert_array_equal(p.staging("a", 1), table.gather([9]))
+    np.testing.assert_array_equal(p.staging("b", 1), table.gather([9]))
+    for n in ("a", "b"):
+        got = driver.counters(n).since(base[n])
+        assert (got.armed, got.completed, got.fills, got.eager_fills) == (3, 3, 3, 1)
+    driver.shutdown()
+    with pytest.raises(pm.ClosedError):
+        driver.advance(1)
+    with pytest.raises(pm.ClosedError):
+        p.advance(1, 2)
+
+
+def test_advance_failure_aborts_the_plan_logged_and_typed(
+    table: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    p = _two_table_plan(table)
+    driver = StepDriver(p, depth=1, log=logging.getLogger("test-advance"))
+    driver.advance(2)
+    driver.publish_host("a", [1, ROWS + 3])  # the worker's fill fails: out of range
+    driver.publish_host("b", [1, 2])
+    with caplog.at_level(logging.ERROR, "test-advance"):
+        with pytest.raises(pm.RowIdError):
+            driver.advance(2)  # completing the failed step
+    assert "aborting deferred PLE rows" in caplog.text and "arming a step" in caplog.text
+    # Every table is released, nothing stays armed, later steps are refused.
+    assert all(layer.rows.phase == "poisoned" for layer in p)
+    with pytest.raises(pm.PoisonedError):
+        driver.advance(1)
+    driver.shutdown()
+    # A worker closed under an open plan: typed, and the plan aborts (all or none).
+    q = _two_table_plan(table)
+    q.layers["b"].worker.close()
+    with pytest.raises(pm.ClosedError):
+        q.advance(1, 2)
+    assert q.layers["a"].rows.phase == "poisoned"
+    q.close()
+
+
+def test_advance_waits_for_a_pending_host_publish(table: Any) -> None:
+    p = _worker_plan(table)
+    driver = StepDriver(p, depth=1)
+    known = threading.Event()
+    driver.advance(2)
+    driver.publish_host_later("t", lambda: (known.wait(5), [7, 8])[1])
+    known.set()
+    done = driver.advance(1)  # completes the step once its publish is in (call by call)
+    assert done.completed == 1 and driver.completed_steps == 1
+    np.testing.assert_array_equal(p.staging("t", 2), table.gather([7, 8]))
+    driver.publish_host("t", [4])
+    driver.drain()
+    driver.stop_publisher()
     driver.shutdown()
 
 

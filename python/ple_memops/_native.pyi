@@ -9,6 +9,7 @@ __all__ = [
     "_bench_read_batches",
     "_bench_read_sustained",
     "_raise_kind",
+    "advance_workers",
     "driver_info",
     "error_kinds",
     "probe",

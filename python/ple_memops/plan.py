@@ -42,16 +42,18 @@ from typing import Any
 
 import numpy as np
 
+from . import _native
 from ._common import host_ids, optional_torch, parse_device
 from ._deferred import (
     DeferredRows,
     StagedRows,
     StallSamples,
+    native_rows,
     own_stream,
     probe,
     stamp_arrival,
 )
-from ._worker import GatherWorker, WorkerStats
+from ._worker import GatherWorker, WorkerStats, native_worker
 from .errors import (
     ClosedError,
     InvalidArgumentError,
@@ -120,6 +122,10 @@ class RowsPlan:
         self._layers = {layer.name: layer for layer in layers}
         # Fixed for the plan's life; read on every step (arming, completing, counting).
         self._worker_list = tuple(layer.worker for layer in layers if layer.worker is not None)
+        # Native halves read on every step (advance(), poison_cause): no Python layer
+        # between; dropped at close so they keep nothing alive after it.
+        self._cores = tuple(native_worker(w) for w in self._worker_list)
+        self._rows_cores = tuple((layer.name, native_rows(layer.rows)) for layer in layers)
         self._mode = mode
         self._reason = reason
         self._device = device
@@ -344,6 +350,25 @@ class RowsPlan:
             self.abort(f"begin({n}) failed: {exc!r}")
             raise
 
+    def advance(
+        self, n: int, depth: int, *, eager: bool = False, timeout: float | None = None
+    ) -> tuple[int, int, int]:
+        """:meth:`complete` while ``depth`` or more steps are armed, then :meth:`begin` a
+        step of ``n`` rows, in one native call for every table (a serving loop's step
+        bookkeeping: each call between two engine steps costs cache misses). Returns
+        ``(steps completed, ns completing, ns arming)``. The same all-or-none failure as
+        :meth:`complete` and :meth:`begin`: every table's oldest step is completed even
+        after one fails, then the plan aborts and the first error is raised."""
+        if self._closed:
+            raise ClosedError("plan is closed")
+        try:
+            return _native.advance_workers(
+                self._cores, n, bool(eager), depth, self.timeout if timeout is None else timeout
+            )
+        except BaseException as exc:
+            self.abort(f"advance({n}) failed: {exc!r}")
+            raise
+
     def publish_host(self, name: str, ids: Any, timeout: float | None = None) -> None:
         """Host-known ids (``name``'s table rows of the oldest armed step that has none
         yet) for the table's worker to gather and fill. Call after :meth:`begin`, before
@@ -517,6 +542,7 @@ class RowsPlan:
         if self._closed:
             return
         self._closed = True
+        self._cores, self._rows_cores = (), ()
         pool, self._gather_pool = self._gather_pool, None
         if pool is not None:
             pool.shutdown(wait=True)  # a gather in progress ends (its reads are bounded)
@@ -529,11 +555,12 @@ class RowsPlan:
     @property
     def poison_cause(self) -> str | None:
         """Why a table's rows were poisoned (a failed fill, an abort, the watchdog), or
-        ``None`` while every table is usable. Cheap: one native read a table."""
-        for layer in self._layers.values():
-            cause = layer.rows.poison_cause
+        ``None`` while every table is usable (or the plan is closed). Cheap: one native
+        read a table."""
+        for name, core in self._rows_cores:
+            cause = core.poison_cause
             if cause is not None:
-                return f"{layer.name}: {cause}"
+                return f"{name}: {cause}"
         return None
 
     def stall_samples(self) -> dict[str, StallSamples]:

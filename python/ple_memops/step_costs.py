@@ -105,6 +105,7 @@ where it does not, the GPU's work hides behind the host's and only host time cou
 _ENGINE_LABELS = {"launch": "graph launch", "results": "results wait"}
 
 _KINDS = HOST_KINDS + ENGINE_KINDS
+_INDEX = {kind: i for i, kind in enumerate(_KINDS)}
 
 
 class HostTime:
@@ -114,12 +115,14 @@ class HostTime:
 
     def __init__(self, keep: int = 20_000) -> None:
         self._lock = threading.Lock()
-        self._cur = dict.fromkeys(_KINDS, 0)
+        # By position in _KINDS: a step's sample is a tuple of the list, no per-kind work.
+        self._cur = [0] * len(_KINDS)
         self._steps: deque[tuple[int, ...]] = deque(maxlen=keep)
 
     def add(self, kind: str, ns: int) -> None:
+        i = _INDEX[kind]
         with self._lock:
-            self._cur[kind] += ns
+            self._cur[i] += ns
 
     @contextmanager
     def span(self, kind: str) -> Iterator[None]:
@@ -132,8 +135,8 @@ class HostTime:
 
     def end_step(self) -> None:
         with self._lock:
-            self._steps.append(tuple(self._cur[k] for k in _KINDS))
-            self._cur = dict.fromkeys(_KINDS, 0)
+            self._steps.append(tuple(self._cur))
+            self._cur = [0] * len(_KINDS)
 
     def take(self) -> list[dict[str, int]]:
         """Every step's nanoseconds by hook since the last call, oldest first."""

@@ -17,6 +17,7 @@ step through one driver::
                                                  # when `depth` are armed), then launch;
                                                  # any exception aborts the plan
     driver.arm(n); graph.replay()                # the same in two calls
+    done = driver.advance(n); graph.replay()     # arm(n), timed: (completed, wait_ns, arm_ns)
     driver.publish_host(name, ids)               # host-known ids, before the launch
     driver.publish_host_later(name, ids_of)      # ... or from the driver's publisher
                                                  # thread once ids_of() returns them
@@ -59,14 +60,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from .errors import ClosedError, StateError
 from .settings import DEFAULTS
 
-__all__ = ["PlanLike", "StagedLike", "StepCounters", "StepDriver"]
+__all__ = ["Advanced", "PlanLike", "StagedLike", "StepCounters", "StepDriver"]
 
 
 class StagedLike(Protocol):
@@ -112,6 +114,17 @@ class PlanLike(Protocol):
 
 
 T = TypeVar("T")
+
+
+class Advanced(NamedTuple):
+    """What :meth:`StepDriver.advance` did."""
+
+    completed: int
+    """Steps completed before arming (the oldest, while ``depth`` were armed)."""
+    wait_ns: int
+    """Time completing them (waiting for fills included)."""
+    arm_ns: int
+    """Time arming every table, the rest of the call."""
 
 
 def _mean_us(total_ns: int, n: int) -> float | None:
@@ -232,6 +245,8 @@ class StepDriver:
         self.completed_steps = 0
         self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
         self._publishes: dict[int, concurrent.futures.Future[None]] = {}
+        # The plan's one-call step (RowsPlan.advance), if it has one.
+        self._advance: Callable[..., tuple[int, int, int]] | None = getattr(plan, "advance", None)
 
     # -- state ----------------------------------------------------------------------------
 
@@ -296,6 +311,9 @@ class StepDriver:
         ids the host expects the step to publish (``RowsPlan.begin``). A failure aborts
         the plan."""
         self._check_open()
+        if not expected and self._advance is not None and not self._publishes:
+            self.advance(rows, eager=eager)
+            return
         with self.guard(lambda: f"arming a step of {rows} rows"):
             armed = self.in_flight
             while armed >= self.depth:
@@ -306,6 +324,34 @@ class StepDriver:
             else:
                 self.plan.begin(int(rows), eager=eager)
             self.armed_steps += 1
+
+    def advance(self, rows: int, *, eager: bool = False) -> Advanced:
+        """:meth:`arm` (without expected ids), timed in two parts: completing the oldest
+        steps, then arming. A plan with ``advance`` (:class:`~ple_memops.plan.RowsPlan`)
+        does both in one native call for every table (unless a publish of
+        :meth:`publish_host_later` is pending); any other plan through :meth:`settle` and
+        :meth:`arm`. A failure aborts the plan."""
+        t0 = time.perf_counter_ns()
+        if self._closed:
+            raise ClosedError("the step driver is shut down")
+        fast = self._advance
+        if fast is None or self._publishes:
+            before = self.completed_steps
+            self.settle(self.depth - 1)
+            t1 = time.perf_counter_ns()
+            self.arm(rows, eager=eager)
+            return Advanced(self.completed_steps - before, t1 - t0, time.perf_counter_ns() - t1)
+        # A serving loop's every step: no guard object, no closure (the plan aborts
+        # itself on a failure; this logs it as the driver's guard would).
+        try:
+            completed, wait_ns, _ = fast(rows, self.depth, eager=eager, timeout=self._timeout)
+        except BaseException as exc:
+            self.abort(f"exception in arming a step of {rows} rows: {exc!r}")
+            raise
+        self.completed_steps += completed
+        self.armed_steps += 1
+        # The native call's completing phase; everything else (the call, ours) is arming.
+        return Advanced(completed, wait_ns, time.perf_counter_ns() - t0 - wait_ns)
 
     def launch(self, rows: int, launch: Callable[[], T], *, what: str = "") -> T:
         """:meth:`arm`, then ``launch()`` (the engine's replay); any exception between

@@ -297,28 +297,14 @@ class PleRunnerHooks:
         with self.step(dummy=True):
             yield
 
-    @contextlib.contextmanager
-    def step(self, *, dummy: bool) -> Iterator[None]:
+    def step(self, *, dummy: bool) -> _StepContext:
         """Around one engine step, a FULL replay or an eager (or PIECEWISE) forward. In an
         eager forward the first PLE op completes every pending step (the synchronous
         gather reuses the rows objects), then each PLE op gathers on the host before its
         consumer (``dummy=False``) or publishes no data (``dummy=True``: profile, warm-up
         and dummy runs). A replay inside it is armed as :meth:`replay` says. Any
         exception aborts the plan, so no GPU wait outlives a failed step."""
-        host = self.host
-        t0 = time.perf_counter_ns()
-        scope = _Step(bool(dummy))
-        with self.driver.guard("an engine step"), self._scoped(scope):
-            host.add("step", time.perf_counter_ns() - t0)
-            yield
-            t1 = time.perf_counter_ns()
-            self._end_eager(scope)
-            host.add("step", time.perf_counter_ns() - t1)
-        if self.stats_every is not None:
-            t2 = time.perf_counter_ns()
-            self.log_stats()
-            host.add("stats", time.perf_counter_ns() - t2)
-        host.end_step()
+        return _StepContext(self, bool(dummy))
 
     @contextlib.contextmanager
     def eager(self, *, dummy: bool) -> Iterator[None]:
@@ -345,7 +331,9 @@ class PleRunnerHooks:
         if desc not in self._wait_descs:
             return launch()
         self._check_usable()
-        entry = self._ids_graphs.get(desc)
+        # Only a synchronous plan records ids graphs: no second hash of vLLM's descriptor
+        # (a Python __hash__) on a deferred plan's every replay.
+        entry = self._ids_graphs.get(desc) if self._ids_graphs else None
         if entry is not None:
             return self._replay_sync(desc, entry, launch)
         self._arm(desc, int(desc.num_tokens) * self.rows_per_token)
@@ -744,7 +732,13 @@ class PleRunnerHooks:
 
     def _arm(self, desc: Any, rows: int, expected: dict[str, Any] | None = None) -> None:
         """``driver.arm`` in two parts, each timed on its own: completing the oldest step
-        when ``depth`` are armed (a wait for its fill), then arming."""
+        when ``depth`` are armed (a wait for its fill), then arming. Without expected ids
+        both are the plan's one native call (``driver.advance``)."""
+        if expected is None:
+            done = self.driver.advance(rows)
+            self.host.add("wait", done.wait_ns)
+            self.host.add("arm", done.arm_ns)
+            return
         t0 = time.perf_counter_ns()
         with self.driver.guard(lambda: f"completing a step before the replay of {desc}"):
             self.driver.settle(self.driver.depth - 1)
@@ -754,10 +748,15 @@ class PleRunnerHooks:
         self.host.add("arm", time.perf_counter_ns() - t1)
 
     def _launch(self, desc: Any, launch: Callable[[], T]) -> T:
-        """The replay's launch, timed; an exception in it aborts the plan."""
+        """The replay's launch, timed; an exception in it aborts the plan (as the
+        driver's guard, without building one on every replay)."""
         t0 = time.perf_counter_ns()
-        with self.driver.guard(lambda: f"the replay of {desc}"):
+        try:
             out = launch()
+        except BaseException as exc:
+            if not self.driver.closed:
+                self.driver.abort(f"exception in the replay of {desc}: {exc!r}")
+            raise
         self.host.add("launch", time.perf_counter_ns() - t0)
         return out
 
@@ -852,6 +851,53 @@ class PleRunnerHooks:
         if self._scope is not None:
             raise StateError(f"ple-memops: a {type(self._scope).__name__} scope is already open")
         return _Scoped(self, scope)
+
+
+class _StepContext:
+    """:meth:`PleRunnerHooks.step`'s context (a class, one add a step: entered on every
+    engine step, where each call costs cache misses after the engine's own work)."""
+
+    __slots__ = ("_dummy", "_hooks", "_ns", "_scope")
+
+    def __init__(self, hooks: PleRunnerHooks, dummy: bool) -> None:
+        self._hooks, self._dummy = hooks, dummy
+
+    def __enter__(self) -> None:
+        t0 = time.perf_counter_ns()
+        hooks = self._hooks
+        if hooks._scope is not None:
+            raise StateError(f"ple-memops: a {type(hooks._scope).__name__} scope is already open")
+        self._scope = hooks._scope = _Step(self._dummy)
+        self._ns = time.perf_counter_ns() - t0
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        t1 = time.perf_counter_ns()
+        hooks = self._hooks
+        if exc is None:
+            try:
+                hooks._end_eager(self._scope)
+            except BaseException as err:
+                self._failed(err)
+                raise
+        hooks._scope = None
+        if exc is not None:
+            self._failed(exc)
+            return  # the exception propagates
+        host = hooks.host
+        host.add("step", self._ns + time.perf_counter_ns() - t1)
+        every = hooks.stats_every
+        if every is not None and time.monotonic() - hooks._stats_at >= every:
+            t2 = time.perf_counter_ns()
+            hooks.log_stats()
+            host.add("stats", time.perf_counter_ns() - t2)
+        host.end_step()
+
+    def _failed(self, exc: BaseException) -> None:
+        """As the driver's guard: no GPU wait outlives a failed step."""
+        hooks = self._hooks
+        hooks._scope = None
+        if not hooks.driver.closed:
+            hooks.driver.abort(f"exception in an engine step: {exc!r}")
 
 
 class _Scoped:
