@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,20 @@ def _rows_stats(worker: Any) -> dict[str, Any]:
     }
 
 
+def _serve(
+    llm: LLM, *probes: Callable[[Any], Any]
+) -> tuple[list[list[list[int]]], dict[str, Any], list[Any]]:
+    """The workload's tokens, the rows' statistics and what each of ``probes`` (a
+    function of the worker, by RPC) returned after it; the engine is shut down after."""
+    try:
+        got = _generate(llm)
+        (stats,) = llm.collective_rpc(_rows_stats)
+        extra = [llm.collective_rpc(probe)[0] for probe in probes]
+    finally:
+        close(llm)
+    return got, stats, extra
+
+
 @pytest.fixture(scope="module")
 def reference(checkpoints: dict[str, Path]) -> dict[str, list[list[list[int]]]]:
     """The stock engine's tokens (vLLM's default pinned/UVA tables), BF16 and FP8."""
@@ -173,7 +188,7 @@ def test_tokens_equal_the_stock_engine(
     copy: str,
     lead: int | None,
 ) -> None:
-    got, stats = _serve(
+    got, stats, _ = _serve(
         _engine(checkpoints[kind], backend, async_scheduling=async_scheduling, copy=copy, lead=lead)
     )
     print(f"\n{kind} {backend} async={async_scheduling} copy={copy} lead={lead}: {stats}")
@@ -222,13 +237,7 @@ def test_stall_timing_keeps_the_stock_engines_tokens(
     """The stamps are two more kernels a layer in every graph and eager step: the tokens
     stay the stock engine's, and every layer's stalls were timed, one sample at least per
     armed step, each under the watchdog."""
-    llm = _engine(checkpoints["bf16"], "mmap", time_stalls=True)
-    try:
-        got = _generate(llm)
-        (stats,) = llm.collective_rpc(_rows_stats)
-        (stalls,) = llm.collective_rpc(_stalls)
-    finally:
-        close(llm)
+    got, stats, (stalls,) = _serve(_engine(checkpoints["bf16"], "mmap", time_stalls=True), _stalls)
     print(f"\nstall timing: {stats}\n{stalls}")
     assert_same_tokens(stock_bf16, got)
     assert stats["mode"] == "deferred" and stats["graphs"] == len(SIZES), stats
@@ -256,12 +265,7 @@ def _serve_expecting(
     """The workload's tokens, the rows' statistics and the expected ids' counts of an mmap
     engine with ``setting`` (``expect_prefill`` or ``expect_decode``) on; shut down after."""
     llm = _engine(ckpt, "mmap", async_scheduling=async_scheduling, **{setting: True})
-    try:
-        got = _generate(llm)
-        (stats,) = llm.collective_rpc(_rows_stats)
-        (expected,) = llm.collective_rpc(_expected)
-    finally:
-        close(llm)
+    got, stats, (expected,) = _serve(llm, _expected)
     print(f"\n{setting} async={async_scheduling}: {stats}\n{expected}")
     return got, stats, expected
 
@@ -308,16 +312,6 @@ def test_expected_decode_ids_keep_the_stock_engines_tokens(
         assert counts["expected_rows_wrong"] == 0, (name, counts)
         if not async_scheduling:
             assert counts["expected_rows_early"] > 0, (name, counts)
-
-
-def _serve(llm: LLM) -> tuple[list[list[list[int]]], dict[str, Any]]:
-    """The workload's tokens and the rows' statistics; the engine is shut down after."""
-    try:
-        got = _generate(llm)
-        (stats,) = llm.collective_rpc(_rows_stats)
-    finally:
-        close(llm)
-    return got, stats
 
 
 # KV cache blocks: a few of the tiny model's requests at a time (each holds about two
@@ -390,7 +384,7 @@ def test_a_sync_plan_keeps_full_graphs(
     keeps its FULL decode graphs: each replay is preceded by the ids graph, one host wait
     for the ids, and the parallel gathers; prefills gather with one copy of their ids."""
     monkeypatch.setenv("PLE_MEMOPS_FORCE_SYNC", "1")
-    got, stats = _serve(_engine(checkpoints["bf16"], "mmap"))
+    got, stats, _ = _serve(_engine(checkpoints["bf16"], "mmap"))
     print(f"\nbf16 mmap, synchronous plan: {stats}")
     assert_same_tokens(reference["bf16"], got)
     assert stats["hooks"] and stats["mode"] == "sync", stats
