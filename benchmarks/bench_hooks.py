@@ -4,7 +4,8 @@ Drives ``PleRunnerHooks`` (what vLLM's model runner calls) the way a serving loo
 steady decode load does, on a plan of gather workers that fill host rows: each step opens
 the step's scope, replays a FULL graph (``replay``: completing the oldest armed step,
 arming every table, the "launch", which here publishes the step's ids from the host as
-the GPU would), checks for failures before the output is handed out, then the host does
+the GPU would), hands the output out (``hand_out``, as vLLM's ``get_output`` under
+asynchronous scheduling: the failure check, timed beside the engine's wait), then the host does
 the engine's own work until ``--gap-us`` have passed. That work evicts our code and data
 from the caches, as vLLM's step does between our hooks: ``--between evict`` (the default)
 reads a buffer larger than the last-level cache (its size from sysfs); ``--between
@@ -22,7 +23,7 @@ calls', on this CPU, mostly in cache misses once evicted. It prints the table; i
 nothing.
 
     python3 benchmarks/bench_hooks.py [--steps 3000] [--repeats 3] [--tokens 64 \
-        --row-bytes 15360] [--publish-at next-step] [--between sleep]
+        --row-bytes 15360] [--publish-at next-step] [--between sleep] [--evict-mib 96]
 """
 
 from __future__ import annotations
@@ -92,12 +93,13 @@ def llc_bytes() -> int:
 
 class Between:
     """The engine's work between two steps: ``evict`` reads one byte a cache line of a
-    buffer twice the last-level cache (numpy, so it takes little of the gap), then
-    sleeps out the gap; ``sleep`` only sleeps."""
+    buffer (twice the last-level cache unless ``evict_bytes``; numpy, so it takes little
+    of the gap), then sleeps out the gap; ``sleep`` only sleeps."""
 
-    def __init__(self, how: str, gap_us: float) -> None:
+    def __init__(self, how: str, gap_us: float, evict_bytes: int | None = None) -> None:
         self.gap = gap_us / 1e6
-        self.buf = np.ones(2 * llc_bytes(), dtype=np.uint8) if how == "evict" else None
+        size = 2 * llc_bytes() if evict_bytes is None else evict_bytes
+        self.buf = np.ones(size, dtype=np.uint8) if how == "evict" else None
 
     def __call__(self) -> None:
         t0 = time.perf_counter()
@@ -116,6 +118,7 @@ def run(
     row_bytes: int = 512,
     publish_at: str = "launch",
     between: str = "evict",
+    evict_bytes: int | None = None,
 ) -> dict[str, tuple[float, float]]:
     with tempfile.TemporaryDirectory() as tmp:
         hooks, opened = build(Path(tmp), tables, tokens, row_bytes)
@@ -132,7 +135,7 @@ def run(
         # checks the step before); "next-step": the GPU reaches it as the host prepares the
         # next one (the worker gathers while the host arms that one).
         launch = publish if publish_at == "launch" else (lambda: None)
-        engine_work = Between(between, gap_us)
+        engine_work = Between(between, gap_us, evict_bytes)
         try:
             hooks.host.take()
             for k in range(steps):
@@ -140,7 +143,7 @@ def run(
                     publish()
                 with hooks.step(dummy=False):
                     hooks.replay(desc, launch)
-                hooks.raise_if_failed()
+                hooks.hand_out(lambda: None)  # async scheduling's get_output
                 engine_work()
             if publish_at == "next-step":
                 publish()
@@ -172,6 +175,13 @@ def main() -> None:
         help="the engine's work between steps: evict the caches (as vLLM's step does), or "
         "only sleep (our working set stays cached)",
     )
+    p.add_argument(
+        "--evict-mib",
+        type=int,
+        default=None,
+        help="MiB read between steps with --between evict (default: twice the last-level "
+        "cache; a host with a 300 MiB one spends ~10 ms a step on that)",
+    )
     p.add_argument("--tables", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     p.add_argument("--tokens", type=int, default=8, help="rows a step (one a token)")
     p.add_argument(
@@ -192,10 +202,18 @@ def main() -> None:
     if args.tokens < 1 or args.row_bytes < 2 or args.row_bytes % 2:
         p.error("--tokens must be >= 1 and --row-bytes a positive even number")
     kinds = ("total", "step", "arm", "wait", "check")
+    evict = None if args.evict_mib is None else args.evict_mib << 20
+    read = (2 * llc_bytes() if evict is None else evict) >> 20
+    try:
+        clock = Path("/sys/devices/system/clocksource/clocksource0/current_clocksource")
+        source = clock.read_text().strip()
+    except OSError:
+        source = "unknown"
     print(
         f"host us per engine step, p50 / p99 over {args.steps} steps of {args.tokens} rows "
         f"of {args.row_bytes} B ({args.gap_us:.0f} us between steps, "
-        f"{'the caches evicted' if args.between == 'evict' else 'asleep'})\n"
+        f"{f'{read} MiB read' if args.between == 'evict' else 'asleep'}; last-level cache "
+        f"{llc_bytes() >> 20} MiB, clock source {source})\n"
     )
     print("| tables | repeat | " + " | ".join(kinds) + " |")
     print("|---|---|" + "---|" * len(kinds))
@@ -203,7 +221,7 @@ def main() -> None:
         for n in args.tables:
             got = run(
                 n, args.steps, args.gap_us, args.tokens, args.row_bytes, args.publish_at,
-                args.between,
+                args.between, evict,
             )  # fmt: skip
             cells = " | ".join(f"{got[k][0]:.1f} / {got[k][1]:.1f}" for k in kinds)
             print(f"| {n} | {r + 1} | {cells} |", flush=True)

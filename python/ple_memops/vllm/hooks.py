@@ -213,6 +213,7 @@ class PleRunnerHooks:
         self.stats_every = stats_every
         self.host = HostTime()
         self._stats_at = time.monotonic()
+        self._stats_at_ns = time.perf_counter_ns()  # the same instant, for step()'s check
         self._stats_base: tuple[int, int, int, dict[str, Any]] | None = None
         if stats_every is not None:
             self._stats_base = self._stats_now()
@@ -395,6 +396,7 @@ class PleRunnerHooks:
             + (f"; GPU stall per step: {stalls}" if stalls else "")
         )
         self._stats_at, self._stats_base = now, current
+        self._stats_at_ns = time.perf_counter_ns()
         logger.info("%s", line)
         return line
 
@@ -514,8 +516,13 @@ class PleRunnerHooks:
         :data:`~ple_memops.step_costs.ENGINE_KINDS`), then :meth:`raise_if_failed`."""
         t0 = time.perf_counter_ns()
         result = get_output()
-        self.host.add("results", time.perf_counter_ns() - t0)
-        self.raise_if_failed()
+        t1 = time.perf_counter_ns()  # the results' end and the check's start: one read
+        host = self.host
+        host.add("results", t1 - t0)
+        try:
+            self.driver.raise_if_failed()
+        finally:
+            host.add("check", time.perf_counter_ns() - t1)
         return result
 
     def drain_for_shutdown(self) -> None:
@@ -884,10 +891,11 @@ class _StepContext:
             self._failed(exc)
             return  # the exception propagates
         host = hooks.host
-        host.add("step", self._ns + time.perf_counter_ns() - t1)
+        t2 = time.perf_counter_ns()
+        host.add("step", self._ns + t2 - t1)
+        # The stats line's interval on the same clock read (perf_counter's ns).
         every = hooks.stats_every
-        if every is not None and time.monotonic() - hooks._stats_at >= every:
-            t2 = time.perf_counter_ns()
+        if every is not None and t2 - hooks._stats_at_ns >= every * 1e9:
             hooks.log_stats()
             host.add("stats", time.perf_counter_ns() - t2)
         host.end_step()
