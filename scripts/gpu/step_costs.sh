@@ -30,6 +30,10 @@
 #                  bash scripts/gpu/detached.sh start solo env PART=solo bash scripts/gpu/step_costs.sh
 #                  bash scripts/gpu/detached.sh collect solo 540   # again until exit 0
 #   PART=solo4   the same on the bench's default model (24 layers, four 1 GiB tables)
+#   PART=hostcost our hooks' host time a step without vLLM (benchmarks/bench_hooks.py) on
+#                this host's CPU: caches evicted by 96 MiB and by twice the L3 between
+#                steps, then asleep; one and four tables (~2 min); the clock source and
+#                the CPU in $OUT/hostcost_env.txt
 #
 # The two server sets cannot share the GPU: three GPU-table servers hold 3 x 37 GiB.
 set -uo pipefail
@@ -43,7 +47,18 @@ LOAD=(--kv-cache-gib 6 --concurrency 64 --requests 256 --mixed-long 0 --repeats 
       --start-timeout 300 --load-timeout 60)
 SOLO=(--kv-cache-gib 6 --solo --time-graphs --backends gpu-plugin,mmap,gpu-plugin-b,uva
       --ref gpu-plugin --repeats "${REPEATS:-5}")
-case "${PART:?PART=checks|gpu|mmap|decode|results|solo|solo4}" in
+case "${PART:?PART=checks|gpu|mmap|decode|results|solo|solo4|hostcost}" in
+hostcost)
+    { lscpu | grep -E "Model name|L2|L3"
+      echo "clock source: $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource)"
+    } | tee "$OUT/hostcost_env.txt"
+    for between in "--evict-mib 96" "" "--between sleep"; do
+        echo "== bench_hooks ${between:-evicting twice the L3}"
+        # shellcheck disable=SC2086
+        timeout 150 python3 benchmarks/bench_hooks.py --steps 600 --repeats 2 $between 2>&1 \
+            | tail -5
+    done | tee "$OUT/hostcost.txt"
+    ;;
 checks)
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
     (cd /tmp && timeout 300 python3 -m pytest "$R/tests/test_stall_gpu.py" \
