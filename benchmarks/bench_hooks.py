@@ -23,7 +23,8 @@ calls', on this CPU, mostly in cache misses once evicted. It prints the table; i
 nothing.
 
     python3 benchmarks/bench_hooks.py [--steps 3000] [--repeats 3] [--tokens 64 \
-        --row-bytes 15360] [--publish-at next-step] [--between sleep] [--evict-mib 96]
+        --row-bytes 15360] [--publish-at next-step] [--between sleep] [--evict-mib 96] \
+        [--native-split]
 """
 
 from __future__ import annotations
@@ -119,9 +120,23 @@ def run(
     publish_at: str = "launch",
     between: str = "evict",
     evict_bytes: int | None = None,
+    native_split: bool = False,
 ) -> dict[str, tuple[float, float]]:
     with tempfile.TemporaryDirectory() as tmp:
         hooks, opened = build(Path(tmp), tables, tokens, row_bytes)
+        native: list[tuple[int, int, int]] = []
+        if native_split:
+            # The plan's one native call, its own phases recorded (one Python frame more
+            # in `arm`): what of `arm` and `wait` is the native call's.
+            advance = hooks.driver._advance
+            assert advance is not None
+
+            def recorded(*a: Any, **kw: Any) -> tuple[int, int, int]:
+                got = advance(*a, **kw)
+                native.append(got)
+                return got
+
+            hooks.driver._advance = recorded
         desc = Descriptor("FULL", tokens, tokens, 1)
         hooks._wait_descs.add(desc)  # as a capture of this size would have
         names = list(hooks.plan.layers)
@@ -160,6 +175,10 @@ def run(
               for s in samples]  # fmt: skip
         us.sort()
         out[kind] = (statistics.median(us), us[min(len(us) - 1, int(0.99 * len(us)))])
+    for i, kind in ((1, "native wait"), (2, "native arm")):
+        if native:
+            us = sorted(n[i] / 1e3 for n in native)
+            out[kind] = (statistics.median(us), us[min(len(us) - 1, int(0.99 * len(us)))])
     return out
 
 
@@ -174,6 +193,12 @@ def main() -> None:
         default="evict",
         help="the engine's work between steps: evict the caches (as vLLM's step does), or "
         "only sleep (our working set stays cached)",
+    )
+    p.add_argument(
+        "--native-split",
+        action="store_true",
+        help="also the plan's one native call's own phases (completing, arming), as the "
+        "native code timed them",
     )
     p.add_argument(
         "--evict-mib",
@@ -201,7 +226,9 @@ def main() -> None:
     args = p.parse_args()
     if args.tokens < 1 or args.row_bytes < 2 or args.row_bytes % 2:
         p.error("--tokens must be >= 1 and --row-bytes a positive even number")
-    kinds = ("total", "step", "arm", "wait", "check")
+    kinds: tuple[str, ...] = ("total", "step", "arm", "wait", "check")
+    if args.native_split:
+        kinds += ("native wait", "native arm")
     evict = None if args.evict_mib is None else args.evict_mib << 20
     read = (2 * llc_bytes() if evict is None else evict) >> 20
     try:
@@ -221,7 +248,7 @@ def main() -> None:
         for n in args.tables:
             got = run(
                 n, args.steps, args.gap_us, args.tokens, args.row_bytes, args.publish_at,
-                args.between, evict,
+                args.between, evict, args.native_split,
             )  # fmt: skip
             cells = " | ".join(f"{got[k][0]:.1f} / {got[k][1]:.1f}" for k in kinds)
             print(f"| {n} | {r + 1} | {cells} |", flush=True)

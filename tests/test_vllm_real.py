@@ -299,7 +299,7 @@ def test_the_runner_times_the_engines_wait_for_a_steps_results(
 
     from vllm.v1.worker.gpu import model_runner as vllm_model_runner
 
-    from ple_memops.step_costs import GraphClock
+    from ple_memops.step_costs import GraphClock, HostTime
     from ple_memops.vllm.runner import GraphTimesLog, PleGPUModelRunner
 
     class Output:  # vLLM's AsyncOutput: the step still runs on the GPU
@@ -326,8 +326,12 @@ def test_the_runner_times_the_engines_wait_for_a_steps_results(
         handed.append(out)
         return out
 
-    runner.ple_rows = SimpleNamespace(hand_out=hand_out)  # type: ignore[assignment]
+    host = HostTime()
+    runner.ple_rows = SimpleNamespace(hand_out=hand_out, host=host)  # type: ignore[assignment]
     assert runner.sample_tokens(None).get_output() == "tokens" and handed == ["tokens"]
+    host.end_step()
+    (ours,) = host.take()  # the runner's wrapping of the output, counted as the check
+    assert ours["check"] > 0 and ours["results"] == 0
     clock.around(lambda: None)
     times = clock.summary()
     assert times is not None and times.results_us is not None
