@@ -55,7 +55,8 @@ hostcost)
     for between in "--evict-mib 96" "" "--between sleep"; do
         echo "== bench_hooks ${between:-evicting twice the L3}"
         # shellcheck disable=SC2086
-        timeout 150 python3 benchmarks/bench_hooks.py --steps 600 --repeats 2 $between 2>&1 \
+        timeout 150 python3 benchmarks/bench_hooks.py --steps 600 --repeats 2 --native-split \
+            $between 2>&1 \
             | tail -5
     done | tee "$OUT/hostcost.txt"
     ;;
