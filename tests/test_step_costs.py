@@ -90,6 +90,12 @@ def test_host_time_per_step_by_hook() -> None:
     )
     with pytest.raises(KeyError):
         h.add("sleep", 1)
+    # Closing a step can count a last part of it in the same call.
+    h.add("arm", 1000)
+    h.end_step("step", 4000)
+    h.end_step()
+    first, second = h.take()
+    assert (first["arm"], first["step"]) == (1000, 4000) and not any(second.values())
 
 
 def test_stall_timing_off_a_gpu_times_nothing() -> None:

@@ -134,9 +134,13 @@ class HostTime:
         finally:
             self.add(kind, time.perf_counter_ns() - t0)
 
-    def end_step(self) -> None:
+    def end_step(self, kind: str | None = None, ns: int = 0) -> None:
+        """Close the step's sample (adding ``ns`` to ``kind`` first, in the same call)."""
         with self._lock:
-            self._steps.append(tuple(self._cur))
+            cur = self._cur
+            if kind is not None:
+                cur[_INDEX[kind]] += ns
+            self._steps.append(tuple(cur))
             self._cur = [0] * len(_KINDS)
 
     def take(self) -> list[dict[str, int]]:

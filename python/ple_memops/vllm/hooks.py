@@ -305,7 +305,7 @@ class PleRunnerHooks:
         consumer (``dummy=False``) or publishes no data (``dummy=True``: profile, warm-up
         and dummy runs). A replay inside it is armed as :meth:`replay` says. Any
         exception aborts the plan, so no GPU wait outlives a failed step."""
-        return _StepContext(self, bool(dummy))
+        return _StepContext(self, bool(dummy), time.perf_counter_ns())
 
     @contextlib.contextmanager
     def eager(self, *, dummy: bool) -> Iterator[None]:
@@ -320,6 +320,7 @@ class PleRunnerHooks:
         (so under async scheduling the host never waits for a fill here). Any exception
         between arming and the launch aborts the plan (the GPU is released, later calls
         raise :class:`~ple_memops.PoisonedError`)."""
+        t0 = time.perf_counter_ns()
         scope = self._scope
         if isinstance(scope, _Step) and scope.prearmed is not None:
             armed, scope.prearmed = scope.prearmed, None
@@ -337,7 +338,12 @@ class PleRunnerHooks:
         entry = self._ids_graphs.get(desc) if self._ids_graphs else None
         if entry is not None:
             return self._replay_sync(desc, entry, launch)
-        self._arm(desc, int(desc.num_tokens) * self.rows_per_token)
+        _, wait_ns, _ = self.driver.advance(int(desc.num_tokens) * self.rows_per_token)
+        # Ours from the replay's first line (its checks, the descriptor's hash, the
+        # driver's call), less the wait for the oldest step's fill: a cold call pays its
+        # first misses before a timer read further in would start.
+        self.host.add("wait", wait_ns)
+        self.host.add("arm", time.perf_counter_ns() - t0 - wait_ns)
         out = self._launch(desc, launch)
         if self.stats_every is not None and not isinstance(self._scope, _Step):
             self.log_stats()  # a replay outside step(): step() checks its own at its end
@@ -738,14 +744,10 @@ class PleRunnerHooks:
         return True
 
     def _arm(self, desc: Any, rows: int, expected: dict[str, Any] | None = None) -> None:
-        """``driver.arm`` in two parts, each timed on its own: completing the oldest step
-        when ``depth`` are armed (a wait for its fill), then arming. Without expected ids
-        both are the plan's one native call (``driver.advance``)."""
-        if expected is None:
-            done = self.driver.advance(rows)
-            self.host.add("wait", done.wait_ns)
-            self.host.add("arm", done.arm_ns)
-            return
+        """``driver.arm`` with the ids the host expects, in two parts, each timed on its
+        own: completing the oldest step when ``depth`` are armed (a wait for its fill),
+        then arming. (A replay without expected ids arms in one native call:
+        ``driver.advance``.)"""
         t0 = time.perf_counter_ns()
         with self.driver.guard(lambda: f"completing a step before the replay of {desc}"):
             self.driver.settle(self.driver.depth - 1)
@@ -866,11 +868,12 @@ class _StepContext:
 
     __slots__ = ("_dummy", "_hooks", "_ns", "_scope")
 
-    def __init__(self, hooks: PleRunnerHooks, dummy: bool) -> None:
-        self._hooks, self._dummy = hooks, dummy
+    def __init__(self, hooks: PleRunnerHooks, dummy: bool, t0: int) -> None:
+        # t0: read first thing in step(), so the context's making counts too.
+        self._hooks, self._dummy, self._ns = hooks, dummy, t0
 
     def __enter__(self) -> None:
-        t0 = time.perf_counter_ns()
+        t0 = self._ns
         hooks = self._hooks
         if hooks._scope is not None:
             raise StateError(f"ple-memops: a {type(hooks._scope).__name__} scope is already open")
@@ -892,13 +895,12 @@ class _StepContext:
             return  # the exception propagates
         host = hooks.host
         t2 = time.perf_counter_ns()
-        host.add("step", self._ns + t2 - t1)
         # The stats line's interval on the same clock read (perf_counter's ns).
         every = hooks.stats_every
         if every is not None and t2 - hooks._stats_at_ns >= every * 1e9:
             hooks.log_stats()
             host.add("stats", time.perf_counter_ns() - t2)
-        host.end_step()
+        host.end_step("step", self._ns + t2 - t1)
 
     def _failed(self, exc: BaseException) -> None:
         """As the driver's guard: no GPU wait outlives a failed step."""
