@@ -129,8 +129,8 @@ def test_advance_completes_at_depth_then_arms_every_table_timed(table: Any, nati
     for n, ids in (("a", [3, 4, 5]), ("b", [6, 7, 8])):
         driver.publish_host(n, ids)
     done.append(driver.advance(1, eager=True))  # depth reached: the oldest completes first
-    assert [d.completed for d in done] == [0, 0, 1]
-    assert all(d.wait_ns >= 0 and d.arm_ns > 0 for d in done)
+    assert [completed for completed, _, _ in done] == [0, 0, 1]
+    assert all(wait_ns >= 0 and arm_ns > 0 for _, wait_ns, arm_ns in done)
     assert driver.in_flight == 2 and (driver.armed_steps, driver.completed_steps) == (3, 1)
     for n in ("a", "b"):
         driver.publish_host(n, [9])
@@ -181,7 +181,7 @@ def test_advance_waits_for_a_pending_host_publish(table: Any) -> None:
     driver.publish_host_later("t", lambda: (known.wait(5), [7, 8])[1])
     known.set()
     done = driver.advance(1)  # completes the step once its publish is in (call by call)
-    assert done.completed == 1 and driver.completed_steps == 1
+    assert done[0] == 1 and driver.completed_steps == 1
     np.testing.assert_array_equal(p.staging("t", 2), table.gather([7, 8]))
     driver.publish_host("t", [4])
     driver.drain()

@@ -675,6 +675,30 @@ def test_a_sync_plan_keeps_full_graphs(
     assert not hk.wait_descs and hk.build_ids_graphs() == 0
 
 
+def test_released_graphs_replay_unarmed_even_the_last_one_replayed(
+    capturing: list[bool],
+) -> None:
+    """The hooks remember the last descriptor they armed for (vLLM replays the captured
+    objects themselves): once the engine drops its graphs, that very object replays
+    unarmed, and a capture of it records it again."""
+    names = ["a", "b"]
+    plan, hk, mgr = _captured(names, (4,), capturing)
+    desc = next(iter(hk.wait_descs))
+    _replay(hk, mgr, desc)
+    _replay(hk, mgr, desc)  # the same object again: armed again
+    assert plan.log == ["begin 8", "begin 8"]
+    hk.release_graphs()
+    plan.log.clear()
+    assert _replay(hk, mgr, desc) == "out4" and plan.log == []  # not armed
+    _capture(hk, mgr, desc, capturing, lambda: _forward(hk, names, 4))
+    plan.log.clear()
+    _replay(hk, mgr, desc)
+    assert plan.log == ["begin 8"]
+    hk.shutdown()  # forgets every graph too: a replay after it is the engine's own
+    plan.log.clear()
+    assert _replay(hk, mgr, desc) == "out4" and plan.log == []
+
+
 def test_capture_checks(capturing: list[bool]) -> None:
     plan = RecordingPlan(["a", "b"])
     hk = PleRunnerHooks(plan, rows_per_token=2)

@@ -63,12 +63,12 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from .errors import ClosedError, StateError
 from .settings import DEFAULTS
 
-__all__ = ["Advanced", "PlanLike", "StagedLike", "StepCounters", "StepDriver"]
+__all__ = ["PlanLike", "StagedLike", "StepCounters", "StepDriver"]
 
 
 class StagedLike(Protocol):
@@ -114,17 +114,6 @@ class PlanLike(Protocol):
 
 
 T = TypeVar("T")
-
-
-class Advanced(NamedTuple):
-    """What :meth:`StepDriver.advance` did."""
-
-    completed: int
-    """Steps completed before arming (the oldest, while ``depth`` were armed)."""
-    wait_ns: int
-    """Time completing them (waiting for fills included)."""
-    arm_ns: int
-    """Time arming every table, the rest of the call."""
 
 
 def _mean_us(total_ns: int, n: int) -> float | None:
@@ -325,12 +314,14 @@ class StepDriver:
                 self.plan.begin(int(rows), eager=eager)
             self.armed_steps += 1
 
-    def advance(self, rows: int, *, eager: bool = False) -> Advanced:
-        """:meth:`arm` (without expected ids), timed in two parts: completing the oldest
-        steps, then arming. A plan with ``advance`` (:class:`~ple_memops.plan.RowsPlan`)
-        does both in one native call for every table (unless a publish of
-        :meth:`publish_host_later` is pending); any other plan through :meth:`settle` and
-        :meth:`arm`. A failure aborts the plan."""
+    def advance(self, rows: int, *, eager: bool = False) -> tuple[int, int, int]:
+        """:meth:`arm` (without expected ids), timed in two parts: returns ``(steps
+        completed, ns completing them, ns arming)``, the arming being the rest of the
+        call. A plan with ``advance`` (:class:`~ple_memops.plan.RowsPlan`) does both in one
+        native call for every table (unless a publish of :meth:`publish_host_later` is
+        pending); any other plan through :meth:`settle` and :meth:`arm`. A failure aborts
+        the plan. (A plain tuple: a serving loop calls this every step, and building a
+        named tuple cold costs microseconds.)"""
         t0 = time.perf_counter_ns()
         if self._closed:
             raise ClosedError("the step driver is shut down")
@@ -340,7 +331,7 @@ class StepDriver:
             self.settle(self.depth - 1)
             t1 = time.perf_counter_ns()
             self.arm(rows, eager=eager)
-            return Advanced(self.completed_steps - before, t1 - t0, time.perf_counter_ns() - t1)
+            return (self.completed_steps - before, t1 - t0, time.perf_counter_ns() - t1)
         # A serving loop's every step: no guard object, no closure (the plan aborts
         # itself on a failure; this logs it as the driver's guard would).
         try:
@@ -351,7 +342,7 @@ class StepDriver:
         self.completed_steps += completed
         self.armed_steps += 1
         # The native call's completing phase; everything else (the call, ours) is arming.
-        return Advanced(completed, wait_ns, time.perf_counter_ns() - t0 - wait_ns)
+        return (completed, wait_ns, time.perf_counter_ns() - t0 - wait_ns)
 
     def launch(self, rows: int, launch: Callable[[], T], *, what: str = "") -> T:
         """:meth:`arm`, then ``launch()`` (the engine's replay); any exception between

@@ -200,6 +200,10 @@ class PleRunnerHooks:
         self.rows_per_token = int(rows_per_token)
         self._scope: _Capture | _SyncCapture | _NoDefer | _Step | None = None
         self._wait_descs: set[Any] = set()
+        # The last replayed descriptor found in _wait_descs, held so that `is` is exact:
+        # vLLM replays the captured descriptor objects themselves, so a run of one batch
+        # size skips the dataclass's Python __hash__ (and its enum's) on every replay.
+        self._last_wait_desc: Any = None
         self.sync_graphs = bool(sync_graphs)
         self._ids_graphs: dict[Any, _IdsGraph] = {}
         self._ids_buffers: dict[str, Any] = {}
@@ -330,14 +334,17 @@ class PleRunnerHooks:
                     f"replayed {desc}"
                 )
             return self._launch(desc, launch)
-        if desc not in self._wait_descs:
-            return launch()
-        self._check_usable()
+        if desc is not self._last_wait_desc:
+            if desc not in self._wait_descs:
+                return launch()
+            self._last_wait_desc = desc
         # Only a synchronous plan records ids graphs: no second hash of vLLM's descriptor
         # (a Python __hash__) on a deferred plan's every replay.
         entry = self._ids_graphs.get(desc) if self._ids_graphs else None
         if entry is not None:
+            self._check_usable()
             return self._replay_sync(desc, entry, launch)
+        # (Closed hooks: the driver raises ClosedError.)
         _, wait_ns, _ = self.driver.advance(int(desc.num_tokens) * self.rows_per_token)
         # Ours from the replay's first line (its checks, the descriptor's hash, the
         # driver's call), less the wait for the oldest step's fill: a cold call pays its
@@ -490,6 +497,7 @@ class PleRunnerHooks:
         graphs wait for rows (a later capture records them again)."""
         self.quiesce()
         self._wait_descs.clear()
+        self._last_wait_desc = None
         self._ids_graphs.clear()
 
     def quiesce(self) -> None:
@@ -547,6 +555,7 @@ class PleRunnerHooks:
                 self.log_stats(force=True)
         self.driver.shutdown()
         self._wait_descs.clear()
+        self._last_wait_desc = None
         self._ids_graphs.clear()
 
     # -- the PLE op -------------------------------------------------------------------
