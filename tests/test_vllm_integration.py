@@ -953,9 +953,7 @@ def test_exception_in_eager_step_aborts() -> None:
     assert plan.poisoned is not None and "kernel failed" in plan.poisoned
 
 
-def test_a_step_is_one_scope_at_a_time_timed_once_and_its_failures_abort(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_step_is_one_scope_at_a_time_timed_once_and_its_failures_abort() -> None:
     plan = RecordingPlan(["a"])
     hk = PleRunnerHooks(plan, rows_per_token=2)
     with hk.step(dummy=False):
@@ -964,16 +962,12 @@ def test_a_step_is_one_scope_at_a_time_timed_once_and_its_failures_abort(
     (step,) = hk.host.take()  # one sample a step, the opening and the end in one
     assert step["step"] > 0 and plan.poisoned is None
 
-    # A failure at the step's end (an eager forward's checks) aborts, and the next step
-    # opens (the scope was closed) but its arming is refused.
-    def fail(scope: object) -> None:
-        raise StateError("a layer never joined")
-
-    monkeypatch.setattr(hk, "_end_eager", fail)
-    with pytest.raises(StateError, match="never joined"), hk.step(dummy=False):
-        pass
-    assert plan.poisoned is not None and "never joined" in plan.poisoned
-    monkeypatch.undo()
+    # A failure at the step's end (its checks: here a FULL graph armed early that never
+    # ran) aborts, and the next step opens (the scope was closed) but its arming is
+    # refused.
+    with pytest.raises(StateError, match="which never ran"), hk.step(dummy=False):
+        hk._scope.prearmed = Desc(FULL, 4)  # type: ignore[union-attr]
+    assert plan.poisoned is not None and "never ran" in plan.poisoned
     with pytest.raises(PoisonedError), hk.step(dummy=False):
         plan.begin(2)
 

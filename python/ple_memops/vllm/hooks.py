@@ -143,24 +143,31 @@ class _NoDefer:
     why: str
 
 
-@dataclass
 class _Step:
-    dummy: bool
-    # A synchronous plan's eager forward: the layers staged and not yet gathered (ids,
-    # the op's output), all gathered at once, in parallel, when the first consumer needs
-    # rows; then the layers gathered and not yet joined (the op's output, rows).
-    pending: dict[str, tuple[Any, Any]] = field(default_factory=dict)
-    ready: dict[str, tuple[Any, int]] = field(default_factory=dict)
-    # An eager forward of a deferring plan: the step's extent once begun, and per layer
-    # the side stream its wait/copy runs on (with the ids it publishes, held until join).
-    rows: int | None = None
-    staged: set[str] = field(default_factory=set)
-    forks: dict[str, StagedLike] = field(default_factory=dict)
-    # Per layer, the ids the host expects this step's forward to publish (:meth:`expect`),
-    # given to the step's arming; None once used.
-    expected: dict[str, Any] | None = None
-    # The FULL graph this step armed before its replay (:meth:`prearm`), until replayed.
-    prearmed: Any = None
+    """An engine step's scope (one a step: a class with slots and literal containers, no
+    dataclass's generated ``__init__`` and factory calls)."""
+
+    __slots__ = ("dummy", "expected", "forks", "pending", "prearmed", "ready", "rows", "staged")
+
+    def __init__(self, dummy: bool) -> None:
+        self.dummy = dummy
+        # A synchronous plan's eager forward: the layers staged and not yet gathered (ids,
+        # the op's output), all gathered at once, in parallel, when the first consumer
+        # needs rows; then the layers gathered and not yet joined (the op's output, rows).
+        self.pending: dict[str, tuple[Any, Any]] = {}
+        self.ready: dict[str, tuple[Any, int]] = {}
+        # An eager forward of a deferring plan: the step's extent once begun, and per
+        # layer the side stream its wait/copy runs on (with the ids it publishes, held
+        # until join).
+        self.rows: int | None = None
+        self.staged: set[str] = set()
+        self.forks: dict[str, StagedLike] = {}
+        # Per layer, the ids the host expects this step's forward to publish
+        # (:meth:`PleRunnerHooks.expect`), given to the step's arming; None once used.
+        self.expected: dict[str, Any] | None = None
+        # The FULL graph this step armed before its replay (:meth:`prearm`), until
+        # replayed.
+        self.prearmed: Any = None
 
 
 class PleRunnerHooks:
@@ -892,9 +899,13 @@ class _StepContext:
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         t1 = time.perf_counter_ns()
         hooks = self._hooks
-        if exc is None:
+        scope = self._scope
+        # A replay's step has nothing to end: no frame for it (the common case).
+        if exc is None and (
+            scope.pending or scope.ready or scope.prearmed is not None or scope.rows is not None
+        ):
             try:
-                hooks._end_eager(self._scope)
+                hooks._end_eager(scope)
             except BaseException as err:
                 self._failed(err)
                 raise
