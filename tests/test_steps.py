@@ -140,6 +140,18 @@ def test_advance_completes_at_depth_then_arms_every_table_timed(table: Any, nati
     for n in ("a", "b"):
         got = driver.counters(n).since(base[n])
         assert (got.armed, got.completed, got.fills, got.eager_fills) == (3, 3, 3, 1)
+    # Bad arguments raise typed and lose nothing: the armed step stays, the plan usable.
+    driver.advance(2)
+    for rows in (0, -1, 9):
+        with pytest.raises(pm.RowShapeError, match=r"1\.\.=8 rows"):
+            p.advance(rows, 2)
+    with pytest.raises(pm.InvalidArgumentError, match="depth"):
+        p.advance(2, 0)
+    assert p.poison_cause is None and driver.in_flight == 1
+    for n in ("a", "b"):
+        driver.publish_host(n, [4, 5])
+    driver.drain()
+    np.testing.assert_array_equal(p.staging("a", 2), table.gather([4, 5]))
     driver.shutdown()
     with pytest.raises(pm.ClosedError):
         driver.advance(1)

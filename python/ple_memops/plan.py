@@ -126,6 +126,7 @@ class RowsPlan:
         # between; dropped at close so they keep nothing alive after it.
         self._cores = tuple(native_worker(w) for w in self._worker_list)
         self._rows_cores = tuple((layer.name, native_rows(layer.rows)) for layer in layers)
+        self._max_rows = min((layer.rows.max_rows for layer in layers), default=0)
         self._mode = mode
         self._reason = reason
         self._device = device
@@ -358,9 +359,15 @@ class RowsPlan:
         bookkeeping: each call between two engine steps costs cache misses). Returns
         ``(steps completed, ns completing, ns arming)``. The same all-or-none failure as
         :meth:`complete` and :meth:`begin`: every table's oldest step is completed even
-        after one fails, then the plan aborts and the first error is raised."""
+        after one fails, then the plan aborts and the first error is raised. Bad
+        arguments (a row count out of ``1..=max_rows``, ``depth`` below 1) raise before
+        anything is completed or armed, and abort nothing."""
         if self._closed:
             raise ClosedError("plan is closed")
+        if not 0 < n <= self._max_rows:
+            raise RowShapeError(f"a step has 1..={self._max_rows} rows, got {n!r}")
+        if not depth >= 1:
+            raise InvalidArgumentError(f"depth must be at least 1 step, got {depth!r}")
         try:
             return _native.advance_workers(
                 self._cores, n, bool(eager), depth, self.timeout if timeout is None else timeout

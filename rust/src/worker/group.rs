@@ -26,7 +26,8 @@ pub struct Advanced {
 /// arm every worker for a step of `rows` rows (`eager`: an eager forward's step, see
 /// [`GatherWorker::begin_eager`]).
 ///
-/// A step the worker has filled completes without blocking; one it has not is left to
+/// A row count out of any worker's range or a zero `depth` is refused before anything
+/// is completed or armed. A step the worker has filled completes without blocking; one it has not is left to
 /// `wait_for` (which calls [`GatherWorker::wait_and_complete`], e.g. after releasing an
 /// interpreter lock). Every worker's oldest step is completed even after one fails, and
 /// the first error is returned; arming stops at the first refusal. Either way the caller
@@ -40,8 +41,18 @@ pub fn advance(
     mut wait_for: impl FnMut(&GatherWorker) -> Result<()>,
 ) -> Result<Advanced> {
     let t0 = Instant::now();
+    // Bad arguments change nothing: checked before any step is completed.
     if depth == 0 {
         return Err(Error::invalid("depth must be at least 1 step"));
+    }
+    if let Some(w) = workers
+        .iter()
+        .find(|w| rows == 0 || rows > w.rows().max_rows())
+    {
+        return Err(Error::rows(format!(
+            "a step has 1..={} rows, got {rows}",
+            w.rows().max_rows()
+        )));
     }
     if workers.iter().any(|w| w.is_closed()) {
         return Err(Error::Closed);

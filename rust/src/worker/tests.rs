@@ -986,6 +986,12 @@ fn advance_completes_the_oldest_step_of_every_worker_at_depth_then_arms_all() {
         advance(&ws, 1, false, 0, never).unwrap_err().kind(),
         ErrorKind::InvalidArgument
     );
+    // A row count out of range changes nothing, even at depth (nothing completed).
+    for rows in [0, 5] {
+        let e = advance(&ws, rows, false, 1, never).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::RowShape, "{e}");
+    }
+    assert_eq!((ws[0].in_flight(), ws[0].stats().steps), (1, 3));
     for w in &workers {
         w.close();
     }
