@@ -216,7 +216,7 @@ def main() -> None:
         type=int,
         default=None,
         help="MiB read between steps with --between evict (default: twice the last-level "
-        "cache; a host with a 300 MiB one spends ~10 ms a step on that)",
+        "cache; with a 300 MiB one that is 600 MiB read a step)",
     )
     p.add_argument("--tables", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     p.add_argument("--tokens", type=int, default=8, help="rows a step (one a token)")
