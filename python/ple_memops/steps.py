@@ -302,7 +302,12 @@ class StepDriver:
         self._check_open()
         if not expected and self._advance is not None and not self._publishes:
             self.advance(rows, eager=eager)
-            return
+        else:
+            self._arm_call_by_call(rows, eager, expected)
+
+    def _arm_call_by_call(self, rows: int, eager: bool, expected: Mapping[str, Any] | None) -> None:
+        """:meth:`arm` through the plan's ``complete`` and ``begin`` (expected ids, a
+        pending host publish, a plan without ``advance``)."""
         with self.guard(lambda: f"arming a step of {rows} rows"):
             armed = self.in_flight
             while armed >= self.depth:
@@ -330,7 +335,7 @@ class StepDriver:
             before = self.completed_steps
             self.settle(self.depth - 1)
             t1 = time.perf_counter_ns()
-            self.arm(rows, eager=eager)
+            self._arm_call_by_call(rows, eager, None)  # nothing left to complete
             return (self.completed_steps - before, t1 - t0, time.perf_counter_ns() - t1)
         # A serving loop's every step: no guard object, no closure (the plan aborts
         # itself on a failure; this logs it as the driver's guard would).
