@@ -570,14 +570,12 @@ class PleGPUModelRunner(_BaseRunner):
                 self.ple_sampled = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self.ple_sampled.record(self.main_stream)
         get_output = getattr(out, "get_output", None)
-        if get_output is None:
-            hooks.host.add("check", time.perf_counter_ns() - t0)
-            hooks.raise_if_failed()  # synchronous scheduling: the step is done on the GPU
-            return out
-
-        # Async scheduling: checked when handed out, the engine's wait for it timed.
-        out.get_output = lambda: hooks.hand_out(get_output)
+        if get_output is not None:
+            # Async scheduling: checked when handed out, the engine's wait for it timed.
+            out.get_output = lambda: hooks.hand_out(get_output)
         hooks.host.add("check", time.perf_counter_ns() - t0)
+        if get_output is None:
+            hooks.raise_if_failed()  # synchronous scheduling: the step is done on the GPU
         return out
 
     def capture_model(self, *args: Any, **kwargs: Any) -> int:
