@@ -283,6 +283,14 @@ def test_guard_and_launch_abort_on_any_exception(table: Any) -> None:
         raise ValueError("boom")
     assert "a test" in (q.layers["t"].rows.poison_cause or "")
     d2.shutdown()
+    d2.abort_on("after shutdown", ValueError("late"))  # nothing once shut down
+    r = _worker_plan(table)
+    d3 = StepDriver(r)
+    d3.abort_on("a caught failure", RuntimeError("bad"))
+    assert "exception in a caught failure: RuntimeError('bad')" in (
+        r.layers["t"].rows.poison_cause or ""
+    )
+    d3.shutdown()
 
 
 def test_eager_steps_through_the_driver_on_a_host_plan(table: Any) -> None:

@@ -36,6 +36,7 @@ step through one driver::
 
     # failures, statistics, shutdown
     with driver.guard("engine step"): ...        # any exception aborts the plan
+    driver.abort_on("engine step", exc)          # the same, for an exception caught
     driver.counters(name).since(base)            # StepCounters: armed, completed, fills,
                                                  # mean fill time, GPU waits
     driver.drain_for_shutdown()                  # bounded, never raises (aborts instead)
@@ -195,10 +196,9 @@ class _Guard:
         return None
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
-        driver = self._driver
-        if exc is not None and not driver._closed:
+        if exc is not None:
             what = self._what() if callable(self._what) else self._what
-            driver.abort(f"exception in {what}: {exc!r}")
+            self._driver.abort_on(what, exc)
         # None: the exception, if any, propagates.
 
 
@@ -342,7 +342,7 @@ class StepDriver:
         try:
             completed, wait_ns, _ = fast(rows, self.depth, eager=eager, timeout=self._timeout)
         except BaseException as exc:
-            self.abort(f"exception in arming a step of {rows} rows: {exc!r}")
+            self.abort_on(f"arming a step of {rows} rows", exc)
             raise
         self.completed_steps += completed
         self.armed_steps += 1
@@ -453,6 +453,13 @@ class StepDriver:
         if self._log is not None:
             self._log.error("ple-memops: aborting deferred PLE rows: %s", reason)
         self.plan.abort(reason)
+
+    def abort_on(self, what: str, exc: BaseException) -> None:
+        """:meth:`abort` for an exception in ``what`` (the reason names both); nothing once
+        the driver is shut down. What :meth:`guard` does, for a caller on a serving loop's
+        every step that catches the exception itself rather than build a guard."""
+        if not self._closed:
+            self.abort(f"exception in {what}: {exc!r}")
 
     def stop_publisher(self) -> None:
         """End the publisher thread of :meth:`publish_host_later` (if any) without waiting:

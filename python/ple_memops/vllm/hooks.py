@@ -779,8 +779,7 @@ class PleRunnerHooks:
         try:
             out = launch()
         except BaseException as exc:
-            if not self.driver.closed:
-                self.driver.abort(f"exception in the replay of {desc}: {exc!r}")
+            self.driver.abort_on(f"the replay of {desc}", exc)
             raise
         self.host.add("launch", time.perf_counter_ns() - t0)
         return out
@@ -926,8 +925,7 @@ class _StepContext:
         """As the driver's guard: no GPU wait outlives a failed step."""
         hooks = self._hooks
         hooks._scope = None
-        if not hooks.driver.closed:
-            hooks.driver.abort(f"exception in an engine step: {exc!r}")
+        hooks.driver.abort_on("an engine step", exc)
 
 
 class _Scoped:
