@@ -18,13 +18,20 @@ engine's c64 step gathers for hundreds of microseconds, while our next calls run
 ``--publish-at next-step`` hands a step's ids to the worker as the host prepares the next
 step instead of at the launch.
 
+``--through runner`` (vLLM 0.33.0 installed) makes each step vLLM's calls on our model
+runner and graph manager instead (``execute_model``, ``run_fullgraph``, ``sample_tokens``,
+the output's ``get_output``), vLLM's own step stubbed out below them and its cost, measured
+alone in the same conditions, subtracted (the ``vLLM stubs`` column): ``all in`` is then
+everything the plugin adds to a step on the engine's thread, our subclasses' overrides
+included.
+
 The cost this measures is Python's (call layers, context managers, locks) and the native
 calls', on this CPU, mostly in cache misses once evicted. It prints the table; it asserts
 nothing.
 
     python3 benchmarks/bench_hooks.py [--steps 3000] [--repeats 3] [--tokens 64 \
         --row-bytes 15360] [--publish-at next-step] [--between sleep] [--evict-mib 96] \
-        [--native-split]
+        [--native-split] [--through runner]
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,6 +119,86 @@ class Between:
             time.sleep(left)
 
 
+class _Output:
+    """Stands for vLLM's ``AsyncOutput``: the runner's ``sample_tokens`` result, whose
+    ``get_output`` the engine calls (ours wraps it with the failure check)."""
+
+    def get_output(self) -> None:
+        return None
+
+
+def _stub_classes(launch: Callable[[], Any]) -> tuple[type, type, type, type]:
+    """vLLM 0.33.0's runner and graph manager with their engine work stubbed out (the
+    replay is ``launch()``, the step a replay, the sampling an :class:`_Output`), and the
+    same two with our subclasses above them, as the plugin installs them: ``(engine
+    runner, engine manager, our runner, our manager)``. Only our overrides and vLLM's
+    class layout run; nothing of vLLM's own step does."""
+    from ple_memops.vllm import runner as ours
+
+    class EngineManager(ours._BaseManager):
+        def run_fullgraph(self, desc: Any) -> Any:
+            return launch()
+
+    class EngineRunner(ours._BaseRunner):
+        def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+            return self.cudagraph_manager.run_fullgraph(self.bench_desc)
+
+        def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+            return _Output()
+
+    # Our overrides first in the MRO, vLLM's stubbed step after them.
+    class Manager(ours.PleCudaGraphManager, EngineManager):
+        pass
+
+    class Runner(ours.PleGPUModelRunner, EngineRunner):
+        pass
+
+    return EngineRunner, EngineManager, Runner, Manager
+
+
+def vllm_descriptor(tokens: int) -> Any:
+    """vLLM's own ``BatchExecutionDescriptor`` of a FULL decode graph of ``tokens``."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+
+    return BatchExecutionDescriptor(CUDAGraphMode.FULL, tokens, tokens, 1, 1)
+
+
+def _runner(runner_cls: type, manager_cls: type, desc: Any, hooks: Any) -> Any:
+    # Neither object is initialised by vLLM: the benchmark sets what the step reads.
+    manager = object.__new__(manager_cls)
+    runner = object.__new__(runner_cls)
+    runner.cudagraph_manager, runner.bench_desc = manager, desc
+    if hooks is not None:
+        manager.ple_rows, manager.ple_clock, runner.ple_rows = hooks, None, hooks
+    return runner
+
+
+def stub_runner(hooks: Any, launch: Callable[[], Any]) -> Any:
+    """Our runner and graph manager over ``hooks``, vLLM's step stubbed
+    (:func:`_stub_classes`), replaying the descriptor ``hooks`` waits on."""
+    _, _, runner_cls, manager_cls = _stub_classes(launch)
+    (desc,) = hooks.wait_descs
+    return _runner(runner_cls, manager_cls, desc, hooks)
+
+
+def stub_engine_walls(
+    steps: int, gap_us: float, between: str, evict_bytes: int | None
+) -> list[int]:
+    """ns a step of vLLM's stubbed runner alone (no plugin), as the runner's path runs it."""
+    runner_cls, manager_cls, _, _ = _stub_classes(lambda: None)
+    runner = _runner(runner_cls, manager_cls, vllm_descriptor(8), None)
+    engine_work = Between(between, gap_us, evict_bytes)
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter_ns()
+        runner.execute_model(None)
+        runner.sample_tokens(None).get_output()
+        walls.append(time.perf_counter_ns() - t0)
+        engine_work()
+    return walls
+
+
 def run(
     tables: int,
     steps: int,
@@ -121,7 +209,14 @@ def run(
     between: str = "evict",
     evict_bytes: int | None = None,
     native_split: bool = False,
+    through: str = "hooks",
 ) -> dict[str, tuple[float, float]]:
+    engine_only, stubs = None, []
+    if through == "runner":
+        # What vLLM's own step costs here (its stubbed parts, below, without our
+        # overrides), measured in the same conditions: subtracted from the runner's path.
+        stubs = sorted(stub_engine_walls(steps, gap_us, between, evict_bytes))
+        engine_only = statistics.median(stubs)
     with tempfile.TemporaryDirectory() as tmp:
         hooks, opened = build(Path(tmp), tables, tokens, row_bytes)
         native: list[tuple[int, int, int]] = []
@@ -137,7 +232,11 @@ def run(
                 return got
 
             hooks.driver._advance = recorded
-        desc = Descriptor("FULL", tokens, tokens, 1)
+        desc = (
+            vllm_descriptor(tokens)
+            if engine_only is not None
+            else Descriptor("FULL", tokens, tokens, 1)
+        )
         hooks._wait_descs.add(desc)  # as a capture of this size would have
         names = list(hooks.plan.layers)
         ids = np.arange(tokens, dtype=np.int64)
@@ -152,15 +251,22 @@ def run(
         launch = publish if publish_at == "launch" else (lambda: None)
         engine_work = Between(between, gap_us, evict_bytes)
         walls = []
+        runner = None if engine_only is None else stub_runner(hooks, launch)
         try:
             hooks.host.take()
             for k in range(steps):
                 if publish_at == "next-step" and k:
                     publish()
                 t0 = time.perf_counter_ns()
-                with hooks.step(dummy=False):
-                    hooks.replay(desc, launch)
-                hooks.hand_out(lambda: None)  # async scheduling's get_output
+                if runner is None:
+                    with hooks.step(dummy=False):
+                        hooks.replay(desc, launch)
+                    hooks.hand_out(lambda: None)  # async scheduling's get_output
+                else:
+                    # vLLM's calls on our runner and graph manager: the step, its sampling,
+                    # the engine's get_output (each step's descriptor the captured one).
+                    runner.execute_model(None)
+                    runner.sample_tokens(None).get_output()
                 walls.append(time.perf_counter_ns() - t0)
                 engine_work()
             if publish_at == "next-step":
@@ -174,11 +280,15 @@ def run(
     # publish; the wait for results), so the hooks' entries count too: a cold call pays
     # its first misses before its own timer starts. A step's results are in the next
     # step's sample (hand_out runs after the step's scope closed).
+    # Through the runner, vLLM's own (stubbed) step is subtracted too, as its median.
+    engine = engine_only or 0.0
     all_in = sorted(
-        (wall - samples[k]["launch"] - samples[k + 1]["results"]) / 1e3
+        (wall - samples[k]["launch"] - samples[k + 1]["results"] - engine) / 1e3
         for k, wall in enumerate(walls[: len(samples) - 1])
     )
     out = {"all in": (statistics.median(all_in), all_in[int(0.99 * (len(all_in) - 1))])}
+    if engine_only is not None:
+        out["vLLM stubs"] = (engine_only / 1e3, stubs[int(0.99 * (len(stubs) - 1))] / 1e3)
     for kind in ("total", *HOST_KINDS):
         # Ours only, as the stats line's total: the launch (here the host's publish of the
         # ids) and the engine's wait for results are the engine's.
@@ -218,6 +328,13 @@ def main() -> None:
         help="MiB read between steps with --between evict (default: twice the last-level "
         "cache; with a 300 MiB one that is 600 MiB read a step)",
     )
+    p.add_argument(
+        "--through",
+        choices=["hooks", "runner"],
+        default="hooks",
+        help="drive the hooks as the runner calls them, or through our vLLM runner and graph "
+        "manager (vLLM 0.33.0 installed; vLLM's own step stubbed out, its cost subtracted)",
+    )
     p.add_argument("--tables", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     p.add_argument("--tokens", type=int, default=8, help="rows a step (one a token)")
     p.add_argument(
@@ -240,6 +357,12 @@ def main() -> None:
     kinds: tuple[str, ...] = ("all in", "total", "step", "arm", "wait", "check")
     if args.native_split:
         kinds += ("native wait", "native arm")
+    if args.through == "runner":
+        try:
+            import ple_memops.vllm.runner  # noqa: F401  (vLLM and torch)
+        except ImportError as exc:
+            p.error(f"--through runner needs vLLM 0.33.0 and torch installed ({exc})")
+        kinds += ("vLLM stubs",)
     evict = None if args.evict_mib is None else args.evict_mib << 20
     read = (2 * llc_bytes() if evict is None else evict) >> 20
     try:
@@ -259,7 +382,7 @@ def main() -> None:
         for n in args.tables:
             got = run(
                 n, args.steps, args.gap_us, args.tokens, args.row_bytes, args.publish_at,
-                args.between, evict, args.native_split,
+                args.between, evict, args.native_split, args.through,
             )  # fmt: skip
             cells = " | ".join(f"{got[k][0]:.1f} / {got[k][1]:.1f}" for k in kinds)
             print(f"| {n} | {r + 1} | {cells} |", flush=True)

@@ -342,6 +342,21 @@ def test_the_runner_times_the_engines_wait_for_a_steps_results(
     assert type(out) is Output and "get_output" not in vars(out)
 
 
+def test_the_hooks_bench_runs_through_vllms_runner_classes() -> None:
+    """``bench_hooks.py --through runner``: our runner and graph manager over vLLM's own
+    classes (its step stubbed below them) arm, replay and check every step, and vLLM's
+    stubbed step alone is measured beside it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_hooks
+
+    got = bench_hooks.run(1, 40, 0.0, between="sleep", through="runner")
+    # Each step went through our overrides: the replay armed the table, the output was
+    # checked when handed out (both zero if vLLM's methods ran without ours).
+    assert got["arm"][0] > 0 and got["check"][0] > 0 and got["step"][0] > 0
+    assert got["vLLM stubs"][0] > 0
+    assert got["all in"][0] == got["all in"][0]  # a number, not NaN
+
+
 def test_forcing_the_fallback_on_some_ranks() -> None:
     """The test switch that makes a plan synchronous: on every rank, or only on the
     listed world ranks (the one-rank fault of a tensor-parallel engine)."""
