@@ -31,9 +31,10 @@
 #                  bash scripts/gpu/detached.sh collect solo 540   # again until exit 0
 #   PART=solo4   the same on the bench's default model (24 layers, four 1 GiB tables)
 #   PART=hostcost our hooks' host time a step without vLLM (benchmarks/bench_hooks.py) on
-#                this host's CPU: caches evicted by 96 MiB and by twice the L3 between
-#                steps, then asleep; one and four tables (~2 min); the clock source and
-#                the CPU in $OUT/hostcost_env.txt
+#                this host's CPU: caches evicted by 96 MiB (the hooks, then through our
+#                runner over vLLM's classes) and by twice the L3 between steps, then
+#                asleep; one and four tables (~3 min); the clock source and the CPU in
+#                $OUT/hostcost_env.txt
 #
 # The two server sets cannot share the GPU: three GPU-table servers hold 3 x 37 GiB.
 set -uo pipefail
@@ -52,7 +53,7 @@ hostcost)
     { lscpu | grep -E "Model name|L2|L3"
       echo "clock source: $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource)"
     } | tee "$OUT/hostcost_env.txt"
-    for between in "--evict-mib 96" "" "--between sleep"; do
+    for between in "--evict-mib 96" "--evict-mib 96 --through runner" "" "--between sleep"; do
         echo "== bench_hooks ${between:-evicting twice the L3}"
         # shellcheck disable=SC2086
         timeout 150 python3 benchmarks/bench_hooks.py --steps 600 --repeats 2 --native-split \
