@@ -30,7 +30,7 @@
 #                  bash scripts/gpu/detached.sh start solo env PART=solo bash scripts/gpu/step_costs.sh
 #                  bash scripts/gpu/detached.sh collect solo 540   # again until exit 0
 #   PART=solo4   the same on the bench's default model (24 layers, four 1 GiB tables)
-#   PART=hostcost our hooks' host time a step without vLLM (benchmarks/bench_hooks.py) on
+#   PART=hostcost our hooks' host time a step without an engine (benchmarks/bench_hooks.py) on
 #                this host's CPU: caches evicted by 96 MiB (the hooks, then through our
 #                runner over vLLM's classes) and by twice the L3 between steps, then
 #                asleep; one and four tables (~3 min); the clock source and the CPU in
