@@ -321,17 +321,18 @@ class StepDriver:
 
     def advance(self, rows: int, *, eager: bool = False) -> tuple[int, int, int]:
         """:meth:`arm` (without expected ids), timed in two parts: returns ``(steps
-        completed, ns completing them, ns arming)``, the arming being the rest of the
-        call. A plan with ``advance`` (:class:`~ple_memops.plan.RowsPlan`) does both in one
-        native call for every table (unless a publish of :meth:`publish_host_later` is
-        pending); any other plan through :meth:`settle` and :meth:`arm`. A failure aborts
-        the plan. (A plain tuple: a serving loop calls this every step, and building a
-        named tuple cold costs microseconds.)"""
-        t0 = time.perf_counter_ns()
+        completed, ns completing them, ns arming)``. A plan with ``advance``
+        (:class:`~ple_memops.plan.RowsPlan`) does both in one native call for every table,
+        which times them itself (unless a publish of :meth:`publish_host_later` is
+        pending); any other plan through :meth:`settle` and :meth:`arm`, timed around
+        them. A failure aborts the plan. (A plain tuple: a serving loop calls this every
+        step, and building a named tuple cold costs microseconds; a caller that wants its
+        own Python in the arming times the call itself, as the vLLM hooks do.)"""
         if self._closed:
             raise ClosedError("the step driver is shut down")
         fast = self._advance
         if fast is None or self._publishes:
+            t0 = time.perf_counter_ns()
             before = self.completed_steps
             self.settle(self.depth - 1)
             t1 = time.perf_counter_ns()
@@ -340,14 +341,13 @@ class StepDriver:
         # A serving loop's every step: no guard object, no closure (the plan aborts
         # itself on a failure; this logs it as the driver's guard would).
         try:
-            completed, wait_ns, _ = fast(rows, self.depth, eager=eager, timeout=self._timeout)
+            done = fast(rows, self.depth, eager=eager, timeout=self._timeout)
         except BaseException as exc:
             self.abort_on(f"arming a step of {rows} rows", exc)
             raise
-        self.completed_steps += completed
+        self.completed_steps += done[0]
         self.armed_steps += 1
-        # The native call's completing phase; everything else (the call, ours) is arming.
-        return (completed, wait_ns, time.perf_counter_ns() - t0 - wait_ns)
+        return done
 
     def launch(self, rows: int, launch: Callable[[], T], *, what: str = "") -> T:
         """:meth:`arm`, then ``launch()`` (the engine's replay); any exception between
