@@ -221,17 +221,17 @@ def run(
         hooks, opened = build(Path(tmp), tables, tokens, row_bytes)
         native: list[tuple[int, int, int]] = []
         if native_split:
-            # The plan's one native call, its own phases recorded (one Python frame more
+            # The stepper's one native call, its own phases recorded (one Python frame more
             # in `arm`): what of `arm` and `wait` is the native call's.
-            advance = hooks.driver._advance
-            assert advance is not None
+            step = hooks._stepper
+            assert step is not None
 
             def recorded(*a: Any, **kw: Any) -> tuple[int, int, int]:
-                got = advance(*a, **kw)
+                got = step(*a, **kw)
                 native.append(got)
                 return got
 
-            hooks.driver._advance = recorded
+            hooks._stepper = recorded
         desc = (
             vllm_descriptor(tokens)
             if engine_only is not None

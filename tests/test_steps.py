@@ -105,22 +105,30 @@ def _two_table_plan(table: pm.MmapTable) -> RowsPlan:
     return RowsPlan(layers, "deferred", None, None, 5.0)
 
 
-class _NoAdvance:
-    """A plan without ``advance`` (any other PlanLike): the driver steps it call by call."""
+class _Without:
+    """A plan without some of ``stepper`` and ``advance`` (any other PlanLike): the driver
+    steps it through what is left, down to call by call."""
 
-    def __init__(self, plan: RowsPlan) -> None:
-        self._plan = plan
+    def __init__(self, plan: RowsPlan, hidden: tuple[str, ...]) -> None:
+        self._plan, self._hidden = plan, hidden
 
     def __getattr__(self, name: str) -> Any:
-        if name == "advance":
+        if name in self._hidden:
             raise AttributeError(name)
         return getattr(self._plan, name)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["one-native-call", "call-by-call"])
-def test_advance_completes_at_depth_then_arms_every_table_timed(table: Any, native: bool) -> None:
+@pytest.mark.parametrize(
+    "hidden",
+    [(), ("stepper",), ("stepper", "advance")],
+    ids=["stepper", "plan-advance", "call-by-call"],
+)
+def test_advance_completes_at_depth_then_arms_every_table_timed(
+    table: Any, hidden: tuple[str, ...]
+) -> None:
     p = _two_table_plan(table)
-    driver = StepDriver(p if native else _NoAdvance(p), depth=2)  # type: ignore[arg-type]
+    driver = StepDriver(_Without(p, hidden) if hidden else p, depth=2)  # type: ignore[arg-type]
+    assert (driver.stepper is not None) == (not hidden)
     base = {n: driver.counters(n) for n in ("a", "b")}
     done = [driver.advance(2)]
     for n in ("a", "b"):
@@ -183,6 +191,52 @@ def test_advance_failure_aborts_the_plan_logged_and_typed(
         q.advance(1, 2)
     assert q.layers["a"].rows.phase == "poisoned"
     q.close()
+
+
+def test_a_plans_stepper_is_advance_in_one_native_call(table: Any) -> None:
+    """``RowsPlan.stepper``: ``advance`` with depth and timeout bound, counting its steps;
+    bad arguments typed and harmless; a failure raised, the abort left to its caller; closed
+    with the plan."""
+    p = _two_table_plan(table)
+    step = p.stepper(2, timeout=3.0)
+    assert (step.depth, step.timeout, step.armed, step.completed) == (2, 3.0, 0, 0)
+    assert step(2)[0] == 0 and step(3, True)[0] == 0  # a replay's step, an eager one
+    for n, ids in (("a", [1, 2]), ("b", [3, 4])):
+        p.publish_host(n, ids)
+    completed, wait_ns, arm_ns = step(1)  # depth reached: the oldest completes first
+    assert completed == 1 and wait_ns >= 0 and arm_ns > 0
+    np.testing.assert_array_equal(p.staging("b", 2), table.gather([3, 4]))
+    assert (step.armed, step.completed, p.in_flight) == (3, 1, 2)
+    workers = {n: p.layers[n].worker.stats() for n in ("a", "b")}
+    assert all((w.fills, w.eager_fills) == (1, 0) for w in workers.values()), workers
+    # Bad arguments: typed, before anything is completed or armed.
+    for rows in (0, -1, 9):
+        with pytest.raises(pm.RowShapeError, match="rows"):
+            step(rows)
+    with pytest.raises(TypeError):
+        step(2.5)  # type: ignore[arg-type]
+    with pytest.raises(pm.InvalidArgumentError, match="depth"):
+        p.stepper(0)
+    assert (step.armed, p.in_flight, p.poison_cause) == (3, 2, None)
+    # A failed fill is raised; the stepper does not abort the plan (its caller does).
+    for n, ids in (("a", [1, ROWS + 5, 2]), ("b", [1, 2, 3])):
+        p.publish_host(n, ids)
+    with pytest.raises(pm.RowIdError):
+        step(1)
+    assert p.layers["b"].rows.phase != "poisoned"
+    p.abort("the caller's abort")
+    assert all(layer.rows.phase == "poisoned" for layer in p)
+    p.close()
+    assert step.closed
+    with pytest.raises(pm.ClosedError):
+        step(1)
+    with pytest.raises(pm.ClosedError):
+        p.stepper(2)
+    # A plan without workers has none.
+    with RowsPlan.build({"t": table}, max_rows=8, device="cpu", log_fallback=False) as host:
+        with pytest.raises(pm.StateError, match="deferred"):
+            host.stepper(2)
+        assert StepDriver(host).stepper is None
 
 
 def test_advance_waits_for_a_pending_host_publish(table: Any) -> None:

@@ -945,6 +945,55 @@ def test_failed_completion_aborts_and_raises(capturing: list[bool]) -> None:
         _replay(hk, mgr, Desc(FULL, 4))
 
 
+def test_a_replay_arms_through_the_plans_stepper_and_its_failure_aborts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Over a real plan of host-fed workers, a replay arms in the stepper's one native
+    call; a fill that failed comes out of the next replay's arming typed, and every
+    table is released then (the stepper leaves the abort to the hooks)."""
+    from ple_memops.plan import PlanLayer, RowsPlan
+
+    data = np.arange(64 * 16, dtype=np.uint32).astype(np.uint8).reshape(64, 16)
+    save_torch({"t": torch.from_numpy(data).view(torch.float16)}, str(tmp_path / "t.st"))
+    table = pm.MmapTable.open(tmp_path / "t.st", "t")
+    layers = []
+    for name in ("a", "b"):
+        rows = pm.DeferredRows(8, table.row_bytes, device="cpu", watchdog=None)
+        layers.append(PlanLayer(name, table, rows, pm.GatherWorker(rows, table, depth=2)))
+    plan = RowsPlan(layers, "deferred", None, None, 5.0)
+    hk = PleRunnerHooks(plan, rows_per_token=2)
+    assert hk._stepper is hk.driver.stepper is not None
+    desc, mgr = Desc(FULL, 2), Manager()
+    hk._wait_descs.add(desc)  # as a capture of this size would have
+
+    def replay(ids: dict[str, list[int]]) -> None:
+        def launch() -> None:  # the graph's publish of the step's ids
+            for name, got in ids.items():
+                plan.publish_host(name, got)
+            mgr.run_fullgraph(desc)
+
+        with hk.step(dummy=False):
+            hk.replay(desc, launch)
+
+    for k in range(3):
+        replay({"a": [k, 1, 2, 3], "b": [k, 4, 5, 6]})
+    assert (hk.armed_steps, hk.driver.completed_steps, plan.in_flight) == (3, 1, 2)
+    hk.quiesce()  # the last step's rows, complete
+    np.testing.assert_array_equal(plan.staging("b", 4), data[[2, 4, 5, 6]])
+    replay({"a": [1, 64 + 9, 1, 1], "b": [1, 1, 1, 1]})  # table a's fill fails
+    with caplog.at_level(logging.ERROR, logger="ple_memops"), pytest.raises(pm.RowIdError):
+        for _ in range(2):  # raised by the arming after it, at the latest by completing it
+            replay({"a": [1, 1, 1, 1], "b": [1, 1, 1, 1]})
+    assert "arming the replay of Desc" in caplog.text
+    assert all(layer.rows.phase == "poisoned" for layer in plan)
+    with pytest.raises(PoisonedError):
+        replay({})
+    hk.shutdown()
+    with pytest.raises(ClosedError):  # closed with the plan
+        hk._stepper(2)
+    table.close()
+
+
 def test_exception_in_eager_step_aborts() -> None:
     plan = RecordingPlan(["a"])
     hk = PleRunnerHooks(plan, rows_per_token=2)

@@ -5,6 +5,7 @@ __all__ = [
     "GatherWorkerCore",
     "MmapTableCore",
     "NGramHashCore",
+    "Stepper",
     "_bench_memory_latency_ns",
     "_bench_read_batches",
     "_bench_read_sustained",
@@ -200,3 +201,21 @@ class GatherWorkerCore:
 def advance_workers(
     workers: tuple[GatherWorkerCore, ...], rows: int, eager: bool, depth: int, timeout_s: float
 ) -> tuple[int, int, int]: ...
+
+@final
+class Stepper:
+    def __new__(
+        cls, workers: tuple[GatherWorkerCore, ...], depth: int, timeout_s: float
+    ) -> Stepper: ...
+    def __call__(self, rows: int, eager: bool = False) -> tuple[int, int, int]: ...
+    @property
+    def armed(self) -> int: ...
+    @property
+    def completed(self) -> int: ...
+    @property
+    def depth(self) -> int: ...
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def closed(self) -> bool: ...
+    def close(self) -> None: ...

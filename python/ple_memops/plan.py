@@ -133,6 +133,7 @@ class RowsPlan:
         self.timeout = timeout
         self._closed = False
         self._gather_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._steppers: list[_native.Stepper] = []  # closed with the plan
 
     # -- construction -----------------------------------------------------------------
 
@@ -376,6 +377,27 @@ class RowsPlan:
             self.abort(f"advance({n}) failed: {exc!r}")
             raise
 
+    def stepper(self, depth: int, timeout: float | None = None) -> _native.Stepper:
+        """:meth:`advance` with ``depth`` and ``timeout`` (default :attr:`timeout`) bound,
+        as one native callable for a serving loop's every step: ``stepper(n, eager=False)``
+        returns ``(steps completed, ns completing, ns arming)``, with no Python frame of
+        the plan's between (each line a cold call touches after the engine's own work
+        costs cache misses). Unlike :meth:`advance` it does not abort the plan on a
+        failure: its caller does (:class:`~ple_memops.steps.StepDriver` and the vLLM
+        hooks call :meth:`abort` through the driver), and a row count out of ``1..=
+        max_rows`` raises :class:`~ple_memops.RowShapeError` before anything is
+        completed or armed. It counts the steps it armed and completed (``armed``,
+        ``completed``); the plan closes it when it closes (later calls raise
+        :class:`~ple_memops.ClosedError`). Deferred mode only."""
+        self._check_open()
+        if not self._cores:
+            raise StateError(
+                f"stepper() needs the deferred path; this plan is {self._mode!r} ({self._reason})"
+            )
+        step = _native.Stepper(self._cores, depth, self.timeout if timeout is None else timeout)
+        self._steppers.append(step)
+        return step
+
     def publish_host(self, name: str, ids: Any, timeout: float | None = None) -> None:
         """Host-known ids (``name``'s table rows of the oldest armed step that has none
         yet) for the table's worker to gather and fill. Call after :meth:`begin`, before
@@ -550,6 +572,9 @@ class RowsPlan:
             return
         self._closed = True
         self._cores, self._rows_cores = (), ()
+        steppers, self._steppers = self._steppers, []
+        for step in steppers:
+            step.close()
         pool, self._gather_pool = self._gather_pool, None
         if pool is not None:
             pool.shutdown(wait=True)  # a gather in progress ends (its reads are bounded)

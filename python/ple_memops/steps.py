@@ -18,6 +18,8 @@ step through one driver::
                                                  # any exception aborts the plan
     driver.arm(n); graph.replay()                # the same in two calls
     done = driver.advance(n); graph.replay()     # arm(n), timed: (completed, wait_ns, arm_ns)
+    done = driver.stepper(n)                     # the same as one native call (the plan's
+                                                 # stepper); on a failure: abort_on, raise
     driver.publish_host(name, ids)               # host-known ids, before the launch
     driver.publish_host_later(name, ids_of)      # ... or from the driver's publisher
                                                  # thread once ids_of() returns them
@@ -210,7 +212,7 @@ class StepDriver:
         depth: steps armed at once (default :data:`~ple_memops.settings.DEFAULTS`'s;
             the plan's workers must allow as many).
         timeout: seconds each completion waits for a step's fill (default: the plan's
-            ``timeout``).
+            ``timeout``; :attr:`stepper` binds the value it has when the driver is made).
         log: a logger that reports every abort (an engine's own words), or ``None``.
     """
 
@@ -230,14 +232,42 @@ class StepDriver:
         self._timeout = None if timeout is None else float(timeout)
         self._log = log
         self._closed = False
-        self.armed_steps = 0
-        self.completed_steps = 0
+        # Steps armed and completed here, besides the stepper's (its own counts).
+        self._armed = 0
+        self._completed = 0
         self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
         self._publishes: dict[int, concurrent.futures.Future[None]] = {}
         # The plan's one-call step (RowsPlan.advance), if it has one.
         self._advance: Callable[..., tuple[int, int, int]] | None = getattr(plan, "advance", None)
+        # ... and the same as one native callable, depth and timeout bound
+        # (RowsPlan.stepper: deferred plans).
+        make = getattr(plan, "stepper", None)
+        self.stepper: Callable[..., tuple[int, int, int]] | None = (
+            make(depth, self.timeout) if make is not None and plan.mode == "deferred" else None
+        )
+        """The driver's step as one native call, for a serving loop that makes it every
+        step: ``stepper(rows, eager=False)`` arms as :meth:`advance` does (completing the
+        oldest steps while :attr:`depth` are armed) and returns the same ``(steps
+        completed, ns completing, ns arming)``, counted in :attr:`armed_steps` and
+        :attr:`completed_steps`; ``None`` for a plan without one (synchronous plans). It
+        does not abort the plan on a failure: catch the exception and call
+        :meth:`abort_on`. It does not wait for :meth:`publish_host_later`'s publishes
+        (a caller that uses those arms through :meth:`advance`). The plan closes it at
+        :meth:`shutdown` (later calls raise :class:`~ple_memops.ClosedError`)."""
 
     # -- state ----------------------------------------------------------------------------
+
+    @property
+    def armed_steps(self) -> int:
+        """Steps armed (through :attr:`stepper` too)."""
+        step: Any = self.stepper
+        return self._armed + (step.armed if step is not None else 0)
+
+    @property
+    def completed_steps(self) -> int:
+        """Steps completed (through :attr:`stepper` too)."""
+        step: Any = self.stepper
+        return self._completed + (step.completed if step is not None else 0)
 
     @property
     def timeout(self) -> float:
@@ -300,7 +330,7 @@ class StepDriver:
         ids the host expects the step to publish (``RowsPlan.begin``). A failure aborts
         the plan."""
         self._check_open()
-        if not expected and self._advance is not None and not self._publishes:
+        if not expected and (self.stepper or self._advance) is not None and not self._publishes:
             self.advance(rows, eager=eager)
         else:
             self._arm_call_by_call(rows, eager, expected)
@@ -317,19 +347,29 @@ class StepDriver:
                 self.plan.begin(int(rows), eager=eager, expected=expected)
             else:
                 self.plan.begin(int(rows), eager=eager)
-            self.armed_steps += 1
+            self._armed += 1
 
     def advance(self, rows: int, *, eager: bool = False) -> tuple[int, int, int]:
         """:meth:`arm` (without expected ids), timed in two parts: returns ``(steps
-        completed, ns completing them, ns arming)``. A plan with ``advance``
-        (:class:`~ple_memops.plan.RowsPlan`) does both in one native call for every table,
-        which times them itself (unless a publish of :meth:`publish_host_later` is
-        pending); any other plan through :meth:`settle` and :meth:`arm`, timed around
-        them. A failure aborts the plan. (A plain tuple: a serving loop calls this every
-        step, and building a named tuple cold costs microseconds; a caller that wants its
-        own Python in the arming times the call itself, as the vLLM hooks do.)"""
+        completed, ns completing them, ns arming)``. A deferred
+        :class:`~ple_memops.plan.RowsPlan` does both in one native call for every table
+        (:attr:`stepper`), which times them itself (unless a publish of
+        :meth:`publish_host_later` is pending); any other plan through :meth:`settle` and
+        :meth:`arm`, timed around them. A failure aborts the plan. (A plain tuple: a
+        serving loop calls this every step, and building a named tuple cold costs
+        microseconds; a caller that wants its own Python in the arming times the call
+        itself, as the vLLM hooks do.)"""
         if self._closed:
             raise ClosedError("the step driver is shut down")
+        step = self.stepper
+        if step is not None and not self._publishes:
+            # A serving loop's every step: no guard object, no closure; the stepper counts
+            # the step.
+            try:
+                return step(rows, eager)
+            except BaseException as exc:
+                self.abort_on(f"arming a step of {rows} rows", exc)
+                raise
         fast = self._advance
         if fast is None or self._publishes:
             t0 = time.perf_counter_ns()
@@ -338,15 +378,13 @@ class StepDriver:
             t1 = time.perf_counter_ns()
             self._arm_call_by_call(rows, eager, None)  # nothing left to complete
             return (self.completed_steps - before, t1 - t0, time.perf_counter_ns() - t1)
-        # A serving loop's every step: no guard object, no closure (the plan aborts
-        # itself on a failure; this logs it as the driver's guard would).
         try:
             done = fast(rows, self.depth, eager=eager, timeout=self._timeout)
         except BaseException as exc:
-            self.abort_on(f"arming a step of {rows} rows", exc)
+            self.abort_on(f"arming a step of {rows} rows", exc)  # the plan aborted itself
             raise
-        self.completed_steps += done[0]
-        self.armed_steps += 1
+        self._completed += done[0]
+        self._armed += 1
         return done
 
     def launch(self, rows: int, launch: Callable[[], T], *, what: str = "") -> T:
@@ -538,7 +576,7 @@ class StepDriver:
         if self._publishes:
             self._published(oldest)
         self.plan.complete(timeout=self.timeout)  # aborts the plan itself on a failure
-        self.completed_steps += 1
+        self._completed += 1
 
     def _published(self, step: int) -> None:
         """Wait (bounded: the worker's own waits are) for the publisher thread's publish

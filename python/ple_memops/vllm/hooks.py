@@ -204,6 +204,7 @@ class PleRunnerHooks:
         # Every step (arm, complete, drain, abort, shutdown) goes through the
         # engine-neutral driver; what stays here is vLLM's: scopes, graphs, the op.
         self.driver = StepDriver(plan, depth=int(depth), timeout=float(timeout), log=logger)
+        self._stepper = self.driver.stepper  # a replay's arming (None: a synchronous plan)
         self.rows_per_token = int(rows_per_token)
         self._scope: _Capture | _SyncCapture | _NoDefer | _Step | None = None
         self._wait_descs: set[Any] = set()
@@ -351,8 +352,19 @@ class PleRunnerHooks:
         if entry is not None:
             self._check_usable()
             return self._replay_sync(desc, entry, launch)
-        # (Closed hooks: the driver raises ClosedError.)
-        _, wait_ns, _ = self.driver.advance(int(desc.num_tokens) * self.rows_per_token)
+        # Arm: one native call when the plan has a stepper (the driver's counts, no
+        # Python frame between; its failure aborts the plan here, as the driver would).
+        # Closed hooks: it raises ClosedError.
+        rows = int(desc.num_tokens) * self.rows_per_token
+        step = self._stepper
+        if step is None:
+            _, wait_ns, _ = self.driver.advance(rows)
+        else:
+            try:
+                wait_ns = step(rows)[1]
+            except BaseException as exc:
+                self.driver.abort_on(f"arming the replay of {desc}", exc)
+                raise
         # Ours from the replay's first line (its checks, the descriptor's hash, the
         # driver's call), less the wait for the oldest step's fill: a cold call pays its
         # first misses before a timer read further in would start.

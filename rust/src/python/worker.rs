@@ -1,6 +1,7 @@
 //! `ple_memops._native.GatherWorkerCore`: the native half of `ple_memops.GatherWorker`.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use numpy::PyReadonlyArray1;
@@ -212,6 +213,27 @@ impl PyGatherWorker {
     }
 }
 
+/// [`advance`] over `workers` from Python: the GIL is kept unless a fill must be waited
+/// for (as `complete`).
+fn advance_py(
+    py: Python<'_>,
+    workers: &[&GatherWorker],
+    rows: usize,
+    eager: bool,
+    depth: usize,
+    timeout: Duration,
+) -> PyResult<(usize, u64, u64)> {
+    let done = advance(workers, rows, eager, depth, |w| {
+        py.detach(|| w.wait_and_complete(timeout))
+    })
+    .py(py)?;
+    Ok((
+        done.completed,
+        done.wait.as_nanos() as u64,
+        done.arm.as_nanos() as u64,
+    ))
+}
+
 /// One engine step for every worker of a plan (`crate::worker::advance`): complete the
 /// oldest steps while `depth` are armed, then arm each for `rows` rows. Returns `(steps
 /// completed, ns completing, ns arming)`. The GIL is kept unless a fill must be waited
@@ -232,18 +254,129 @@ fn advance_workers(
         .map(|w| w.cast_into::<PyGatherWorker>().map_err(PyErr::from))
         .collect::<PyResult<Vec<_>>>()?;
     let inner: Vec<&GatherWorker> = bound.iter().map(|w| &w.get().inner).collect();
-    let done = advance(&inner, rows, eager, depth, |w| {
-        py.detach(|| w.wait_and_complete(t))
-    })
-    .py(py)?;
-    Ok((
-        done.completed,
-        done.wait.as_nanos() as u64,
-        done.arm.as_nanos() as u64,
-    ))
+    advance_py(py, &inner, rows, eager, depth, t)
+}
+
+/// `ple_memops._native.Stepper`: [`advance`] over a plan's workers with the depth and
+/// timeout bound once, for the one call a serving loop makes every step
+/// (`RowsPlan.stepper`). Each call checks less than `advance_workers` (nothing to cast,
+/// no timeout to parse: a cold call between two engine steps pays for every line it
+/// touches) and counts the steps it armed and completed. `close` drops the workers (the
+/// plan's close): later calls raise `ClosedError`.
+#[pyclass(name = "Stepper", module = "ple_memops._native", frozen)]
+pub struct PyStepper {
+    /// `None` once closed. Cloned out of the lock before a call, so a wait for a fill
+    /// never holds it.
+    workers: Mutex<Option<Arc<[Py<PyGatherWorker>]>>>,
+    depth: usize,
+    timeout: Duration,
+    armed: AtomicUsize,
+    completed: AtomicUsize,
+}
+
+#[pymethods]
+impl PyStepper {
+    #[new]
+    fn new(
+        py: Python<'_>,
+        workers: &Bound<'_, PyTuple>,
+        depth: usize,
+        timeout_s: f64,
+    ) -> PyResult<Self> {
+        if depth == 0 {
+            return Err(to_pyerr(
+                py,
+                Error::invalid("depth must be at least 1 step"),
+            ));
+        }
+        let timeout = secs(timeout_s, "timeout").py(py)?;
+        let workers = workers
+            .iter()
+            .map(|w| Ok(w.cast_into::<PyGatherWorker>()?.unbind()))
+            .collect::<PyResult<Vec<_>>>()?;
+        if workers.is_empty() {
+            return Err(to_pyerr(
+                py,
+                Error::invalid("a stepper needs at least one worker"),
+            ));
+        }
+        Ok(Self {
+            workers: Mutex::new(Some(workers.into())),
+            depth,
+            timeout,
+            armed: AtomicUsize::new(0),
+            completed: AtomicUsize::new(0),
+        })
+    }
+
+    /// Complete the oldest steps while `depth` are armed, then arm every worker for
+    /// `rows` rows (`eager`: an eager forward's step). Returns `(steps completed, ns
+    /// completing, ns arming)`. A row count below 1 or above a worker's `max_rows` is
+    /// refused (`RowShapeError`) before anything is completed or armed.
+    #[pyo3(signature = (rows, eager=false))]
+    fn __call__(&self, py: Python<'_>, rows: i64, eager: bool) -> PyResult<(usize, u64, u64)> {
+        let Ok(n) = usize::try_from(rows) else {
+            return Err(to_pyerr(
+                py,
+                Error::rows(format!("a step has at least 1 row, got {rows}")),
+            ));
+        };
+        let workers = self
+            .workers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| to_pyerr(py, Error::Closed))?;
+        let inner: Vec<&GatherWorker> = workers.iter().map(|w| &w.get().inner).collect();
+        let done = advance_py(py, &inner, n, eager, self.depth, self.timeout)?;
+        self.completed.fetch_add(done.0, Ordering::Relaxed);
+        self.armed.fetch_add(1, Ordering::Relaxed);
+        Ok(done)
+    }
+
+    /// Steps armed through this stepper.
+    #[getter]
+    fn armed(&self) -> usize {
+        self.armed.load(Ordering::Relaxed)
+    }
+
+    /// Steps completed through this stepper.
+    #[getter]
+    fn completed(&self) -> usize {
+        self.completed.load(Ordering::Relaxed)
+    }
+
+    #[getter]
+    fn depth(&self) -> usize {
+        self.depth
+    }
+
+    #[getter]
+    fn timeout(&self) -> f64 {
+        self.timeout.as_secs_f64()
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.workers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
+    }
+
+    /// Drop the workers (idempotent); later calls raise `ClosedError`.
+    fn close(&self) {
+        let gone = self
+            .workers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        drop(gone);
+    }
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyGatherWorker>()?;
+    m.add_class::<PyStepper>()?;
     m.add_function(wrap_pyfunction!(advance_workers, m)?)
 }
