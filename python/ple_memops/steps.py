@@ -232,6 +232,7 @@ class StepDriver:
         self._timeout = None if timeout is None else float(timeout)
         self._log = log
         self._closed = False
+        self._aborted = False
         # Steps armed and completed here, besides the stepper's (its own counts).
         self._armed = 0
         self._completed = 0
@@ -487,9 +488,12 @@ class StepDriver:
 
     def abort(self, reason: str) -> None:
         """Release every GPU wait for good (idempotent); later calls raise
-        :class:`~ple_memops.PoisonedError`."""
+        :class:`~ple_memops.PoisonedError`. The log has the first abort as an error, the
+        later ones (the same failure reaching each scope around it) at debug level."""
         if self._log is not None:
-            self._log.error("ple-memops: aborting deferred PLE rows: %s", reason)
+            level = logging.DEBUG if self._aborted else logging.ERROR
+            self._log.log(level, "ple-memops: aborting deferred PLE rows: %s", reason)
+        self._aborted = True
         self.plan.abort(reason)
 
     def abort_on(self, what: str, exc: BaseException) -> None:
