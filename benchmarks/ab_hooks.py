@@ -10,9 +10,9 @@ each build from its own directory on ``PYTHONPATH`` (an unpacked wheel, e.g. ``p
 --no-deps --target DIR dist/*.whl``; an empty directory means the installed package), and
 prints, per table count: each round's ``--column`` p50 for A and B and their difference,
 then B - A's median and range over the pairs, A's own spread over its rounds (the A
-against A of this run) and a sign test: when every pair moves the same way the two-sided
-p-value is 2 / 2^rounds (1/32 with 6 rounds), the one thing this protocol can call
-resolved.
+against A of this run) and a two-sided sign test over the pairs (ties counted against
+it): a difference is called resolved only at p <= 0.05, which takes every pair moving the
+same way with 6 rounds (p = 1/32), all but one with 9-11, all but two with 12.
 
     python3 benchmarks/ab_hooks.py --a DIR_A --b DIR_B [--rounds 6] [--column "all in"] \
         [--python PY] [-- bench_hooks.py's own arguments, e.g. --steps 2000 --tables 1]
@@ -21,6 +21,7 @@ resolved.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -62,11 +63,14 @@ class Paired:
 
     @property
     def sign_p(self) -> float:
-        """The two-sided sign test's p-value for "B moves the same way in every pair"
-        (ties count against it): 2 / 2^n when they all do, else 1."""
+        """The two-sided sign test's p-value for "B moves one way": with ``k`` of the
+        ``n`` pairs not moving the way most do (ties count among them, against the
+        verdict), ``2 P(Binomial(n, 1/2) <= k)``, at most 1 (2 / 2^n when every pair
+        moves the same way)."""
         d = self.diffs
-        same = d and (all(x < 0 for x in d) or all(x > 0 for x in d))
-        return min(1.0, 2.0 / 2 ** len(d)) if same else 1.0
+        n = len(d)
+        k = n - max(sum(x < 0 for x in d), sum(x > 0 for x in d))
+        return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
 
     def summary(self) -> str:
         d = self.diffs

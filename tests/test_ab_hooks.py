@@ -32,7 +32,7 @@ def test_the_table_is_read_by_column() -> None:
         ab_hooks.parse_table("nothing", "all in")
 
 
-def test_only_pairs_that_all_move_one_way_are_resolved() -> None:
+def test_the_sign_test_resolves_only_pairs_that_move_one_way() -> None:
     faster = ab_hooks.Paired(
         (34.0, 35.9, 33.7, 34.5, 32.0, 32.7), (30.8, 31.8, 31.8, 31.4, 30.4, 31.4)
     )
@@ -44,6 +44,14 @@ def test_only_pairs_that_all_move_one_way_are_resolved() -> None:
     assert mixed.sign_p == 1.0 and mixed.summary().endswith("not resolved")
     tie = ab_hooks.Paired((30.0, 31.0), (30.0, 30.0))
     assert tie.sign_p == 1.0
+    # One pair of 12 the other way: 2 (1 + 12) / 2^12; of 8: 2 (1 + 8) / 2^8.
+    a = (34.0,) * 12
+    most = ab_hooks.Paired(a, (32.0,) * 11 + (34.5,))
+    assert most.sign_p == pytest.approx(26 / 4096)
+    assert "resolved (sign test p = 0.00635)" in most.summary()
+    assert ab_hooks.Paired(a[:8], (32.0,) * 7 + (34.5,)).sign_p == pytest.approx(18 / 256)
+    # A tie counts against the verdict.
+    assert ab_hooks.Paired(a[:6], (32.0,) * 5 + (34.0,)).sign_p == pytest.approx(14 / 64)
     # Too few pairs cannot resolve anything, however one-sided.
     assert ab_hooks.Paired((30.0, 31.0), (20.0, 21.0)).summary().endswith("not resolved")
 
