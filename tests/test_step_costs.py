@@ -96,6 +96,13 @@ def test_host_time_per_step_by_hook() -> None:
     h.end_step()
     first, second = h.take()
     assert (first["arm"], first["step"]) == (1000, 4000) and not any(second.values())
+    # A replay's three kinds in one call, added to what the step has.
+    h.add("arm", 500)
+    h.add_replay(200, 1500, 7000)
+    h.end_step()
+    (replay,) = h.take()
+    assert (replay["wait"], replay["arm"], replay["launch"]) == (200, 2000, 7000)
+    assert sum(replay.values()) == 9200
 
 
 def test_stall_timing_off_a_gpu_times_nothing() -> None:

@@ -365,12 +365,18 @@ class PleRunnerHooks:
             except BaseException as exc:
                 self.driver.abort_on(f"arming the replay of {desc}", exc)
                 raise
-        # Ours from the replay's first line (its checks, the descriptor's hash, the
-        # driver's call), less the wait for the oldest step's fill: a cold call pays its
-        # first misses before a timer read further in would start.
-        self.host.add("wait", wait_ns)
-        self.host.add("arm", time.perf_counter_ns() - t0 - wait_ns)
-        out = self._launch(desc, launch)
+        # The launch, timed; an exception in it aborts the plan (as the driver's guard,
+        # without building one).
+        t1 = time.perf_counter_ns()
+        try:
+            out = launch()
+        except BaseException as exc:
+            self.driver.abort_on(f"the replay of {desc}", exc)
+            raise
+        # Ours from the replay's first line (its checks, the arming call) less the wait
+        # for the oldest step's fill: a cold call pays its first misses before a timer
+        # read further in would start. One accounting call for the three.
+        self.host.add_replay(wait_ns, t1 - t0 - wait_ns, time.perf_counter_ns() - t1)
         if self.stats_every is not None and not isinstance(self._scope, _Step):
             self.log_stats()  # a replay outside step(): step() checks its own at its end
         return out
