@@ -331,7 +331,8 @@ class StepDriver:
         ids the host expects the step to publish (``RowsPlan.begin``). A failure aborts
         the plan."""
         self._check_open()
-        if not expected and (self.stepper or self._advance) is not None and not self._publishes:
+        one_call = self.stepper is not None or self._advance is not None
+        if not expected and one_call and not self._publishes:
             self.advance(rows, eager=eager)
         else:
             self._arm_call_by_call(rows, eager, expected)
