@@ -1,4 +1,5 @@
-//! `ple_memops._native.GatherWorkerCore`: the native half of `ple_memops.GatherWorker`.
+//! `ple_memops._native.GatherWorkerCore`: the native half of `ple_memops.GatherWorker`; and
+//! `Stepper` and `advance_workers`, a plan's step over all its workers in one call.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
