@@ -341,30 +341,31 @@ class PleRunnerHooks:
                     f"ple-memops: the step was armed for the replay of {armed}, then "
                     f"replayed {desc}"
                 )
-            return self._launch(desc, launch)
-        if desc is not self._last_wait_desc:
-            if desc not in self._wait_descs:
-                return launch()
-            self._last_wait_desc = desc
-        # Only a synchronous plan records ids graphs: no second hash of vLLM's descriptor
-        # (a Python __hash__) on a deferred plan's every replay.
-        entry = self._ids_graphs.get(desc) if self._ids_graphs else None
-        if entry is not None:
-            self._check_usable()
-            return self._replay_sync(desc, entry, launch)
-        # Arm: one native call when the plan has a stepper (the driver's counts, no
-        # Python frame between; its failure aborts the plan here, as the driver would).
-        # Closed hooks: it raises ClosedError.
-        rows = int(desc.num_tokens) * self.rows_per_token
-        step = self._stepper
-        if step is None:
-            _, wait_ns, _ = self.driver.advance(rows)
+            wait_ns = 0  # prearm() counted its wait and arming
         else:
-            try:
-                wait_ns = step(rows)[1]
-            except BaseException as exc:
-                self.driver.abort_on(f"arming the replay of {desc}", exc)
-                raise
+            if desc is not self._last_wait_desc:
+                if desc not in self._wait_descs:
+                    return launch()
+                self._last_wait_desc = desc
+            # Only a synchronous plan records ids graphs: no second hash of vLLM's
+            # descriptor (a Python __hash__) on a deferred plan's every replay.
+            entry = self._ids_graphs.get(desc) if self._ids_graphs else None
+            if entry is not None:
+                self._check_usable()
+                return self._replay_sync(desc, entry, launch)
+            # Arm: one native call when the plan has a stepper (the driver's counts, no
+            # Python frame between; its failure aborts the plan here, as the driver
+            # would). Closed hooks: it raises ClosedError.
+            rows = int(desc.num_tokens) * self.rows_per_token
+            step = self._stepper
+            if step is None:
+                _, wait_ns, _ = self.driver.advance(rows)
+            else:
+                try:
+                    wait_ns = step(rows)[1]
+                except BaseException as exc:
+                    self.driver.abort_on(f"arming the replay of {desc}", exc)
+                    raise
         # The launch, timed; an exception in it aborts the plan (as the driver's guard,
         # without building one).
         t1 = time.perf_counter_ns()
@@ -789,18 +790,6 @@ class PleRunnerHooks:
         self.driver.arm(rows, expected=expected)
         self.host.add("wait", t1 - t0)
         self.host.add("arm", time.perf_counter_ns() - t1)
-
-    def _launch(self, desc: Any, launch: Callable[[], T]) -> T:
-        """The replay's launch, timed; an exception in it aborts the plan (as the
-        driver's guard, without building one on every replay)."""
-        t0 = time.perf_counter_ns()
-        try:
-            out = launch()
-        except BaseException as exc:
-            self.driver.abort_on(f"the replay of {desc}", exc)
-            raise
-        self.host.add("launch", time.perf_counter_ns() - t0)
-        return out
 
     def _gather_pending(self, scope: _Step) -> None:
         """A synchronous plan's eager forward: every staged layer's ids to the host in one
