@@ -931,6 +931,30 @@ def test_exceptions_abort(capturing: list[bool], caplog: pytest.LogCaptureFixtur
     assert plan.closed
 
 
+def test_an_aborted_plan_with_nothing_in_flight_still_refuses_quiesce(
+    capturing: list[bool],
+) -> None:
+    # The real worker drops its armed steps once its thread has seen them released (an
+    # abort), so the plan can be poisoned with nothing in flight: quiesce (before a
+    # capture, an eager pass, graph release) must still refuse, not pass silently.
+    plan = RecordingPlan(["a"])
+    hk = PleRunnerHooks(plan, rows_per_token=2)
+    mgr = Manager()
+    _capture(hk, mgr, Desc(FULL, 4), capturing, lambda: _forward(hk, ["a"], 4))
+    _replay(hk, mgr, Desc(FULL, 4))
+    hk.abort("a failed launch")
+    plan.armed.clear()
+    assert plan.in_flight == 0
+    with pytest.raises(PoisonedError, match="a failed launch"):
+        hk.quiesce()
+    with pytest.raises(PoisonedError, match="a failed launch"):
+        hk.release_graphs()
+    with pytest.raises(PoisonedError), hk.eager(dummy=False):
+        pass
+    hk.shutdown()
+    assert plan.closed
+
+
 def test_failed_completion_aborts_and_raises(capturing: list[bool]) -> None:
     plan = RecordingPlan(["a"])
     hk = PleRunnerHooks(plan, rows_per_token=2)

@@ -529,11 +529,13 @@ class PleRunnerHooks:
     def quiesce(self) -> None:
         """Complete every pending step (before captures, eager passes that must not
         overlap them, and graph release). A failed fill raises its typed error after
-        aborting the plan."""
+        aborting the plan; an aborted plan raises :class:`~ple_memops.PoisonedError` even
+        with nothing in flight (a worker that saw its step released has dropped it)."""
         self._check_usable()
         if self.driver.in_flight:
             with self.driver.guard("completing pending steps"):
                 self.driver.drain()
+        self.driver.raise_if_failed()
 
     def abort(self, reason: str) -> None:
         """Release every GPU wait for good; later calls raise ``PoisonedError``."""
