@@ -58,7 +58,7 @@ hostcost)
         # shellcheck disable=SC2086
         timeout 150 python3 benchmarks/bench_hooks.py --steps 600 --repeats 2 --native-split \
             $between 2>&1 \
-            | tail -5
+            | tail -6
     done | tee "$OUT/hostcost.txt"
     ;;
 checks)
