@@ -287,6 +287,33 @@ def test_time_graphs_times_every_full_replay_armed_or_not(
     assert times is not None and times.launches == 1 and times.span_p50_us == 100.0
 
 
+def test_the_graph_managers_release_drops_vllms_graphs_when_ours_refuse(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An aborted plan makes the hooks' ``release_graphs`` raise ``PoisonedError``; vLLM's
+    own release still runs (every GPU wait was released by the abort, so its graphs can
+    go) and the error reaches the engine."""
+    from ple_memops.errors import PoisonedError
+    from ple_memops.vllm import runner
+
+    released: list[str] = []
+    monkeypatch.setattr(runner._BaseManager, "release_graphs", lambda self: released.append("vllm"))
+
+    class Hooks:  # the rows hooks of an aborted plan
+        def release_graphs(self) -> None:
+            released.append("ours")
+            raise PoisonedError("a failed launch")
+
+    manager = object.__new__(runner.PleCudaGraphManager)
+    manager.ple_rows = Hooks()
+    with pytest.raises(PoisonedError, match="a failed launch"):
+        manager.release_graphs()
+    assert released == ["ours", "vllm"]
+    manager.ple_rows = None  # a default engine's manager: vLLM's release alone
+    manager.release_graphs()
+    assert released == ["ours", "vllm", "vllm"]
+
+
 def test_the_runner_times_the_engines_wait_for_a_steps_results(
     monkeypatch: pytest.MonkeyPatch, fake_stream: Any
 ) -> None:

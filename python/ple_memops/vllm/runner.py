@@ -442,9 +442,13 @@ class PleCudaGraphManager(_BaseManager, _CaptureScopes):
         return hooks.replay(desc, timed)
 
     def release_graphs(self) -> None:
-        if self.ple_rows is not None:
-            self.ple_rows.release_graphs()
-        super().release_graphs()
+        # vLLM's graphs are dropped even when ours raise (an aborted plan: every GPU wait
+        # is released, so nothing captured can hold the device).
+        try:
+            if self.ple_rows is not None:
+                self.ple_rows.release_graphs()
+        finally:
+            super().release_graphs()
 
 
 class PleGPUModelRunner(_BaseRunner):
