@@ -947,8 +947,10 @@ def test_an_aborted_plan_with_nothing_in_flight_still_refuses_quiesce(
     assert plan.in_flight == 0
     with pytest.raises(PoisonedError, match="a failed launch"):
         hk.quiesce()
+    assert hk.wait_descs == {Desc(FULL, 4)}
     with pytest.raises(PoisonedError, match="a failed launch"):
         hk.release_graphs()
+    assert hk.wait_descs == frozenset()  # the engine's graphs are gone all the same
     with pytest.raises(PoisonedError), hk.eager(dummy=False):
         pass
     hk.shutdown()

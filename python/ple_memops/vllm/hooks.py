@@ -520,11 +520,14 @@ class PleRunnerHooks:
 
     def release_graphs(self) -> None:
         """The engine drops its captured graphs: complete pending steps, forget which
-        graphs wait for rows (a later capture records them again)."""
-        self.quiesce()
-        self._wait_descs.clear()
-        self._last_wait_desc = None
-        self._ids_graphs.clear()
+        graphs wait for rows (a later capture records them again), also when completing
+        them raises (the graphs are gone either way)."""
+        try:
+            self.quiesce()
+        finally:
+            self._wait_descs.clear()
+            self._last_wait_desc = None
+            self._ids_graphs.clear()
 
     def quiesce(self) -> None:
         """Complete every pending step (before captures, eager passes that must not
