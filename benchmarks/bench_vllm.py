@@ -111,6 +111,7 @@ from vllm_probes import (
     busy_thread_cpus,
     cpu_use,
     evict,
+    gpu_name,
     gpu_used_total,
     page_cache,
     proc_tree,
@@ -786,6 +787,7 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint": str(ckpt),
         "config": cfg,
         "cpu_topology": cpu_topology(),
+        "gpu": gpu_name(),
     }
     log(meta["model"])
     plugin_dir = write_plugin(Path(tempfile.mkdtemp(prefix="ple-bench-plugin-")))

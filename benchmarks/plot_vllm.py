@@ -25,6 +25,14 @@ def _runs(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in doc["runs"] if r.get("ok") and r.get("itl_p50_ms") is not None]
 
 
+def default_title(docs: list[tuple[str, dict[str, Any]]]) -> str:
+    """The figure's title, naming the GPU the runs recorded (``meta.gpu``; runs before it
+    was recorded name none, and runs on different cards name each)."""
+    gpus = sorted({g for _, d in docs if (g := d.get("meta", {}).get("gpu"))})
+    on = f" on {' and '.join(gpus)}" if gpus else ""
+    return f"vLLM 0.33.0{on}: ITL p50 per backend"
+
+
 def plot(docs: list[tuple[str, dict[str, Any]]], out: Path, title: str) -> None:
     import matplotlib
 
@@ -131,12 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("json", nargs="+", type=Path, help="bench_vllm.py --json outputs")
     p.add_argument("-o", "--out", type=Path, default=Path("vllm_itl.png"))
-    p.add_argument("--title", default="vLLM 0.33.0 on an H200: ITL p50 per backend")
+    p.add_argument(
+        "--title",
+        help="the figure's title (default: the GPU each run recorded, or none named, e.g. "
+        "'vLLM 0.33.0 on NVIDIA H100 80GB HBM3: ITL p50 per backend')",
+    )
     args = p.parse_args(argv)
     docs = [
         (path.stem.removeprefix("bench_vllm_"), json.loads(path.read_text())) for path in args.json
     ]
-    plot(docs, args.out, args.title)
+    plot(docs, args.out, args.title or default_title(docs))
     print(f"wrote {args.out}")
     return 0
 

@@ -195,6 +195,22 @@ def gpu_memory_by_pid() -> dict[int, float] | None:
     return got
 
 
+def gpu_name() -> str | None:
+    """The benchmarked GPU's name from nvidia-smi (``None`` without it), for the results'
+    JSON: a run's numbers hold for the card that made them."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        text = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader",
+             "-i", os.environ.get("BENCH_GPU_INDEX", "0")],
+            capture_output=True, text=True, timeout=15, check=False,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return text.strip() or None
+
+
 def gpu_used_total() -> float | None:
     if not shutil.which("nvidia-smi"):
         return None

@@ -695,3 +695,16 @@ def test_the_verdict_judges_paired_itl_against_the_runs_reference() -> None:
         "c8 ITL p50 +0.00% vs gpu-plugin (A/A +0.00%; second mmap +1.00%; engine's wait for "
         "results p50 28 us)" in v
     ), v
+
+
+def test_the_plots_title_names_the_gpu_the_runs_recorded() -> None:
+    import plot_vllm
+
+    h100 = {"meta": {"gpu": "NVIDIA H100 80GB HBM3"}}
+    h200 = {"meta": {"gpu": "NVIDIA H200"}}
+    old = {"meta": {}}  # a run from before the GPU was recorded
+    assert plot_vllm.default_title([("a", h100), ("b", old)]) == (
+        "vLLM 0.33.0 on NVIDIA H100 80GB HBM3: ITL p50 per backend"
+    )
+    assert "H100 80GB HBM3 and NVIDIA H200" in plot_vllm.default_title([("a", h200), ("b", h100)])
+    assert plot_vllm.default_title([("a", old)]) == "vLLM 0.33.0: ITL p50 per backend"
