@@ -30,6 +30,13 @@
 #                  bash scripts/gpu/detached.sh start solo env PART=solo bash scripts/gpu/step_costs.sh
 #                  bash scripts/gpu/detached.sh collect solo 540   # again until exit 0
 #   PART=solo4   the same on the bench's default model (24 layers, four 1 GiB tables)
+#   PART=decode4 the four 1 GiB tables at c64 and the mixed load, each server alone:
+#                gpu-plugin, mmap, mmap-decode (expect_decode: layer 0's rows gathered
+#                before the graph starts), gpu-plugin-b (A against A); BACKENDS=... to
+#                change them (e.g. add mmap-lead). Where the engine waits for the GPU (an
+#                H100 host: BENCHMARKS.md "Four 1 GiB tables, each server alone"), what
+#                takes layer 0's fill off the GPU's path is what moves c64. Detached, as
+#                solo (~13 min)
 #   PART=hostcost our hooks' host time a step without an engine (benchmarks/bench_hooks.py) on
 #                this host's CPU: caches evicted by 96 MiB (the hooks, then through our
 #                runner over vLLM's classes) and by twice the L3 between steps, then
@@ -48,7 +55,7 @@ LOAD=(--kv-cache-gib 6 --concurrency 64 --requests 256 --mixed-long 0 --repeats 
       --start-timeout 300 --load-timeout 60)
 SOLO=(--kv-cache-gib 6 --solo --time-graphs --backends gpu-plugin,mmap,gpu-plugin-b,uva
       --ref gpu-plugin --repeats "${REPEATS:-5}")
-case "${PART:?PART=checks|gpu|mmap|decode|results|solo|solo4|hostcost}" in
+case "${PART:?PART=checks|gpu|mmap|decode|results|solo|solo4|decode4|hostcost}" in
 hostcost)
     { lscpu | grep -E "Model name|L2|L3"
       echo "clock source: $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource)"
@@ -94,6 +101,12 @@ solo)
     ;;
 solo4)
     DEADLINE=${DEADLINE:-760} TAG=solo4 BENCH_ARGS="--layers 24 --dtype bf16 ${SOLO[*]}" \
+        bash scripts/gpu/vllm_bench.sh
+    ;;
+decode4)
+    DEADLINE=${DEADLINE:-760} TAG=decode4 BENCH_ARGS="--layers 24 --dtype bf16 --kv-cache-gib 6 \
+        --solo --time-graphs --concurrency 64 --ref gpu-plugin --repeats ${REPEATS:-5} \
+        --backends ${BACKENDS:-gpu-plugin,mmap,mmap-decode,gpu-plugin-b}" \
         bash scripts/gpu/vllm_bench.sh
     ;;
 mmap)
