@@ -362,6 +362,18 @@ def test_the_runner_times_the_engines_wait_for_a_steps_results(
     clock.around(lambda: None)
     times = clock.summary()
     assert times is not None and times.results_us is not None
+    # The graphs' clock wrapping get_output is the instrument's time, not ours.
+    wrap = clock.results
+
+    def slow_results(get: Any) -> Any:
+        time.sleep(0.02)
+        return wrap(get)
+
+    monkeypatch.setattr(clock, "results", slow_results)
+    assert runner.sample_tokens(None).get_output() == "tokens"
+    host.end_step()
+    (ours,) = host.take()
+    assert 0 < ours["check"] < 10_000_000, ours  # ns: the clock's 20 ms not in it
     # Neither: vLLM's own output.
     runner.ple_rows = None
     runner.cudagraph_manager = SimpleNamespace(ple_clock=None)

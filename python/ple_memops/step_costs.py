@@ -89,9 +89,9 @@ HOST_KINDS = ("step", "arm", "wait", "check", "stats", "expect")
 step's scope: opening, eager forwards' end, not the engine's work inside), ``arm`` (arming
 every table and the launch's bookkeeping, not the launch), ``wait`` (completing the
 oldest step when ``depth`` are armed: a wait for a fill), ``check`` (the failure check
-before a step's output is handed out, and the runner's wrapping of that output),
-``stats`` (the stats line), ``expect`` (computing the ids the host expects the step to
-publish: ``expect_prefill``, ``expect_decode``)."""
+before a step's output is handed out, and the runner's wrapping of that output; not
+``time_graphs``' own wrapping of it), ``stats`` (the stats line), ``expect`` (computing
+the ids the host expects the step to publish: ``expect_prefill``, ``expect_decode``)."""
 
 ENGINE_KINDS = ("launch", "results")
 """The engine's own host time that :class:`HostTime` counts beside ours, outside its

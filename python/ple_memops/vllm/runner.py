@@ -558,14 +558,15 @@ class PleGPUModelRunner(_BaseRunner):
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         out = super().sample_tokens(*args, **kwargs)
-        t0 = time.perf_counter_ns()  # ours from here: counted as the output's check
-        hooks = self.ple_rows
         manager: Any = getattr(self, "cudagraph_manager", None)
         clock: GraphTimesLog | None = getattr(manager, "ple_clock", None)
         if clock is not None and out is not None and hasattr(out, "get_output"):
             # time_graphs, any plugin engine (the GPU table's too): the engine's wait
-            # for the step's results, beside the graphs' times.
+            # for the step's results, beside the graphs' times. The instrument's, not
+            # counted as ours.
             out.get_output = clock.clock.results(out.get_output)
+        t0 = time.perf_counter_ns()  # ours from here: counted as the output's check
+        hooks = self.ple_rows
         if hooks is None or out is None:
             return out
         if self.ple_history is not None:
