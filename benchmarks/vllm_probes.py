@@ -195,14 +195,14 @@ def gpu_memory_by_pid() -> dict[int, float] | None:
     return got
 
 
-def gpu_name() -> str | None:
-    """The benchmarked GPU's name from nvidia-smi (``None`` without it), for the results'
-    JSON: a run's numbers hold for the card that made them."""
+def _gpu_query(field: str) -> str | None:
+    """One field of the benchmarked GPU (``BENCH_GPU_INDEX``, default 0) from nvidia-smi,
+    without units; ``None`` without nvidia-smi or an answer."""
     if not shutil.which("nvidia-smi"):
         return None
     try:
         text = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader",
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits",
              "-i", os.environ.get("BENCH_GPU_INDEX", "0")],
             capture_output=True, text=True, timeout=15, check=False,
         ).stdout  # fmt: skip
@@ -211,17 +211,18 @@ def gpu_name() -> str | None:
     return text.strip() or None
 
 
+def gpu_name() -> str | None:
+    """The benchmarked GPU's name (``None`` without nvidia-smi), for the results' JSON: a
+    run's numbers hold for the card that made them."""
+    return _gpu_query("name")
+
+
 def gpu_used_total() -> float | None:
-    if not shutil.which("nvidia-smi"):
-        return None
+    """MiB of the benchmarked GPU's memory in use (``None`` without nvidia-smi)."""
+    text = _gpu_query("memory.used")
     try:
-        text = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-             "-i", os.environ.get("BENCH_GPU_INDEX", "0")],
-            capture_output=True, text=True, timeout=15, check=False,
-        ).stdout  # fmt: skip
-        return float(text.split()[0])
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None if text is None else float(text.split()[0])
+    except (ValueError, IndexError):
         return None
 
 

@@ -708,3 +708,25 @@ def test_the_plots_title_names_the_gpu_the_runs_recorded() -> None:
     )
     assert "H100 80GB HBM3 and NVIDIA H200" in plot_vllm.default_title([("a", h200), ("b", h100)])
     assert plot_vllm.default_title([("a", old)]) == "vLLM 0.33.0: ITL p50 per backend"
+
+
+def test_the_gpu_probes_read_nvidia_smis_answers(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vllm_probes
+
+    smi = tmp_path / "nvidia-smi"  # answers the two queries as the real one does
+    smi.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        '  --query-gpu=name) echo "NVIDIA H100 80GB HBM3" ;;\n'
+        '  --query-gpu=memory.used) echo "1234" ;;\n'
+        "  *) exit 1 ;;\n"
+        "esac\n"
+    )
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert vllm_probes.gpu_name() == "NVIDIA H100 80GB HBM3"
+    assert vllm_probes.gpu_used_total() == 1234.0
+    smi.write_text("#!/bin/sh\nexit 0\n")  # no answer: nothing recorded, no error
+    assert vllm_probes.gpu_name() is None and vllm_probes.gpu_used_total() is None
