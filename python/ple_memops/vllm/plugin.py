@@ -8,14 +8,15 @@ vLLM's is rebound and nothing of ours that needs torch is imported. On
 (:mod:`._compat`; any difference refuses to start, naming the version and what differs,
 with nothing installed), then installs, all or nothing:
 
-* Model Runner V2's runner class (where the GPU worker imports it when it builds one):
-  :class:`~ple_memops.vllm.runner.PleGPUModelRunner`;
 * the Qwen4Exp, Gemma 4 and Gemma 3n (multimodal) architectures
   (``ModelRegistry.register_model`` replaces vLLM's entries): the subclasses of
   :mod:`~ple_memops.vllm.qwen4exp`, :mod:`~ple_memops.vllm.gemma4` and
   :mod:`~ple_memops.vllm.gemma3n`;
 * their config hooks, extended with the mmap backend's refusals (Gemma 3n, which has
-  none of vLLM's, gets one).
+  none of vLLM's, gets one) and, for an engine the plugin serves on CUDA, its worker
+  (``ParallelConfig.worker_cls``: :class:`~ple_memops.vllm.worker.PleWorker`, which
+  builds :class:`~ple_memops.vllm.runner.PleGPUModelRunner`). No class of vLLM's is
+  rebound: other engines keep vLLM's worker and runner (a CPU engine's among them).
 
 Each engine then chooses with ``additional_config={"ple_memops": {...}}`` (see
 :mod:`.settings`); one that says ``"table_backend": "default"`` runs vLLM's code paths.
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .settings import BACKEND_ENV, Settings
+from .settings import BACKEND_ENV, Settings, engine_settings, raise_refusals
 
 __all__ = ["Installed", "install", "installed", "register"]
 
@@ -100,21 +101,13 @@ def install() -> Installed:
         version = _compat.require()
         from vllm.model_executor.models import ModelRegistry
         from vllm.model_executor.models import config as model_configs
-        from vllm.v1.worker.gpu import model_runner as vllm_model_runner
 
-        from . import gemma3n, gemma4, qwen4exp, runner
+        from . import gemma3n, gemma4, qwen4exp
 
         models = (qwen4exp, gemma4, gemma3n)
         record = Installed(version)
         try:
             _log_through_vllm(record)
-            _set(
-                record,
-                vllm_model_runner,
-                "GPUModelRunner",
-                runner.PleGPUModelRunner,
-                "vllm.v1.worker.gpu.model_runner.GPUModelRunner -> PleGPUModelRunner",
-            )
             architectures = {a: c for m in models for a, c in m.ARCHITECTURES.items()}
             for arch, cls in architectures.items():
                 previous = ModelRegistry.models.get(arch)
@@ -159,11 +152,18 @@ def install() -> Installed:
 
 def _extended_config_hook(base: Any, model: Any) -> type:
     """vLLM's config hook ``base`` for an architecture, with ``model``'s
-    ``verify_and_update_config`` (the mmap backend's refusals) right after its own."""
+    ``verify_and_update_config`` (the mmap backend's refusals) right after its own, then,
+    for an engine that serves mmap tables or times its graphs, the plugin's worker."""
 
     def verify(vllm_config: Any) -> None:
         base.verify_and_update_config(vllm_config)
         model.verify_and_update_config(vllm_config)
+        settings = engine_settings(vllm_config)
+        if settings.mmap or settings.time_graphs:
+            from .worker import place_worker
+
+            refused = place_worker(vllm_config)
+            raise_refusals([refused] if refused else [])
 
     return type(
         f"PleMemops{base.__name__}",

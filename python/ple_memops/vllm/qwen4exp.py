@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's NVIDIA Qwen4Exp with its n-gram PLE tables served from the checkpoint.
+"""vLLM's NVIDIA Qwen4Exp with its n-gram PLE tables served from the checkpoint.
 
 Imported only once the plugin is switched on (it subclasses vLLM's classes):
 
@@ -180,9 +180,10 @@ class Qwen4ExpPLEMmapEmbedding(Qwen4ExpPLEEmbedding, MmapTableLayer):
         if hooks is None:
             raise StateError(
                 f"ple-memops: the mmap PLE table {self.ple_memops_name} has no rows plan; "
-                "the plugin's Model Runner V2 attaches one at load time (is the engine on "
-                "Model Runner V2, and was the plugin installed before the runner was built? "
-                "`python -m ple_memops.vllm check` tells)"
+                "only the plugin's worker attaches one at load time, on a CUDA device "
+                "(a CPU engine keeps vLLM's runner, and an engine whose worker_cls names "
+                "another worker is refused; `python -m ple_memops.vllm check` tells "
+                "whether the plugin is on)"
             )
         return hooks
 
@@ -332,6 +333,12 @@ def verify_and_update_config(vllm_config: Any) -> None:
         refused.append("embedding_across_dp=True (each rank reads full rows itself)")
     if engram is not None and engram.dp_shared_memory:
         refused.append("dp_shared_memory=True (there is no pinned table to share)")
+    if engram is not None and getattr(engram, "disk_offload", False):
+        # vLLM 0.34.0's own reader of the checkpoint's rows: two backends for one table.
+        refused.append(
+            "engram_config.disk_offload=True (vLLM's own disk offload of the same tables; "
+            "serve them with one of the two: unset disk_offload, or the mmap backend)"
+        )
     from vllm.platforms import current_platform
 
     if current_platform.is_rocm():
