@@ -2,42 +2,75 @@
 compatible with the installed vLLM?
 
 Exit status: 0 when the install is compatible, switched on or off (off is how the plugin
-ships: the check then says how to switch it on); 1 when something would go wrong (vLLM's
-names differ from the ones the plugin was tested with, a setting has a bad value,
-``VLLM_PLUGINS`` keeps the plugin out); 2 when vLLM or the plugin's entry point is not
-installed."""
+ships: the check then says how to switch it on), and on an untested vLLM release that
+meets every fact with the opt-in set; 1 when something would go wrong (an untested
+release, vLLM's names differ from the ones the plugin relies on, a setting has a bad
+value, ``VLLM_PLUGINS`` keeps the plugin out); 2 when vLLM or the plugin's entry point is
+not installed."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
 import sys
+import tempfile
+import warnings
+from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, entry_points, version
 
 from ..errors import InvalidArgumentError
 from . import _compat
-from .settings import (
-    BACKEND_ENV,
-    COPY_ENV,
-    EARLY_JOIN_ENV,
-    EXPECT_DECODE_ENV,
-    EXPECT_PREFILL_ENV,
-    FIRST_LAYER_THREADS_ENV,
-    PREDICT_READY_ENV,
-    SKIP_GATHER_ENV,
-    SPIN_ENV,
-    SPLIT_REST_THREADS,
-    SPLIT_ROWS_ENV,
-    STATS_ENV,
-    TIME_GRAPHS_ENV,
-    TIME_STALLS_ENV,
-    TIMEOUT_ENV,
-    Settings,
-)
+from .settings import BACKEND_ENV, Settings
 
 GROUP = "vllm.general_plugins"
 NAME = "ple_memops"
 TARGET = "ple_memops.vllm.plugin:register"
+
+
+@contextlib.contextmanager
+def _quiet_vllm_import() -> Iterator[list[str]]:
+    """vLLM's and torch's import-time lines (``Failed to import from vllm._C`` on a
+    machine without vLLM's GPU build, torch's deprecation warnings) are not this command's
+    verdict: what the block prints, at the file-descriptor level too, is kept in the list
+    it yields (shown only when the check fails)."""
+    kept: list[str] = []
+    saved_level = os.environ.get("VLLM_LOGGING_LEVEL")
+    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = (os.dup(1), os.dup(2))
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                yield kept
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            if saved_level is None:
+                os.environ.pop("VLLM_LOGGING_LEVEL", None)
+            else:
+                os.environ["VLLM_LOGGING_LEVEL"] = saved_level
+            sink.seek(0)
+            kept.extend(sink.read().decode(errors="replace").splitlines())
+
+
+def _changed_settings(settings: Settings) -> list[str]:
+    """The settings that differ from their defaults, as ``key=value``."""
+    default = Settings()
+    return [
+        f"{f.name}={getattr(settings, f.name)!r}"
+        for f in dataclasses.fields(Settings)
+        if f.name != "table_backend" and getattr(settings, f.name) != getattr(default, f.name)
+    ]
 
 
 def check() -> int:
@@ -46,8 +79,8 @@ def check() -> int:
     except PackageNotFoundError:
         print("vllm: not installed")
         print(
-            f"install it with: pip install vllm=={_compat.TESTED_VERSIONS[-1]} "
-            "(the version ple-memops is tested with)"
+            f"install a tested release: {', '.join(_compat.TESTED_VERSIONS)} "
+            "(README says how to install each)"
         )
         return 2
     print(f"vllm: {vllm_version}")
@@ -68,52 +101,43 @@ def check() -> int:
         print(f"switch: {exc}")
         return 1
     state = "on" if settings.mmap else "off"
+    print(f"switch: {state} ({BACKEND_ENV}={os.environ.get(BACKEND_ENV, '')!r})")
+    changed = _changed_settings(settings)
     print(
-        f"switch: {state} ({BACKEND_ENV}={os.environ.get(BACKEND_ENV, '')!r}; "
-        f"timeout {settings.timeout:g} s, {TIMEOUT_ENV})"
-    )
-    spin = "the core's default" if settings.spin is None else f"{settings.spin:g} s"
-    stats = "off" if settings.stats_every is None else f"every {settings.stats_every:g} s"
-    lead = settings.first_layer_threads
-    lead_text = (
-        f"the model's default (a split Gemma row's rest: {SPLIT_REST_THREADS} threads of its "
-        "own; otherwise the shared pool)"
-        if lead is None
-        else "the shared pool"
-        if lead == 0
-        else f"{lead} threads of its own"
-    )
-    print(
-        f"settings: copy {settings.copy} ({COPY_ENV}), spin {spin} ({SPIN_ENV}), stats lines "
-        f"{stats} ({STATS_ENV}), the first PLE layer's gathers on {lead_text} "
-        f"({FIRST_LAYER_THREADS_ENV}), stall timing {'on' if settings.time_stalls else 'off'} "
-        f"({TIME_STALLS_ENV}), predicted READY {'on' if settings.predict_ready else 'off'} "
-        f"({PREDICT_READY_ENV}), graph timing {'on' if settings.time_graphs else 'off'} "
-        f"({TIME_GRAPHS_ENV}), prefill ids expected on the host "
-        f"{'on' if settings.expect_prefill else 'off'} ({EXPECT_PREFILL_ENV}), decode ids "
-        f"expected on the host {'on' if settings.expect_decode else 'off'} "
-        f"({EXPECT_DECODE_ENV}), a Gemma's rows "
-        f"split at decoder layer 0 {'on' if settings.split_rows else 'off'} "
-        f"({SPLIT_ROWS_ENV}); an engine's "
-        "additional_config['ple_memops'] overrides them"
+        "settings: "
+        + (", ".join(changed) if changed else "the defaults")
+        + " (docs/vllm.md lists each; an engine's additional_config['ple_memops'] "
+        "overrides them)"
     )
     if settings.diag_skip_gather:
-        print(
-            f"diagnostics: {SKIP_GATHER_ENV} is set: rows are NOT gathered (wrong tokens); "
-            "for timing the protocol only"
-        )
-    if settings.diag_early_join:
-        print(
-            f"diagnostics: {EARLY_JOIN_ENV} is set: a Gemma model run eagerly joins its rows "
-            "after the projection, not at decoder layer 0's gate"
-        )
-    vllm_seen, problems = _compat.check()
+        print("diagnostics: rows are NOT gathered (wrong tokens); for timing the protocol only")
+    try:
+        with _quiet_vllm_import() as printed:
+            facts = _compat.report()
+        problems = _compat.problems(facts)
+    except InvalidArgumentError as exc:
+        print(f"compatible: {exc}")
+        return 1
+    total = len(_compat.REQUIREMENTS)
     if problems:
-        print(f"compatible: no, vLLM {vllm_seen} differs from what the plugin was tested with:")
+        print(f"compatible: no, vLLM {facts.version}:")
         for p in problems:
             print(f"  - {p}")
+        if printed:
+            print("what importing vLLM printed:")
+            for line in printed[-20:]:
+                print(f"  | {line}")
         return 1
-    print(f"compatible: yes (vLLM {vllm_seen}: every name the plugin relies on is there)")
+    if facts.tested:
+        print(
+            f"compatible: yes (vLLM {facts.version} is a tested release; all {total} facts the "
+            "plugin relies on hold)"
+        )
+    else:
+        print(
+            f"compatible: untested (vLLM {facts.version} is not a tested release; all {total} "
+            f"facts hold and {_compat.UNTESTED_ENV}=1 lets the plugin start on it)"
+        )
     if not settings.mmap:
         print(
             f"ready, switched off: vLLM runs as released; set {BACKEND_ENV}=mmap in the "
@@ -134,17 +158,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ple_memops.vllm",
         description="ple-memops's vLLM plugin: memory-mapped per-layer embedding tables "
-        "(Qwen4Exp, Gemma 4, Gemma 3n) whose FULL "
-        "CUDA graphs wait for rows gathered after launch.",
-        epilog="check's exit status: 0 compatible (switched on or off), 1 a problem (vLLM's "
-        "names differ, a bad setting, VLLM_PLUGINS keeps the plugin out), 2 vLLM or the "
-        "plugin's entry point not installed",
+        "(Qwen4Exp, Gemma 4, Gemma 3n) whose FULL CUDA graphs wait for rows gathered "
+        "after launch.",
     )
-    parser.add_argument(
-        "command",
-        choices=["check"],
-        help="check: is vLLM installed, the plugin discovered, switched on, configured and "
-        "compatible with the installed vLLM (reads the environment, starts no engine)",
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser(
+        "check",
+        help="is vLLM installed, the plugin discovered, switched on and compatible",
+        description="Reads the environment and the installed vLLM; starts no engine. "
+        f"Tested vLLM releases: {', '.join(_compat.TESTED_VERSIONS)}; another release "
+        f"starts only with {_compat.UNTESTED_ENV}=1 and every fact holding.",
+        epilog="exit status: 0 compatible (switched on or off), 1 a problem (an untested "
+        "release, vLLM's names differ, a bad setting, VLLM_PLUGINS keeps the plugin out), "
+        "2 vLLM or the plugin's entry point not installed",
     )
     parser.parse_args(argv)
     return check()

@@ -1,37 +1,60 @@
 """Every name of vLLM's the plugin relies on, checked against the installed vLLM before
 anything is installed.
 
-The plugin subclasses and wraps private parts of vLLM 0.33.0 (the Model Runner V2 runner,
-its CUDA graph manager, the NVIDIA Qwen4Exp model and its PLE embedding, Gemma 4's text
-and multimodal models, their config hooks, the default loader's file filter). A vLLM
-whose names or signatures differ would run the plugin half-way, which is worse than not
-at all: :func:`check` lists every difference and :func:`require` refuses to start with one
-error naming the version and each of them. Signatures are compared by parameter names,
-kinds and defaults (annotations vary with how a module was imported).
+The plugin subclasses and wraps private parts of vLLM (the Model Runner V2 runner, its
+CUDA graph manager, the NVIDIA Qwen4Exp model and its PLE embedding, Gemma 4's and
+Gemma 3n's text and multimodal models, their config hooks, the default loader's file
+filter). A vLLM whose names or signatures differ would run the plugin half-way, which is
+worse than not at all: :func:`check` lists every difference and :func:`require` refuses to
+start with one error naming the version and each of them.
+
+The facts are kept per release: most hold on every release in :data:`TESTED_VERSIONS`; one
+that differs says what it is on each. A release not in that list is refused, naming every
+fact that fails; with :data:`UNTESTED_ENV` set to ``1`` it starts when every fact holds
+(a fact that differs between releases holds in any known release's form), with a warning.
+Signatures are compared by parameter names, kinds and defaults (annotations vary with how
+a module was imported).
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UnsupportedError
 
-__all__ = ["TESTED_VERSIONS", "Requirement", "check", "require"]
+__all__ = [
+    "TESTED_VERSIONS",
+    "UNTESTED_ENV",
+    "Report",
+    "Requirement",
+    "check",
+    "problems",
+    "report",
+    "require",
+]
 
-TESTED_VERSIONS = ("0.33.0",)
+logger = logging.getLogger("ple_memops")
+
+TESTED_VERSIONS = ("0.33.0", "0.34.0")
+"""The vLLM releases the plugin is tested with, oldest first."""
+
+UNTESTED_ENV = "PLE_MEMOPS_VLLM_UNTESTED"
+"""``1``: start on a vLLM release not in :data:`TESTED_VERSIONS` when every fact holds."""
 
 
 @dataclass(frozen=True)
 class Requirement:
-    """One fact about vLLM the plugin relies on: ``check`` returns ``None`` when it holds,
-    else what differs."""
+    """One fact about vLLM the plugin relies on: ``check(version)`` returns ``None`` when
+    it holds on that release, else what differs."""
 
     what: str
-    check: Callable[[], str | None]
+    check: Callable[[str], str | None]
 
 
 def _resolve(path: str) -> Any:
@@ -49,21 +72,37 @@ def _bare(fn: Any) -> str:
     return str(inspect.Signature(params))
 
 
-def _signature(path: str, expected: str) -> Requirement:
-    def check() -> str | None:
+def _expected_on(expected: str | Mapping[str, str], version: str) -> list[str]:
+    """The forms a fact may take on ``version``: its own where known, else any release's."""
+    if isinstance(expected, str):
+        return [expected]
+    if version in expected:
+        return [expected[version]]
+    return list(dict.fromkeys(expected.values()))
+
+
+def _signature(path: str, expected: str | Mapping[str, str]) -> Requirement:
+    """``path``'s signature is ``expected``: one string for every release, or a mapping
+    from release to its signature."""
+
+    def check(version: str) -> str | None:
         try:
             got = _bare(_resolve(path))
         except (ImportError, AttributeError) as exc:
             return f"missing ({exc})"
         except (TypeError, ValueError) as exc:  # pragma: no cover - not introspectable
             return f"no signature ({exc})"
-        return None if got == expected else f"signature {got}, expected {expected}"
+        forms = _expected_on(expected, version)
+        return None if got in forms else f"signature {got}, expected {' or '.join(forms)}"
 
-    return Requirement(f"{path}{expected}", check)
+    if isinstance(expected, str):
+        return Requirement(f"{path}{expected}", check)
+    per_release = "; ".join(f"{v}: {sig}" for v, sig in expected.items())
+    return Requirement(f"{path} ({per_release})", check)
 
 
 def _exists(path: str, kind: type | None = None) -> Requirement:
-    def check() -> str | None:
+    def check(version: str) -> str | None:
         try:
             obj = _resolve(path)
         except (ImportError, AttributeError) as exc:
@@ -76,7 +115,7 @@ def _exists(path: str, kind: type | None = None) -> Requirement:
 
 
 def _source_has(path: str, needle: str, why: str) -> Requirement:
-    def check() -> str | None:
+    def check(version: str) -> str | None:
         try:
             source = inspect.getsource(_resolve(path))
         except (ImportError, AttributeError) as exc:
@@ -89,7 +128,7 @@ def _source_has(path: str, needle: str, why: str) -> Requirement:
 
 
 def _subclass(path: str, base: str) -> Requirement:
-    def check() -> str | None:
+    def check(version: str) -> str | None:
         try:
             cls, parent = _resolve(path), _resolve(base)
         except (ImportError, AttributeError) as exc:
@@ -102,7 +141,7 @@ def _subclass(path: str, base: str) -> Requirement:
 
 
 def _config_map_has(arch: str) -> Requirement:
-    def check() -> str | None:
+    def check(version: str) -> str | None:
         try:
             mapping = _resolve("vllm.model_executor.models.config:MODELS_CONFIG_MAP")
         except (ImportError, AttributeError) as exc:
@@ -124,14 +163,22 @@ _G3N = "vllm.model_executor.models.gemma3n"
 _G3NM = "vllm.model_executor.models.gemma3n_mm"
 
 REQUIREMENTS: tuple[Requirement, ...] = (
-    # The runner: subclassed, and rebound where the worker imports it when it builds one.
+    # The worker, named in ParallelConfig.worker_cls, builds the runner; the runner is
+    # subclassed.
+    _signature("vllm.v1.worker.gpu_worker:Worker._make_model_runner", "(self)"),
+    _signature(f"{_MR}:GPUModelRunner.__init__", "(self, vllm_config, device)"),
     _signature(
         f"{_MR}:GPUModelRunner.load_model",
         "(self, load_dummy_weights=False, *args, model=None, **kwargs)",
     ),
     _signature(
         f"{_MR}:GPUModelRunner.initialize_kv_cache",
-        "(self, kv_cache_config, is_profiling=False, kv_cache_allocation_context=None)",
+        {
+            "0.33.0": "(self, kv_cache_config, is_profiling=False, "
+            "kv_cache_allocation_context=None)",
+            "0.34.0": "(self, kv_cache_config, is_profiling=False, "
+            "kv_cache_allocation_context=None, extensible=False)",
+        },
     ),
     _signature(f"{_MR}:GPUModelRunner.capture_model", "(self, *, profile_only=False)"),
     _signature(
@@ -141,34 +188,8 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         "valid_dummy_state_slots=False, randomize_inputs=False)",
     ),
     _signature(f"{_MR}:GPUModelRunner.shutdown", "(self)"),
-    _source_has(
-        "vllm.v1.worker.gpu_worker:Worker._make_model_runner",
-        f"from {_MR} import",
-        "imports the runner class when it builds one",
-    ),
     _signature(f"{_MR}:GPUModelRunner.sample_tokens", "(self, grammar_output)"),
     _exists("vllm.v1.worker.gpu.async_utils:AsyncOutput.get_output"),
-    # expect_prefill: the new requests' tokens and each step's batch, on the host.
-    _signature(f"{_MR}:GPUModelRunner.add_requests", "(self, scheduler_output)"),
-    _signature(
-        f"{_MR}:GPUModelRunner.prepare_inputs",
-        "(self, scheduler_output, batch_req_state, batch_desc, num_active_loras)",
-    ),
-    _source_has(
-        f"{_MR}:GPUModelRunner.add_requests",
-        "all_token_ids=new_req_data.prefill_token_ids",
-        "gives the request state each new request's prefill tokens",
-    ),
-    _source_has(
-        f"{_MR}:BatchReqState",
-        "num_computed_prefill_tokens_np",
-        "holds each request's computed prefill tokens",
-    ),
-    _source_has(
-        "vllm.models.qwen4_exp.nvidia.model_state",
-        "context_end = req_states.num_computed_tokens.gpu[request_indices]",
-        "builds the n-gram context from the tokens before the chunk",
-    ),
     _source_has(
         f"{_MR}:GPUModelRunner.initialize_kv_cache",
         "self.cudagraph_manager = ModelCudaGraphManager(",
@@ -177,7 +198,11 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     # The CUDA graph manager: its capture loop, FULL replays and release.
     _signature(
         f"{_CG}:CudaGraphManager.capture",
-        "(self, create_forward_fn, progress_bar_desc='Capturing CUDA graphs')",
+        {
+            "0.33.0": "(self, create_forward_fn, progress_bar_desc='Capturing CUDA graphs')",
+            "0.34.0": "(self, create_forward_fn, progress_bar_desc='Capturing CUDA graphs', "
+            "stream=None)",
+        },
     ),
     _signature(f"{_CG}:CudaGraphManager.run_fullgraph", "(self, desc)"),
     _signature(f"{_CG}:CudaGraphManager.release_graphs", "(self)"),
@@ -387,30 +412,79 @@ REQUIREMENTS: tuple[Requirement, ...] = (
 )
 
 
-def check() -> tuple[str, list[str]]:
-    """The installed vLLM's version and every requirement it does not meet (empty when
-    the plugin can install)."""
+@dataclass
+class Report:
+    """What :func:`report` found: the installed vLLM's version, whether it is a tested
+    release, and every fact that does not hold there."""
+
+    version: str
+    tested: bool
+    failing: list[str] = field(default_factory=list)
+
+    @property
+    def compatible(self) -> bool:
+        """Every fact holds on a tested release."""
+        return self.tested and not self.failing
+
+    @property
+    def untested_allowed(self) -> bool:
+        """Every fact holds on an untested release, and :data:`UNTESTED_ENV` opts in."""
+        return not self.tested and not self.failing and _opted_in()
+
+
+def _opted_in() -> bool:
+    value = os.environ.get(UNTESTED_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        from ..errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"{UNTESTED_ENV} must be 1, 0 or empty, got {value!r}")
+    return value == "1"
+
+
+def report() -> Report:
+    """Every fact checked against the installed vLLM (the facts of its release where it
+    is a tested one)."""
     try:
         import vllm
     except ImportError as exc:
-        return "none", [f"vLLM is not importable ({exc})"]
+        return Report("none", False, [f"vLLM is not importable ({exc})"])
     version = str(getattr(vllm, "__version__", "unknown"))
-    problems = []
-    if version not in TESTED_VERSIONS:
-        problems.append(
-            f"vLLM {version} is not a tested version (tested: {', '.join(TESTED_VERSIONS)})"
-        )
-        return version, problems
+    failing = []
     for req in REQUIREMENTS:
-        why = req.check()
+        why = req.check(version)
         if why is not None:
-            problems.append(f"{req.what}: {why}")
-    return version, problems
+            failing.append(f"{req.what}: {why}")
+    return Report(version, version in TESTED_VERSIONS, failing)
+
+
+def check() -> tuple[str, list[str]]:
+    """The installed vLLM's version and every reason the plugin would not start on it
+    (empty when it can install)."""
+    found = report()
+    return found.version, problems(found)
+
+
+def problems(found: Report) -> list[str]:
+    """Every reason the plugin would not start on the release ``found`` describes."""
+    problems = list(found.failing)
+    if not found.tested and not found.untested_allowed:
+        problems.insert(
+            0,
+            f"vLLM {found.version} is not a tested release (tested: "
+            f"{', '.join(TESTED_VERSIONS)}); "
+            + (
+                f"every fact holds: set {UNTESTED_ENV}=1 to start on it"
+                if not found.failing
+                else "the facts below do not hold"
+            ),
+        )
+    return problems
 
 
 def require() -> str:
     """Raise :class:`~ple_memops.UnsupportedError` listing every difference unless the
-    installed vLLM meets them all; returns its version."""
+    installed vLLM meets them all; returns its version. On an untested release that
+    meets them, started only under :data:`UNTESTED_ENV`, with a warning."""
     version, problems = check()
     if problems:
         raise UnsupportedError(
@@ -420,5 +494,14 @@ def require() -> str:
             + "\nInstall vllm=="
             + " or ".join(TESTED_VERSIONS)
             + ", or unset PLE_MEMOPS_TABLE_BACKEND."
+        )
+    if version not in TESTED_VERSIONS:
+        logger.warning(
+            "ple-memops: vLLM %s is not a tested release (tested: %s); starting because "
+            "%s=1 and every one of the plugin's %d facts holds",
+            version,
+            ", ".join(TESTED_VERSIONS),
+            UNTESTED_ENV,
+            len(REQUIREMENTS),
         )
     return version
