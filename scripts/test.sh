@@ -39,29 +39,32 @@ $PY -m mypy
 echo "== pytest"
 (cd /tmp && $PY -m pytest "$OLDPWD/tests" -q -p no:cacheprovider "$@")
 
-echo "== vLLM 0.33.0 (CPU): the wheel installed as a vLLM plugin, no other step; vLLM's files as released"
-# A separate environment (vLLM pins its own torch; about 9 GB, pip's cache serves reruns).
-# PLE_MEMOPS_VLLM_VENV points at an existing one instead of .venv-vllm/.
-VENV=${PLE_MEMOPS_VLLM_VENV:-$PWD/.venv-vllm}
-if ! "$VENV/bin/python" -c 'import importlib.metadata as m; assert m.version("vllm") == "0.33.0"' \
-        >/dev/null 2>&1; then
-    echo "-- building the vLLM environment $VENV: vLLM 0.33.0 and its own torch, about 9.5 GB;"
-    echo "   this takes several minutes (about 5 on a fresh 2-core machine; pip's lines below"
-    echo "   show its progress); later runs reuse it"
-    $PY -m venv "$VENV"
-    # pipefail: a failing pip fails the script (grep only thins its output).
-    "$VENV/bin/python" -m pip install --progress-bar off --disable-pip-version-check "vllm==0.33.0" \
-        | grep --line-buffered -E "^(Collecting|Installing|Successfully)"
-    echo "-- vLLM environment ready: $VENV"
-else
-    echo "-- reusing the vLLM environment $VENV (vLLM 0.33.0 is there)"
-fi
-echo "-- installing pytest, timm (transformers' Gemma 3n vision tower) and the wheel into the vLLM environment"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check "pytest>=8" "timm>=1.0,<2"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps \
-    dist/*.whl
+echo "== vLLM (CPU), each supported release in its own environment: the wheel installed as a vLLM"
+echo "   plugin, no other step; vLLM's files as released"
+# vLLM pins its own torch, so each release gets an environment of its own (about 9.5 GB each;
+# pip's cache serves reruns). They live in PLE_MEMOPS_VLLM_ENVS (default ~/.cache/ple-memops),
+# shared by every clone on the machine; PLE_MEMOPS_VLLM_RELEASES picks releases (default both).
+ENVS=${PLE_MEMOPS_VLLM_ENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/ple-memops}
+RELEASES=${PLE_MEMOPS_VLLM_RELEASES:-0.33.0 0.34.0}
 export VLLM_TARGET_DEVICE=cpu
-echo "-- the plugin's tests against the released vLLM, on the CPU"
-(cd /tmp && "$VENV/bin/python" -m pytest "$OLDPWD/tests/test_vllm_real.py" \
-    "$OLDPWD/tests/test_vllm_gemma4_real.py" "$OLDPWD/tests/test_vllm_gemma3n_real.py" \
-    -q -p no:cacheprovider)
+for release in $RELEASES; do
+    VENV=$ENVS/vllm-$release
+    echo "-- vLLM $release: $VENV"
+    if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; \
+sys.exit(m.version('vllm') != '$release')" >/dev/null 2>&1; then
+        echo "   building it: vLLM $release and its own torch, about 9.5 GB; several minutes (5-10"
+        echo "   on a fresh 2-core machine; pip's lines below show its progress); later runs reuse it"
+        rm -rf "$VENV" && mkdir -p "$ENVS"
+        $PY -m venv "$VENV"
+        bash scripts/vllm_env.sh "$VENV/bin/python" "$release"
+        echo "   vLLM $release environment ready"
+    fi
+    echo "   installing pytest, timm (transformers' Gemma 3n vision tower) and the wheel into it"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "pytest>=8" "timm>=1.0,<2"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps \
+        dist/*.whl
+    echo "   the plugin's tests against the released vLLM $release, on the CPU"
+    (cd /tmp && "$VENV/bin/python" -m pytest "$OLDPWD/tests/test_vllm_real.py" \
+        "$OLDPWD/tests/test_vllm_gemma4_real.py" "$OLDPWD/tests/test_vllm_gemma3n_real.py" \
+        -q -p no:cacheprovider)
+done

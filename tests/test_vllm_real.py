@@ -1,7 +1,7 @@
-"""The plugin against the real vLLM 0.33.0 on the CPU (``VLLM_TARGET_DEVICE=cpu``), with
-ple-memops installed as a wheel and no other step: ``scripts/test.sh`` builds that
-environment and runs this file there. Skipped, with the reason, where vLLM is not
-installed.
+"""The plugin against each released vLLM it supports (0.33.0, 0.34.0) on the CPU
+(``VLLM_TARGET_DEVICE=cpu``), with ple-memops installed as a wheel and no other step:
+``scripts/test.sh`` builds each release's environment and runs this file there. Skipped, with the
+reason, where vLLM is not installed.
 
 What runs here: vLLM's files against the hashes of its released RECORD; the entry point
 discovered by vLLM's own plugin loader, which installs nothing with the switch off and
@@ -40,8 +40,8 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 vllm = pytest.importorskip(
     "vllm",
-    reason="vLLM 0.33.0 is not installed here (scripts/test.sh runs this file in its "
-    "vLLM environment)",
+    reason="vLLM is not installed here (scripts/test.sh runs this file in each supported "
+    "release's environment)",
 )
 
 import numpy as np  # noqa: E402
@@ -68,6 +68,7 @@ _load = vllm_cpu.load_model
 free_port = vllm_cpu.free_port
 
 HERE = Path(__file__).parent
+VERSION = vllm.__version__
 
 
 @pytest.fixture(scope="module", params=["bf16", "fp8"])
@@ -101,7 +102,7 @@ def test_vllms_files_are_as_released() -> None:
     from importlib.metadata import distribution
 
     dist = distribution("vllm")
-    assert dist.version == "0.33.0"
+    assert dist.version in _compat.TESTED_VERSIONS
     root = Path(str(dist.locate_file("")))
     with open(root / f"vllm-{dist.version}.dist-info" / "RECORD", newline="") as f:
         record = {row[0]: row[1] for row in csv.reader(f) if row[1]}
@@ -135,8 +136,10 @@ _PROBE = """
     hooks_before = {a: mc.MODELS_CONFIG_MAP[a].__qualname__ for a in before}
     load_general_plugins()
     from vllm.v1.worker.gpu import model_runner as mr
+    from vllm.v1.worker import cpu_worker
     print(json.dumps({
         "runner": mr.GPUModelRunner.__module__ + "." + mr.GPUModelRunner.__qualname__,
+        "cpu_runner_mro": [c.__module__ for c in cpu_worker.CPUModelRunner.__mro__],
         "models_changed": [a for a in before if repr(ModelRegistry.models[a]) != before[a]],
         "hooks": {a: mc.MODELS_CONFIG_MAP[a].__qualname__ for a in before},
         "hooks_before": hooks_before,
@@ -180,7 +183,10 @@ def test_switch_on_vllms_loader_installs_everything() -> None:
     done = _run_python(_PROBE, PLE_MEMOPS_TABLE_BACKEND="mmap")
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen["runner"] == "ple_memops.vllm.runner.PleGPUModelRunner"
+    # No class of vLLM's is rebound: the runner comes with the plugin's worker, named per
+    # engine (ParallelConfig.worker_cls); a CPU engine's runner is vLLM's own.
+    assert seen["runner"] == "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
+    assert not any(m.startswith("ple_memops") for m in seen["cpu_runner_mro"])
     assert sorted(seen["models_changed"]) == [
         "Qwen4ExpForCausalLM",
         "Qwen4ExpForConditionalGeneration",
@@ -213,6 +219,8 @@ def test_an_incompatible_vllm_is_refused_with_nothing_installed(
     from vllm.v1.worker.gpu import cudagraph_utils
     from vllm.v1.worker.gpu import model_runner as mr
 
+    monkeypatch.delenv(_compat.UNTESTED_ENV, raising=False)
+    assert VERSION in _compat.TESTED_VERSIONS
     original = mr.GPUModelRunner
     # A "renamed" method and a changed signature.
     monkeypatch.delattr(mr.GPUModelRunner, "capture_model")
@@ -222,16 +230,131 @@ def test_an_incompatible_vllm_is_refused_with_nothing_installed(
     with pytest.raises(pm.UnsupportedError) as info:
         plugin.install()
     text = str(info.value)
-    assert "installed vLLM 0.33.0; nothing was installed" in text
+    assert f"installed vLLM {VERSION}; nothing was installed" in text
     assert "GPUModelRunner.capture_model" in text and "missing" in text
     assert "CudaGraphManager.run_fullgraph" in text and "(self, desc, extra)" in text
     assert mr.GPUModelRunner is original and plugin.installed() is None
-    monkeypatch.undo()
-    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+
+
+DESC = "Capturing CUDA graphs"
+
+
+def test_each_release_is_held_to_its_own_facts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fact that differs between releases is checked in the running release's form: the
+    other release's form of a signature is refused, naming what this one expects."""
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    monkeypatch.delenv(_compat.UNTESTED_ENV, raising=False)
+    assert _compat.check() == (VERSION, [])
+    other = next(v for v in _compat.TESTED_VERSIONS if v != VERSION)
+
+    def capture_033(self: Any, create_forward_fn: Any, progress_bar_desc: str = DESC) -> None:
+        pass
+
+    def capture_034(
+        self: Any, create_forward_fn: Any, progress_bar_desc: str = DESC, stream: Any = None
+    ) -> None:
+        pass
+
+    forms = {"0.33.0": capture_033, "0.34.0": capture_034}
+    monkeypatch.setattr(cudagraph_utils.CudaGraphManager, "capture", forms[other])
     version, problems = _compat.check()
-    assert version == "0.34.0" and "not a tested version" in problems[0]
-    with pytest.raises(pm.UnsupportedError, match=r"vLLM 0\.34\.0 is not a tested version"):
+    assert version == VERSION and len(problems) == 1, problems
+    assert "CudaGraphManager.capture" in problems[0] and "expected" in problems[0]
+    # The same form passes as the release it belongs to.
+    monkeypatch.setattr(vllm, "__version__", other)
+    version, problems = _compat.check()
+    assert version == other and not any("CudaGraphManager.capture" in p for p in problems)
+
+
+def test_an_untested_release_starts_only_when_told_and_every_fact_holds(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from vllm.v1.worker.gpu import model_runner as mr
+
+    monkeypatch.delenv(_compat.UNTESTED_ENV, raising=False)
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    version, problems = _compat.check()
+    assert version == "0.99.0" and len(problems) == 1
+    assert "not a tested release" in problems[0] and "PLE_MEMOPS_VLLM_UNTESTED=1" in problems[0]
+    with pytest.raises(pm.UnsupportedError, match=r"vLLM 0\.99\.0 is not a tested release"):
         plugin.install()
+    assert plugin.installed() is None
+    monkeypatch.setenv(_compat.UNTESTED_ENV, "yes")
+    with pytest.raises(pm.InvalidArgumentError, match="PLE_MEMOPS_VLLM_UNTESTED must be"):
+        plugin.install()
+    # Told, every fact holding: it starts, saying so.
+    monkeypatch.setenv(_compat.UNTESTED_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger="ple_memops"):
+        record = plugin.install()
+    try:
+        assert record.vllm_version == "0.99.0"
+        assert any("0.99.0 is not a tested release" in r.getMessage() for r in caplog.records)
+    finally:
+        record.undo()
+    # Told, with a fact failing: refused, naming each failing fact.
+    monkeypatch.delattr(mr.GPUModelRunner, "capture_model")
+    with pytest.raises(pm.UnsupportedError) as info:
+        plugin.install()
+    assert "GPUModelRunner.capture_model" in str(info.value)
+    assert "0.99.0 is not a tested release" in str(info.value)
+    assert "the facts below do not hold" in str(info.value)
+    assert plugin.installed() is None
+
+
+def test_the_plugins_worker_is_named_per_engine_on_cuda(
+    checkpoint: Path, installed: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner comes through vLLM's documented seam, ParallelConfig.worker_cls: named
+    by the config hook for an engine the plugin serves on CUDA, left as vLLM resolves it
+    elsewhere; a worker of the user's own is refused, naming both."""
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from ple_memops.vllm import worker
+
+    monkeypatch.delenv("PLE_MEMOPS_TABLE_BACKEND", raising=False)
+    # A CPU engine keeps vLLM's CPU worker, switched on or not.
+    for mmap in (False, True):
+        assert _config(checkpoint, mmap=mmap).parallel_config.worker_cls == (
+            "vllm.v1.worker.cpu_worker.CPUWorker"
+        )
+    # On CUDA (the platform's answer faked: this machine has no GPU), through the config
+    # hook the plugin installed for the architecture.
+    from vllm.model_executor.models import config as model_configs
+
+    hook = model_configs.MODELS_CONFIG_MAP["Qwen4ExpForCausalLM"]
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self=None: True)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # 0.33.0's CPU default is V1
+    for mmap, want in ((False, "auto"), (True, worker.WORKER)):
+        vc = _config(checkpoint, mmap=mmap)
+        vc.parallel_config.worker_cls = "auto"
+        hook.verify_and_update_config(vc)
+        assert vc.parallel_config.worker_cls == want, mmap
+    vc = _config(checkpoint, mmap=True)
+    vc.parallel_config.worker_cls = "my.Worker"
+    with pytest.raises(pm.UnsupportedError, match=r"worker_cls='my\.Worker'.*PLE_MEMOPS_TABLE"):
+        hook.verify_and_update_config(vc)
+    for own in ("vllm.v1.worker.gpu_worker.Worker", worker.WORKER):
+        vc = types.SimpleNamespace(parallel_config=types.SimpleNamespace(worker_cls=own))
+        assert worker.place_worker(vc) is None and vc.parallel_config.worker_cls == worker.WORKER
+    vc = types.SimpleNamespace(parallel_config=types.SimpleNamespace(worker_cls="my.Worker"))
+    refused = worker.place_worker(vc)
+    assert refused is not None and "worker_cls='my.Worker'" in refused and worker.WORKER in refused
+    assert vc.parallel_config.worker_cls == "my.Worker"
+    # The worker is vLLM's GPU worker, building the plugin's runner.
+    assert issubclass(worker.PleWorker, Worker)
+    built: list[Any] = []
+
+    class Stand(runner.PleGPUModelRunner):  # type: ignore[misc]
+        def __init__(self, vllm_config: Any, device: Any) -> None:
+            built.append((vllm_config, device))
+
+    monkeypatch.setattr(runner, "PleGPUModelRunner", Stand)
+    w = object.__new__(worker.PleWorker)
+    w.vllm_config = types.SimpleNamespace(is_mm_encoder_only=False)
+    w.device = torch.device("cpu")
+    assert isinstance(w._make_model_runner(), Stand) and built == [(w.vllm_config, w.device)]
 
 
 def test_time_graphs_times_every_full_replay_armed_or_not(
@@ -417,32 +540,43 @@ def test_check_command_reports(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> 
     # Switched off is how the plugin ships, not an error: exit 0, and say how to switch on.
     assert main(["check"]) == 0
     out = capsys.readouterr().out
-    assert "vllm: 0.33.0" in out and "plugin: discovered" in out and "switch: off" in out
-    assert "compatible: yes" in out
+    assert f"vllm: {VERSION}" in out and "plugin: discovered" in out and "switch: off" in out
+    assert f"compatible: yes (vLLM {VERSION} is a tested release" in out
     assert "ready, switched off" in out and "set PLE_MEMOPS_TABLE_BACKEND=mmap" in out
+    # vLLM's own import-time lines are not the verdict.
+    assert "Failed to import" not in out and "WARNING" not in out
+    assert "settings: the defaults" in out
     monkeypatch.setenv("PLE_MEMOPS_TABLE_BACKEND", "mmap")
     assert main(["check"]) == 0
     out = capsys.readouterr().out
     assert "switch: on" in out
     assert "ready: vLLM would serve" in out
-    assert "settings: copy auto (PLE_MEMOPS_COPY), spin the core's default" in out
-    assert "split at decoder layer 0 on (PLE_MEMOPS_SPLIT_ROWS)" in out  # the default
+    assert max(len(line) for line in out.splitlines()) < 200, out
     # One setting at a time: what the check prints, or its refusal of a bad value.
     for var, value, rc, says in (
-        ("PLE_MEMOPS_STATS_EVERY", "10", 0, "stats lines every 10 s (PLE_MEMOPS_STATS_EVERY)"),
-        ("PLE_MEMOPS_FIRST_LAYER_THREADS", "6", 0, "first PLE layer's gathers on 6 threads"),
+        ("PLE_MEMOPS_STATS_EVERY", "10", 0, "settings: stats_every=10.0 "),
+        ("PLE_MEMOPS_FIRST_LAYER_THREADS", "6", 0, "first_layer_threads=6"),
         ("PLE_MEMOPS_FIRST_LAYER_THREADS", "1", 1, "PLE_MEMOPS_FIRST_LAYER_THREADS must be"),
-        ("PLE_MEMOPS_FIRST_LAYER_THREADS", "", 0, "gathers on the model's default (a split"),
-        ("PLE_MEMOPS_FIRST_LAYER_THREADS", "0", 0, "first PLE layer's gathers on the shared pool"),
-        ("PLE_MEMOPS_SPLIT_ROWS", "", 0, "split at decoder layer 0 on (PLE_MEMOPS_SPLIT_ROWS)"),
-        ("PLE_MEMOPS_SPLIT_ROWS", "0", 0, "split at decoder layer 0 off (PLE_MEMOPS_SPLIT_ROWS)"),
-        ("PLE_MEMOPS_SPLIT_ROWS", "1", 0, "split at decoder layer 0 on (PLE_MEMOPS_SPLIT_ROWS)"),
+        ("PLE_MEMOPS_FIRST_LAYER_THREADS", "0", 0, "first_layer_threads=0"),
+        ("PLE_MEMOPS_SPLIT_ROWS", "0", 0, "split_rows=False"),
+        ("PLE_MEMOPS_SPLIT_ROWS", "1", 0, "settings: the defaults"),
         ("PLE_MEMOPS_SPLIT_ROWS", "2", 1, "PLE_MEMOPS_SPLIT_ROWS must be 1 or 0"),
     ):
         monkeypatch.setenv(var, value)
         assert main(["check"]) == rc, (var, value)
         assert says in capsys.readouterr().out, (var, value)
         monkeypatch.delenv(var)
+    # An untested release: refused unless told, then started when every fact holds.
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.setattr(_compat, "report", lambda: _compat.Report("0.99.0", False, []))
+    assert main(["check"]) == 1
+    out = capsys.readouterr().out
+    assert "compatible: no, vLLM 0.99.0" in out and "PLE_MEMOPS_VLLM_UNTESTED=1" in out
+    monkeypatch.setenv(_compat.UNTESTED_ENV, "1")
+    assert main(["check"]) == 0
+    assert "compatible: untested (vLLM 0.99.0" in capsys.readouterr().out
+    monkeypatch.undo()
+    monkeypatch.setenv("PLE_MEMOPS_TABLE_BACKEND", "mmap")
     monkeypatch.setenv("VLLM_PLUGINS", "someone_else")
     assert main(["check"]) == 1
     assert "does not name 'ple_memops'" in capsys.readouterr().out
@@ -453,7 +587,8 @@ def test_check_command_reports(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> 
         main(["check", "--help"])
     assert helped.value.code == 0
     out = capsys.readouterr().out
-    assert "check: is vLLM installed" in out and "exit status: 0 compatible" in out
+    assert "usage: python -m ple_memops.vllm check" in out and "exit status: 0 compatible" in out
+    assert all(v in out for v in _compat.TESTED_VERSIONS)
     env = {k: v for k, v in os.environ.items() if k != "PLE_MEMOPS_TABLE_BACKEND"}
     off = subprocess.run(
         [sys.executable, "-m", "ple_memops.vllm", "check"], capture_output=True, text=True, env=env
@@ -823,6 +958,45 @@ def test_a_missing_table_is_a_clear_error(
     fake = types.SimpleNamespace(model=model, vllm_config=mmap_cfg, device=torch.device("cpu"))
     with pytest.raises(pm.TableError, match="no PLE table for layer 2"):
         runner.attach_runner(fake)
+
+
+def test_a_cpu_engine_keeps_vllms_runner_and_its_mmap_table_refuses_to_serve(
+    checkpoint: Path, dist: Any, installed: Any
+) -> None:
+    """On a CPU engine the plugin changes neither the worker nor the runner (vLLM's
+    CPUModelRunner subclasses its GPU runner); switched on, the mmap table has no rows plan
+    and its first forward says why instead of serving wrong rows."""
+    from vllm.v1.worker import cpu_worker
+
+    vc = _config(checkpoint, mmap=True)
+    assert vc.parallel_config.worker_cls == "vllm.v1.worker.cpu_worker.CPUWorker"
+    assert not any(c.__module__.startswith("ple_memops") for c in cpu_worker.CPUModelRunner.__mro__)
+    model, _ = _load(vc)
+    table = qwen4exp.find_mmap_embeddings(model)[0]
+    with pytest.raises(pm.StateError, match="only the plugin's worker attaches one"):
+        table.finalize_prefetch(1)
+
+
+@pytest.mark.skipif(
+    "disk_offload" not in EngramConfig.__dataclass_fields__,
+    reason=f"vLLM {VERSION} has no engram_config.disk_offload (0.34.0 brought it)",
+)
+def test_vllms_disk_offload_and_the_mmap_backend_are_not_combined(
+    checkpoint: Path, installed: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.34.0's disk offload builds a table class of its own: with the mmap backend
+    on as well, the plugin would do nothing, so the engine is refused naming both."""
+    monkeypatch.delenv("PLE_MEMOPS_TABLE_BACKEND", raising=False)
+    vc = _config(checkpoint, mmap=True)
+    vc.engram_config.disk_offload = True
+    with pytest.raises(pm.UnsupportedError) as info:
+        qwen4exp.verify_and_update_config(vc)
+    text = str(info.value)
+    assert "engram_config.disk_offload=True" in text and "PLE_MEMOPS_TABLE_BACKEND" in text
+    # Switched off for the engine, vLLM's hook and ours let it through.
+    vc = _config(checkpoint)
+    vc.engram_config = EngramConfig(disk_offload=True)
+    qwen4exp.verify_and_update_config(vc)
 
 
 def test_a_table_that_does_not_match_the_model_is_refused_naming_it(
