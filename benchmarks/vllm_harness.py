@@ -676,7 +676,7 @@ def gemma_rows_stats(worker: Any) -> dict[str, Any]:
     ``{"hooks": False}`` for an engine without them."""
     from ple_memops.vllm.token_table import find_mmap_tables
 
-    hooks = worker.model_runner.ple_rows
+    hooks = getattr(worker.model_runner, "ple_rows", None)  # None: vLLM's own runner
     if hooks is None:
         return {"hooks": False}
     stats = hooks.plan.stats()

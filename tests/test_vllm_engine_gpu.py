@@ -1,4 +1,4 @@
-"""The real vLLM 0.33.0 engine on a GPU, through its public API (``vllm.LLM``), with
+"""The real vLLM engine (0.33.0 or 0.34.0) on a GPU, through its public API (``vllm.LLM``), with
 ple-memops installed as a plugin and switched on by the environment, as a user would.
 
 Every engine serves the same greedy workload, and every engine's tokens must equal the
@@ -117,7 +117,7 @@ def _generate(llm: LLM) -> list[list[list[int]]]:
 
 
 def _rows_stats(worker: Any) -> dict[str, Any]:
-    hooks = worker.model_runner.ple_rows
+    hooks = getattr(worker.model_runner, "ple_rows", None)  # None: vLLM's own runner
     if hooks is None:
         return {"hooks": False}
     stats = hooks.plan.stats()
@@ -227,7 +227,7 @@ def stock_bf16(checkpoints: dict[str, Path]) -> list[list[list[int]]]:
 
 def _stalls(worker: Any) -> dict[str, Any]:
     """Each PLE layer's GPU stall summary over the whole run (drained)."""
-    hooks = worker.model_runner.ple_rows
+    hooks = getattr(worker.model_runner, "ple_rows", None)  # None: vLLM's own runner
     return {n: s.__dict__ for n, s in hooks.stall_summaries().items()}
 
 
@@ -248,7 +248,7 @@ def test_stall_timing_keeps_the_stock_engines_tokens(
 
 def _expected(worker: Any) -> dict[str, Any]:
     """Each PLE layer's worker's counts of steps armed with expected ids."""
-    hooks = worker.model_runner.ple_rows
+    hooks = getattr(worker.model_runner, "ple_rows", None)  # None: vLLM's own runner
     keys = ("expected_steps", "expected_rows_early", "expected_rows_late", "expected_rows_wrong")
     return {
         "hooks": hooks.expected_steps,
@@ -390,6 +390,36 @@ def test_a_sync_plan_keeps_full_graphs(
     assert stats["hooks"] and stats["mode"] == "sync", stats
     assert stats["graphs"] == len(SIZES) and stats["sync_replays"] >= 4 * MAX_TOKENS, stats
     assert stats["armed"] == 0 and stats["eager"] == 0, stats
+
+
+def _table_classes(worker: Any) -> list[str]:
+    """The class names of the model's Qwen4Exp PLE tables (``collective_rpc``)."""
+    model = worker.model_runner.model
+    return sorted(
+        {type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Qwen4ExpPLE")}
+    )
+
+
+@pytest.mark.skipif(
+    not hasattr(__import__("vllm.config.engram", fromlist=["x"]).EngramConfig(), "disk_offload"),
+    reason=f"vLLM {vllm.__version__} has no engram_config.disk_offload (0.34.0 brought it)",
+)
+def test_vllms_disk_offload_runs_as_released_and_is_not_combined_with_mmap(
+    checkpoints: dict[str, Path], reference: dict[str, Any]
+) -> None:
+    """vLLM 0.34.0's own disk offload, in an engine the plugin does not serve (installed
+    in the process, switched off for the engine): vLLM's worker, runner and table class,
+    the stock tokens. Asked together with the mmap backend, the engine is refused naming
+    both settings."""
+    llm = _engine(checkpoints["bf16"], "stock", engram_config={"disk_offload": True})
+    got, stats, (classes,) = _serve(llm, _table_classes)
+    assert stats == {"hooks": False} and classes == ["Qwen4ExpPLEDiskOffloadEmbedding"], classes
+    assert_same_tokens(reference["bf16"], got)
+    with pytest.raises(Exception) as info:
+        _engine(checkpoints["bf16"], "mmap", engram_config={"disk_offload": True})
+    chain = error_chain(info.value)
+    assert "engram_config.disk_offload=True" in chain and "PLE_MEMOPS_TABLE_BACKEND" in chain
+    assert_gpu_usable()
 
 
 def test_a_table_removed_then_truncated_under_the_engine(

@@ -62,7 +62,7 @@ def workload() -> list[list[list[int]]]:
 
 def rows_stats(worker: Any) -> dict[str, Any]:
     """On each worker (``collective_rpc``): what its rows hooks did."""
-    hooks = worker.model_runner.ple_rows
+    hooks = getattr(worker.model_runner, "ple_rows", None)  # None: vLLM's own runner
     if hooks is None:
         return {"hooks": False}
     import torch.distributed as dist

@@ -4,14 +4,14 @@
 # real-engine tests (scripts/gpu/vllm_engine.sh), then every other GPU test (the core, the
 # runner hooks' stand-in, transformers), then, time permitting, the stock-vs-mmap diagnostic
 # (benchmarks/diagnose_vllm_rows.py). Each part is bounded; logs go to $OUT. Run from the
-# repository root with carry [".vllm-bundle/c", "dist"]. Wall time: about 8 minutes on a
+# repository root with carry [".vllm-bundle/RELEASE/<last part>", "dist"] (VLLM_RELEASE, default 0.34.0). Wall time: about 8 minutes on a
 # fresh host (the first engine compiles vLLM's Triton kernels).
 #   ENGINE_LIMIT=440  seconds for the engine tests    SERVE=0|1  also `vllm serve` (+~60 s)
 #   CORE_LIMIT=150    seconds for the other GPU tests DIAG=0     skip the diagnostic
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder that comes back}
 R=$PWD
-if ! bash .vllm-bundle/c/setup.sh >"$OUT/setup.log" 2>&1; then
+if ! bash .vllm-bundle/"${VLLM_RELEASE:-0.34.0}"/*/setup.sh >"$OUT/setup.log" 2>&1; then
     echo "!! vLLM setup failed:"; tail -5 "$OUT/setup.log"; exit 1
 fi
 tail -1 "$OUT/setup.log"
@@ -32,7 +32,7 @@ if [ "${DIAG:-1}" = 1 ] && [ $SECONDS -lt 420 ]; then
     # Stock in vLLM's default breakable graphs vs FULL graphs vs mmap (the mmap engines run
     # FULL decode graphs; the engine tests compare against stock in the same mode).
     echo "== diagnose: stock (breakable graphs) vs stock (FULL graphs) vs mmap"
-    (cd /tmp && PYTHONPATH=/tmp/vllm-site:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 \
+    (cd /tmp && PYTHONPATH=${VLLM_SITE:-/tmp/vllm-site}:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 \
         timeout $((560 - SECONDS)) python3 -W ignore "$R/benchmarks/diagnose_vllm_rows.py" \
         --variants stock,stock-full,mmap 2>&1) >"$OUT/diag.log"
     grep -E "^\|" "$OUT/diag.log"

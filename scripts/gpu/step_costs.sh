@@ -48,7 +48,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/ple-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
-export PYTHONPATH=/tmp/vllm-site:/tmp/site:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=${VLLM_SITE:-/tmp/vllm-site}:/tmp/site:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
 R=$PWD
 MODEL=(--layers 24 --ple-layers 1 --table-gib 24 --dtype bf16)
 LOAD=(--kv-cache-gib 6 --concurrency 64 --requests 256 --mixed-long 0 --repeats "${REPEATS:-5}"

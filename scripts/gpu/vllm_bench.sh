@@ -4,7 +4,7 @@
 # BENCH_ARGS="--model gemma4-e2b" (or gemma4-e4b, gemma3n-e2b, gemma3n-e4b) of a Gemma at
 # E2B's or E4B's shapes (its table on the GPU, vLLM's --cpu-offload-gb of the table's bytes, and mmap),
 # interleaved loads, the table in BENCHMARKS.md form. Run from the repository root after
-# scripts/vllm-h200/setup.sh (vLLM in /tmp/vllm-site, our wheel in /tmp/site), as
+# scripts/vllm-h200/setup.sh (vLLM in $VLLM_SITE (default /tmp/vllm-site: the release setup.sh unpacked last), our wheel in /tmp/site), as
 # scripts/gpu/vllm_engine.sh is. Writes under $OUT: bench_vllm_<tag>.{log,md,json},
 # bench_env.txt and bench_logs_<tag>.tgz (the servers' logs, server-<backend>.log, and
 # with --vllm-bench the commands' logs and JSON, cli-*).
@@ -43,7 +43,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/ple-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_BREAKABLE_CUDAGRAPH=0
-export PYTHONPATH=/tmp/vllm-site:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=${VLLM_SITE:-/tmp/vllm-site}:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 unset PLE_MEMOPS_TABLE_BACKEND  # the bench sets it in the mmap server only
 DTYPE=${DTYPE:-bf16}
 TAG=${TAG:-$DTYPE}  # names the outputs: two runs in one call need two tags

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The real vLLM 0.33.0 engine on an H200, ple-memops installed as its plugin: the
+# The real vLLM engine (0.33.0 or 0.34.0) on a GPU, ple-memops installed as its plugin: the
 # engine tests (tests/test_vllm_engine_gpu.py), then `vllm serve` with the environment
 # switch and an HTTP client on localhost. Run from the repository root after
-# scripts/vllm-h200/setup.sh (vLLM in /tmp/vllm-site) with our wheel in /tmp/site; logs go
+# scripts/vllm-h200/setup.sh (vLLM in $VLLM_SITE (default /tmp/vllm-site: the release setup.sh unpacked last)) with our wheel in /tmp/site; logs go
 # to $OUT. Wall time: the engine tests alone take more than 7 minutes on a fresh host (the
 # first engine compiles vLLM's Triton kernels; 9 of 12 ran in 400 s on 2026-12-04), so
 # split them over two calls with K (pytest's -k expression), e.g. K="tokens_equal" then
@@ -17,7 +17,7 @@ fi
 OUT=${OUT:-/tmp/ple-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
-export PYTHONPATH=/tmp/vllm-site:/tmp/site:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=${VLLM_SITE:-/tmp/vllm-site}:/tmp/site:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
 R=$PWD
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/engine_env.txt"
 python3 -m ple_memops.vllm check 2>&1 | tee -a "$OUT/engine_env.txt"

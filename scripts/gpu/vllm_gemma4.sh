@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Gemma 4 and Gemma 3n in the real vLLM 0.33.0 engine on an H200, ple-memops installed as
+# Gemma 4 and Gemma 3n in the real vLLM engine (0.33.0 or 0.34.0) on a GPU, ple-memops installed as
 # its plugin: the engine tests (tests/test_vllm_gemma4_engine_gpu.py, then
 # tests/test_vllm_gemma3n_engine_gpu.py with the wheels of scripts/gpu/gemma3n_wheels.sh
 # when .gemma3n-wheels/ was carried, else it skips), then `vllm serve` of the tiny Gemma 4
 # with the environment switch and an HTTP client on localhost. Run from the
-# repository root after .vllm-bundle/c/setup.sh (vLLM in /tmp/vllm-site) with our wheel in
+# repository root after .vllm-bundle/RELEASE/<last part>/setup.sh (vLLM in $VLLM_SITE (default /tmp/vllm-site: the release setup.sh unpacked last)) with our wheel in
 # /tmp/site; logs go to $OUT. Wall time: about 5 minutes on a fresh host (the first
 # engines compile vLLM's Triton kernels and the model's Inductor graphs). DIAG=1 runs
 # benchmarks/compare_gemma4_engines.py after the tests (stock, mmap and mmap without async
@@ -15,7 +15,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/ple-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
-export PYTHONPATH=/tmp/vllm-site:/tmp/site:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=${VLLM_SITE:-/tmp/vllm-site}:/tmp/site:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
 R=$PWD
 rc=0
 if [ "${GEMMA4:-1}" = 1 ]; then
