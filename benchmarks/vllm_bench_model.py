@@ -123,7 +123,7 @@ def bench_config(
             moe_intermediate_size=32,
             shared_expert_intermediate_size=32,
             intermediate_size=64,
-            hc_lowrank=8,
+            hc_lowrank=12,  # + hc_count 4: unpadded, which vLLM 0.34.0's loader needs
             ngram_size=3,
             heads_per_ngram=2,
             ple_embed_dim=64,

@@ -34,7 +34,9 @@ CONFIG: dict[str, Any] = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=16,
-    hc_lowrank=8,
+    # hc_lowrank + hc_count (4) a multiple of 16: vLLM 0.34.0 pads the merged projection
+    # to one otherwise, and its loader then counts the padding as a weight never loaded.
+    hc_lowrank=12,
     intermediate_size=64,
     moe_intermediate_size=32,
     num_experts=4,

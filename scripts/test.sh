@@ -46,7 +46,7 @@ echo "   plugin, no other step; vLLM's files as released"
 # shared by every clone on the machine; PLE_MEMOPS_VLLM_RELEASES picks releases (default both).
 ENVS=${PLE_MEMOPS_VLLM_ENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/ple-memops}
 RELEASES=${PLE_MEMOPS_VLLM_RELEASES:-0.33.0 0.34.0}
-export VLLM_TARGET_DEVICE=cpu
+export VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES=  # see tests/test_vllm_real.py
 for release in $RELEASES; do
     VENV=$ENVS/vllm-$release
     echo "-- vLLM $release: $VENV"
