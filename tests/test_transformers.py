@@ -528,9 +528,9 @@ def test_cli_demo_as_a_newcomer_runs_it_on_the_cpu(
         "in-memory table holds 48.00 KiB of host memory, the served path 512 B (staging "
         "and slot)"
     ) in out
-    # The PNG goes where the command was run, under a name of its own; nothing to the
-    # shared temporary directory.
-    assert list((tmp_path / "tmp").iterdir()) == []
+    # The PNG goes where the command was run, under a name of its own, not to the shared
+    # temporary directory (where torch may keep caches of its own).
+    assert not list((tmp_path / "tmp").glob("*.png"))
     try:
         import matplotlib  # noqa: F401
     except ImportError:
