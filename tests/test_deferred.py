@@ -4,6 +4,7 @@ misuse, poisoning, the watchdog, bad input and the error mapping."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -236,6 +237,47 @@ def test_close_is_idempotent_and_use_after_close_raises() -> None:
 def test_bad_construction_raises_invalid_argument(kwargs: dict[str, object]) -> None:
     with pytest.raises(pm.InvalidArgumentError):
         pm.DeferredRows(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"max_rows": 2**40, "row_bytes": 2**30, "device": "cpu"}, "max_rows * row_bytes"),
+        ({"max_rows": 2**40, "row_bytes": 2**30}, "max_rows * row_bytes"),
+        ({"max_rows": 4, "row_bytes": 4, "device": -1}, "device"),
+    ],
+)
+def test_impossible_sizes_and_devices_raise_invalid_argument_naming_it(
+    kwargs: dict[str, object], named: str
+) -> None:
+    with pytest.raises(pm.InvalidArgumentError, match=re.escape(named)):
+        pm.DeferredRows(**kwargs)  # type: ignore[arg-type]
+
+
+def test_cuda_device_without_one_is_unsupported() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    for device in ("cuda:0", "cuda", 0):
+        with pytest.raises(pm.UnsupportedError, match="no CUDA device here"):
+            pm.DeferredRows(4, ROW, device=device)
+
+
+@pytest.mark.parametrize("rows", [-1, -(2**70)])
+def test_negative_step_extent_is_refused_naming_rows(dr: pm.DeferredRows, rows: int) -> None:
+    with pytest.raises(pm.RowShapeError, match="rows must be between 1 and max_rows"):
+        dr.begin(rows)
+    with pytest.raises(pm.RowShapeError, match="rows"):
+        dr.enqueue(rows=rows)
+    assert dr.phase == "idle"
+
+
+def test_step_extent_that_is_not_an_int_is_refused(dr: pm.DeferredRows) -> None:
+    with pytest.raises(pm.InvalidArgumentError, match="rows must be an int"):
+        dr.begin(2.5)  # type: ignore[arg-type]
+    assert dr.begin(np.int64(3)) >= 0  # numpy ints are ints
+    dr.fill(rows_of(3))
+    dr.complete()
 
 
 def test_caller_owned_staging_is_used() -> None:

@@ -510,26 +510,35 @@ def test_cli_demo_as_a_newcomer_runs_it_on_the_cpu(
     counts = re.findall(r"(\d+)/(\d+) \[[^]]*run", err)  # ours (unit: run), not transformers'
     assert counts and {total for _, total in counts} == {"10"}, err
     assert counts[-1] == ("10", "10"), err
-    # A log record is written above the bar, on a line of its own.
+    # A log record is written above the bar, on a line of its own, once: every variant
+    # and batch builds a plan that takes the host path for the same reason.
     pieces = re.split(r"[\r\n]", err)
     logged = [p for p in pieces if "use the host path" in p]
-    assert logged and all(p.startswith("ple_memops: PLE rows") for p in logged), err
+    assert len(logged) == 1 and logged[0].startswith("ple_memops: PLE rows"), err
+    # The reference is named for what it is here: no GPU table without a GPU.
+    assert "gpu-table" not in out and "GPU-table" not in out, out
+    assert "in-memory table  -" in out and "vs in-memory table" in out, out
+    assert "bit-identical to the in-memory table reference" in out
     # A word where timings are noise; the memory saved, computed from the table's shape.
     assert "CPU timings are not meaningful for the deferred protocol" in out
     assert (
-        "memory, computed from the table (384 rows x 128 B): the GPU table holds 48.00 KiB "
-        "of GPU memory; the deferred path holds instead 256 B on the GPU (staging, batch 2) "
-        "and 256 B pinned: saves 47.75 KiB of GPU memory"
+        "memory, computed from the table (384 rows x 128 B): on a GPU the table would hold "
+        "48.00 KiB of GPU memory, the deferred path instead 256 B on the GPU (staging, "
+        "batch 2) and 256 B pinned: it would save 47.75 KiB of GPU memory; here the "
+        "in-memory table holds 48.00 KiB of host memory, the served path 512 B (staging "
+        "and slot)"
     ) in out
-    # The PNG goes to the temporary directory, never where the command was run.
-    assert list(cwd.iterdir()) == []
+    # The PNG goes where the command was run, under a name of its own, not to the shared
+    # temporary directory (where torch may keep caches of its own).
+    assert not list((tmp_path / "tmp").glob("*.png"))
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         assert "PNG skipped" in out
+        assert list(cwd.iterdir()) == []
     else:
-        assert (tmp_path / "tmp" / "ple_memops_demo.png").is_file()
-        assert f"PNG written: {tmp_path / 'tmp' / 'ple_memops_demo.png'}" in out
+        assert list(cwd.iterdir()) == [cwd / "ple_memops_demo.png"]
+        assert f"PNG written: {cwd / 'ple_memops_demo.png'}" in out
 
 
 def test_cli_bench_writes_markdown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -568,11 +577,32 @@ def test_cli_check_and_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 0
     out = capsys.readouterr().out
     assert "{demo,bench,check}" in out
-    # Every option of every command says what it does.
+    assert "``" not in out, out  # plain text, not reStructuredText
+    # Every option of every command says what it does, and its default.
     for command in ("demo", "bench", "check"):
         with pytest.raises(SystemExit):
             main([command, "--help"])
-        lines = capsys.readouterr().out.splitlines()
+        text = capsys.readouterr().out
+        assert "``" not in text and ":class:" not in text, text
+        flat = " ".join(text.split())
+        want = {
+            "demo": (
+                "--steps N decode steps per run (default: 64)",
+                "(default: 1,4)",
+                "(default: ple_memops_demo.png in the current directory",
+            ),
+            "bench": (
+                "--steps N decode steps per run (default: 256)",
+                "(default: 1,8,64)",
+                "(default: e2b)",
+                "(default: warm)",
+                "(default: sync,async)",
+            ),
+            "check": ("(default: 100)", "(default: 160)"),
+        }[command]
+        for w in want:
+            assert w in flat, (command, w, text)
+        lines = text.splitlines()
         # "  --flag METAVAR   help", or the help on the next line, indented past the flags
         options = [i for i, line in enumerate(lines) if line.startswith("  -")]
         assert len(options) > 4, lines
@@ -580,6 +610,59 @@ def test_cli_check_and_help(capsys: pytest.CaptureFixture[str]) -> None:
             inline = re.match(r"^  -\S.*?\s{2,}\S", lines[i])
             below = i + 1 < len(lines) and re.match(r"^ {20,}\S", lines[i + 1])
             assert inline or below, (command, lines[i])
+
+
+def _runs(captured: bool, step_us: float) -> list[Any]:
+    from ple_memops.demo.runner import RunResult
+
+    steps = [step_us + (i % 3) for i in range(8)]
+    out = []
+    for variant, placement in (("gpu-table", "-"), ("sync-gather", "early"), ("fallback", "late")):
+        ok = variant != "fallback"
+        out.append(
+            RunResult(
+                variant, 2, "sync", placement, 8, steps, captured,
+                tokens_identical=ok, logits_identical=ok, first_mismatch=None if ok else 5,
+            )
+        )  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_plot_shows_identity_memory_and_plain_timings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cuda: bool
+) -> None:
+    # What a person should see on each machine: the runs bit-identical to the reference
+    # (named for what it is there), the memory the table costs against the served path's,
+    # and timing axes that read as they are (no offset like "1e6" or "+2.14e4").
+    matplotlib = pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from ple_memops.demo import report
+
+    seen: list[str] = []
+    offsets: list[str] = []
+    save = Figure.savefig
+
+    def savefig(fig: Any, *args: Any, **kwargs: Any) -> Any:
+        fig.canvas.draw()
+        seen.extend(t.get_text() for t in fig.findobj(matplotlib.text.Text))
+        offsets.extend(ax.yaxis.get_offset_text().get_text() for ax in fig.axes)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    png = tmp_path / "out.png"
+    runs = _runs(cuda, 21_400.0 if cuda else 1_000_000.0)
+    said = report.plot(runs, png, "t", {"t": (384, 128)})
+    assert said == f"PNG written: {png}" and png.read_bytes()[:4] == b"\x89PNG"
+    text = "\n".join(seen)
+    ref = "gpu-table" if cuda else "in-memory table"
+    assert f"rows: 2/3 runs bit-identical to the {ref} reference" in text, text
+    assert "identical" in seen and "DIFFER\nat step 5" in seen
+    assert f"{ref} (reference):\nevery row in {'GPU' if cuda else 'host'} memory" in seen
+    assert "48.00 KiB" in text and "256 B" in text
+    assert ("gpu-table" in text) == cuda and ("the times are noise" in text) != cuda
+    assert offsets and not any(offsets), offsets
 
 
 def test_capture_patch_memoises_scalars_only_in_scope() -> None:

@@ -2,7 +2,8 @@
 
 - ``demo``: decode with a (tiny, random, built if missing) Gemma 3n through transformers,
   its PLE table served from the checkpoint, every variant this machine can run, checked
-  against the stock model; a table and a PNG of per-step latency.
+  against the stock model; a table, and a PNG (in the current directory) of the checks,
+  the memory saved and per-step latency.
 - ``bench``: the side-by-side benchmark (E2B shapes by default), BENCHMARKS.md tables.
 - ``check``: probe the device and push deferred rows through a captured CUDA graph (or
   the synchronous fallback on a machine without one), printing what it did.
@@ -106,6 +107,12 @@ def _demo_host(steps: int, rows: int, row_bytes: int) -> int:
     return 0
 
 
+CHECK_DESCRIPTION = """\
+Probe the CUDA device and print its evidence, then push deferred rows through a captured
+CUDA graph, checking every step's bytes; without a usable GPU (or with --cpu) run the host
+fallback's steps the same way."""
+
+
 def _check(a: argparse.Namespace) -> int:
     if not a.cpu and cuda_available():
         return _demo_gpu(a.device, a.steps, a.rows, a.row_bytes)
@@ -117,25 +124,38 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(
         prog="python -m ple_memops",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=cli.plain(__doc__ or ""),
+        formatter_class=cli.HelpFormatter,
     )
     sub = ap.add_subparsers(dest="command", metavar="{demo,bench,check}")
-    demo = sub.add_parser("demo", help="the main job: Gemma 3n decode, every variant, checked")
+    demo = sub.add_parser(
+        "demo",
+        help="the main job: Gemma 3n decode, every variant, checked",
+        description=cli.DEMO_DESCRIPTION,
+        formatter_class=cli.HelpFormatter,
+    )
     cli.add_demo_args(demo)
-    bench = sub.add_parser("bench", help="the side-by-side benchmark (BENCHMARKS.md form)")
+    bench = sub.add_parser(
+        "bench",
+        help="the side-by-side benchmark (BENCHMARKS.md form)",
+        description=cli.BENCH_DESCRIPTION,
+        formatter_class=cli.HelpFormatter,
+    )
     cli.add_bench_args(bench)
-    check = sub.add_parser("check", help="probe the device and replay deferred rows in a graph")
+    check = sub.add_parser(
+        "check",
+        help="probe the device and replay deferred rows in a graph",
+        description=CHECK_DESCRIPTION,
+        formatter_class=cli.HelpFormatter,
+    )
+    check.add_argument("--device", type=int, default=0, metavar="N", help="CUDA device ordinal")
     check.add_argument(
-        "--device", type=int, default=0, metavar="N", help="CUDA device ordinal (default: 0)"
+        "--steps", type=int, default=100, metavar="N", help="steps to replay, each checked"
     )
     check.add_argument(
-        "--steps", type=int, default=100, help="steps to replay, each checked (default: 100)"
+        "--rows", type=int, default=16, metavar="N", help="rows a step delivers at most"
     )
-    check.add_argument(
-        "--rows", type=int, default=16, help="rows a step delivers at most (default: 16)"
-    )
-    check.add_argument("--row-bytes", type=int, default=160, help="bytes of one row (default: 160)")
+    check.add_argument("--row-bytes", type=int, default=160, metavar="N", help="bytes of one row")
     check.add_argument("--cpu", action="store_true", help="use the host fallback even with a GPU")
     a = ap.parse_args(argv)
     if a.command == "demo":

@@ -7,11 +7,12 @@ package may import them (no module imports another's private helpers).
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import numpy as np
 
-from .errors import InvalidArgumentError, RowIdError
+from .errors import InvalidArgumentError, RowIdError, RowShapeError
 
 __all__ = [
     "capturing",
@@ -20,6 +21,7 @@ __all__ = [
     "optional_torch",
     "parse_device",
     "plan_device",
+    "row_count",
 ]
 
 # numpy type numbers the native gather takes as-is (int64/int32 in every platform spelling).
@@ -46,18 +48,34 @@ def parse_device(device: object) -> int | None:
     if device is None:
         return 0 if cuda_available() else None
     if isinstance(device, int) and not isinstance(device, bool):
+        if device < 0:
+            raise InvalidArgumentError(f"device must be a CUDA ordinal >= 0, got {device}")
         return device
     text = str(device)
     if text == "cpu":
         return None
     if text == "cuda":
-        torch = optional_torch()
-        return int(torch.cuda.current_device()) if torch is not None else 0
+        # Without a device, 0: what needs one says there is none.
+        return int(optional_torch().cuda.current_device()) if cuda_available() else 0
     if text.startswith("cuda:") and text[5:].isdigit():
         return int(text[5:])
     raise InvalidArgumentError(
         f"device must be 'cpu', 'cuda', 'cuda:N', an int or None, got {device!r}"
     )
+
+
+def row_count(value: object, max_rows: int, name: str = "rows") -> int:
+    """``value``, a step's row count, as an int: one that is not an integer raises
+    :class:`~ple_memops.InvalidArgumentError`, a negative one
+    :class:`~ple_memops.RowShapeError` (as the native core does for 0 and for more than
+    ``max_rows``), each naming ``name``."""
+    try:
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(f"{name} must be an int, got {value!r}") from None
+    if n < 0:
+        raise RowShapeError(f"{name} must be between 1 and max_rows ({max_rows}), got {n}")
+    return n
 
 
 def plan_device(device: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import sys
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -12,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _native
-from ._common import host_ids, optional_torch, parse_device
-from .errors import InvalidArgumentError, RowShapeError
+from ._common import host_ids, optional_torch, parse_device, row_count
+from .errors import InvalidArgumentError, RowShapeError, UnsupportedError
 from .settings import DEFAULTS
 
 if TYPE_CHECKING:
@@ -195,6 +196,11 @@ class DeferredRows:
             (holds no SM; more bandwidth for large steps). ``"kernel-fused"``: the
             single-block kernel at every size (one kernel node; one SM reads the whole
             step). ``"auto"`` (default): the kernel up to 64 KiB a step, memops above.
+
+    Raises:
+        InvalidArgumentError: a bad argument, named in the message (sizes, a staging
+            buffer larger than the address space, a CUDA ordinal this machine lacks, ...).
+        UnsupportedError: a CUDA device asked for where there is none.
     """
 
     def __init__(
@@ -220,7 +226,7 @@ class DeferredRows:
             device = _staging_device(staging)
         ordinal = parse_device(device)
         if staging is None:
-            staging = _allocate_staging(max_rows, row_bytes, ordinal)
+            staging = _allocate_staging(max_rows, row_bytes, ordinal, device)
         ptr = _check_staging(staging, max_rows, row_bytes, ordinal)
         self._staging = staging
         self._device = ordinal
@@ -309,9 +315,11 @@ class DeferredRows:
 
     def begin(self, rows: int | None = None) -> int:
         """Start a step of ``rows`` rows (default ``max_rows``); arms the watchdog.
-        Returns the step's sequence number."""
+        Returns the step's sequence number. ``rows`` outside ``1..max_rows`` raises
+        :class:`~ple_memops.RowShapeError`, one that is not an int
+        :class:`~ple_memops.InvalidArgumentError`."""
         core = self._live()
-        return core.begin(core.max_rows if rows is None else int(rows))
+        return core.begin(core.max_rows if rows is None else row_count(rows, core.max_rows))
 
     def enqueue(self, stream: Any = None, rows: int | None = None) -> str:
         """Put the consumer's side on ``stream`` (default: torch's current stream).
@@ -321,7 +329,8 @@ class DeferredRows:
         already filled and returns ``"eager"``. In the fallback modes nothing is recorded
         (``"nothing"``)."""
         core = self._live()
-        return core.enqueue(self._stream_handle(stream), rows)
+        n = None if rows is None else row_count(rows, core.max_rows)
+        return core.enqueue(self._stream_handle(stream), n)
 
     def stage(self, rows: int | None = None, *, stream: Any = None) -> StagedRows:
         """:meth:`enqueue` on a side stream forked from ``stream`` (default: the current
@@ -332,7 +341,7 @@ class DeferredRows:
         in :meth:`fill`, before the launch, and nothing is recorded."""
         if self._device is None:
             raise InvalidArgumentError("stage() needs a CUDA device; on the host use enqueue()")
-        n = self.max_rows if rows is None else int(rows)
+        n = self.max_rows if rows is None else row_count(rows, self.max_rows)
         side = self._fork(stream)
         self._live().enqueue(
             self._stream_handle(stream if side is None else side), n, side is not None
@@ -580,12 +589,28 @@ def _staging_device(staging: Any) -> object:
     return "cpu" if dev.type == "cpu" else f"cuda:{dev.index if dev.index is not None else 0}"
 
 
-def _allocate_staging(max_rows: int, row_bytes: int, ordinal: int | None) -> Any:
+def _allocate_staging(max_rows: int, row_bytes: int, ordinal: int | None, device: object) -> Any:
+    nbytes = max_rows * row_bytes
+    if nbytes > sys.maxsize:
+        raise InvalidArgumentError(
+            f"max_rows * row_bytes ({max_rows} * {row_bytes} = {nbytes} bytes) is more than "
+            f"one buffer can hold here (at most {sys.maxsize} bytes)"
+        )
     if ordinal is None:
         return np.zeros((max_rows, row_bytes), dtype=np.uint8)
     torch = optional_torch()
     if torch is None:
         raise InvalidArgumentError("a CUDA staging buffer needs torch; pass device='cpu'")
+    if not torch.cuda.is_available():
+        raise UnsupportedError(
+            f"device={device!r}: no CUDA device here; pass device='cpu' (or None: CUDA "
+            "where there is a device, else the host)"
+        )
+    count = int(torch.cuda.device_count())
+    if ordinal >= count:
+        raise InvalidArgumentError(
+            f"device={device!r}: no CUDA device {ordinal} here ({count} device(s): 0..{count - 1})"
+        )
     return torch.zeros((max_rows, row_bytes), dtype=torch.uint8, device=f"cuda:{ordinal}")
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from . import _native
-from ._common import host_ids, optional_torch
+from ._common import host_ids, optional_torch, row_count
 from ._deferred import DeferredRows, StagedRows, native_rows, side_stream, stream_handle
 from .errors import InvalidArgumentError, RowShapeError
 from .settings import DEFAULTS
@@ -245,7 +245,7 @@ class GatherWorker:
         torch = optional_torch()
         if torch is None or not isinstance(ids, torch.Tensor) or ids.device.type != "cuda":
             raise RowShapeError("ids must be a CUDA tensor (use publish_from_host on the host)")
-        n = int(ids.numel()) if rows is None else int(rows)
+        n = int(ids.numel()) if rows is None else row_count(rows, self._rows.max_rows)
         side = side_stream(self._rows, stream)
         rows_core = native_rows(self._rows)
         if side is None:  # eager: inline on the caller's stream
@@ -296,7 +296,7 @@ class GatherWorker:
         and they always decide the rows: a wrong expectation costs a late gather
         (counted in ``expected_rows_wrong``), never a wrong row."""
         core = self._live()
-        n = self._rows.max_rows if rows is None else int(rows)
+        n = self._rows.max_rows if rows is None else row_count(rows, self._rows.max_rows)
         if expected is None:
             return core.begin(n, bool(eager))
         arr = host_ids(

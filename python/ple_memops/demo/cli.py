@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import io
+import re
 import sys
-import tempfile
 import time
 from contextlib import AbstractContextManager, ExitStack, redirect_stdout
 from pathlib import Path
@@ -22,15 +22,63 @@ from .decode import GEMMA3N_TABLE
 from .runner import ALL_VARIANTS, ATTENTIONS, STYLES, GemmaBench, RunResult
 
 __all__ = [
+    "BENCH_DESCRIPTION",
+    "DEFAULT_PNG",
+    "DEMO_DESCRIPTION",
+    "HelpFormatter",
     "add_bench_args",
     "add_demo_args",
     "bench_main",
-    "default_png",
     "demo_main",
     "load_gemma",
+    "plain",
     "qwen_main",
     "relayer",
 ]
+
+
+DEFAULT_PNG = "ple_memops_demo.png"
+"""Where ``demo`` draws its PNG without ``--png``: this name in the current directory."""
+
+DEMO_DESCRIPTION = """\
+Decode with a Gemma 3n checkpoint through transformers (by default a tiny random one,
+built with save_pretrained on first use), its PLE table served from the checkpoint, with
+every variant this machine can run; check tokens and logits bit for bit against the stock
+model (the reference: its table in GPU memory, or in host memory without a GPU). Prints a
+table, the runs' identity and the memory the table costs against what serving it costs,
+and draws the same in a PNG (ple_memops_demo.png in the current directory unless --png
+PATH or --no-png). Without a GPU it runs eagerly on the CPU: its checks hold, its
+timings are noise."""
+
+BENCH_DESCRIPTION = """\
+The side-by-side benchmark: every variant at E2B shapes by default (random weights, built
+once), in both scheduling styles, checked as the demo checks; --markdown appends its table
+in BENCHMARKS.md form. Draws no PNG unless --png PATH."""
+
+
+def plain(text: str) -> str:
+    """``text`` (a docstring) without reStructuredText markup, for ``--help``: ````x````
+    and roles such as ``:class:`~a.B``` become their text."""
+    text = re.sub(r":[a-z]+:`~?([^`]*)`", lambda m: m.group(1).rsplit(".", 1)[-1], text)
+    return re.sub(r"``([^`]*)``", r"\1", text)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` of the commands: descriptions as written, every option's default said
+    as one would type it (``1,4``), unless its help says it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text, default = action.help or "", action.default
+        if (
+            not action.option_strings
+            or "(default" in text
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+        ):
+            return action.help
+        shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
 
 
 def _csv_ints(s: str) -> list[int]:
@@ -57,27 +105,52 @@ def _csv_of(choices: tuple[str, ...]) -> Any:
 
 
 def _common(
-    ap: argparse.ArgumentParser, *, steps: int, batches: str, track: bool, png: str
+    ap: argparse.ArgumentParser,
+    *,
+    steps: int,
+    batches: str,
+    track: bool,
+    png: str | None,
+    png_help: str,
 ) -> None:
-    ap.add_argument("--steps", type=int, default=steps, help="decode steps per run")
-    ap.add_argument("--batch", type=_csv_ints, default=_csv_ints(batches), help="batch sizes")
+    ap.add_argument("--steps", type=int, default=steps, metavar="N", help="decode steps per run")
     ap.add_argument(
-        "--styles", type=_csv_of(STYLES), default=list(STYLES), help="sync,async (scheduling)"
+        "--batch",
+        type=_csv_ints,
+        default=_csv_ints(batches),
+        metavar="N,N",
+        help="batch sizes, comma-separated",
+    )
+    ap.add_argument(
+        "--styles",
+        type=_csv_of(STYLES),
+        default=list(STYLES),
+        metavar="S,S",
+        help="scheduling styles: sync, async (comma-separated)",
     )
     ap.add_argument(
         "--placements",
         type=_csv_of(("early", "late")),
         default=["early", "late"],
+        metavar="P,P",
         help="consumer placements of the deferred variants: early (stock), late (layer 0 end)",
     )
     ap.add_argument(
-        "--variants", type=_csv_of(ALL_VARIANTS), default=list(ALL_VARIANTS), help="which variants"
+        "--variants",
+        type=_csv_of(ALL_VARIANTS),
+        default=list(ALL_VARIANTS),
+        metavar="V,V",
+        help=f"which variants, comma-separated, or all: {', '.join(ALL_VARIANTS)} (default: all)",
     )
-    ap.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if any)")
     ap.add_argument(
-        "--png", default=None, metavar="PATH", help=f"where to draw per-step latency ({png})"
+        "--device", default=None, help="cuda, cuda:N or cpu (default: cuda if there is one)"
     )
-    ap.add_argument("--json", default=None, help="write every run (per-step times too) as JSON")
+    ap.add_argument("--png", default=png, metavar="PATH", help=png_help)
+    if png is not None:
+        ap.add_argument("--no-png", action="store_true", help="draw no PNG")
+    ap.add_argument(
+        "--json", default=None, metavar="PATH", help="write every run (per-step times too) as JSON"
+    )
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument(
         "--track-arrival",
@@ -97,6 +170,7 @@ def _common(
         "--eager-check-steps",
         type=int,
         default=4,
+        metavar="N",
         help="steps of the captured reference also checked against the stock model run eagerly",
     )
 
@@ -108,11 +182,13 @@ def add_demo_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--checkpoint",
         default=None,
+        metavar="DIR",
         help="a Gemma 3n checkpoint directory (default: a tiny random one, built if missing)",
     )
     ap.add_argument(
         "--cache-dir",
         default=None,
+        metavar="DIR",
         help=f"where the default checkpoint is built (default: {_CACHE_DEFAULT})",
     )
     _common(
@@ -120,7 +196,10 @@ def add_demo_args(ap: argparse.ArgumentParser) -> None:
         steps=64,
         batches="1,4",
         track=True,
-        png="default: ple_memops_demo.png in the system's temporary directory",
+        png=DEFAULT_PNG,
+        png_help="where to draw the PNG: the runs' identity to the reference, the memory "
+        f"the table costs against the served path's, per-step latency (default: {DEFAULT_PNG} "
+        "in the current directory, overwritten)",
     )
 
 
@@ -128,12 +207,20 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--model",
         default="e2b",
+        metavar="tiny|e2b|DIR",
         help="tiny, e2b (E2B shapes, random weights, built once) or a checkpoint directory",
     )
-    ap.add_argument("--layers", type=int, default=None, help="layers of the built model")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="layers of the built model (default: the config's)",
+    )
     ap.add_argument(
         "--cache-dir",
         default=None,
+        metavar="DIR",
         help=f"where built checkpoints live (default: {_CACHE_DEFAULT})",
     )
     ap.add_argument(
@@ -142,16 +229,29 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
         default="warm",
         help="warm: the table's pages stay cached; cold: dropped before every run",
     )
-    ap.add_argument("--markdown", default=None, help="append the BENCHMARKS.md table here")
+    ap.add_argument(
+        "--markdown",
+        default=None,
+        metavar="PATH",
+        help="append the BENCHMARKS.md table here (default: none written)",
+    )
     ap.add_argument(
         "--deadline",
         type=float,
         default=None,
+        metavar="SECONDS",
         help="seconds from loading the model past which no further variant is started "
-        "(what was measured is still reported)",
+        "(what was measured is still reported; default: none)",
     )
     ap.add_argument("--qwen", action="store_true", help="also run the Qwen4Exp eager check")
-    _common(ap, steps=256, batches="1,8,64", track=True, png="default: none drawn")
+    _common(
+        ap,
+        steps=256,
+        batches="1,8,64",
+        track=True,
+        png=None,
+        png_help="draw the runs' identity, the memory and per-step latency here (default: no PNG)",
+    )
 
 
 class _Progress(AbstractContextManager["_Progress"]):
@@ -336,14 +436,15 @@ def _shapes(bench: GemmaBench) -> dict[str, tuple[int, int]]:
 def _finish(args: Any, results: list[RunResult], bench: GemmaBench, title: str) -> int:
     from . import report
 
-    print(report.text_table(results))
+    print(report.text_table(results, bench.cuda))
     if not bench.cuda:
         print(report.CPU_TIMINGS)
     table_bytes = bench.served.server.table_bytes
-    for line in report.summary(results, table_bytes, _shapes(bench)):
+    for line in report.summary(results, table_bytes, _shapes(bench), bench.cuda):
         print(line)
-    if args.png:
-        print(report.plot(results, args.png, title))
+    if args.png and not getattr(args, "no_png", False):
+        png = Path(args.png).expanduser().absolute()
+        print(report.plot(results, png, title, _shapes(bench), bench.cuda))
     if args.json:
         report.to_json(
             results,
@@ -354,13 +455,6 @@ def _finish(args: Any, results: list[RunResult], bench: GemmaBench, title: str) 
     bad_eager = [b for b, ok in bench.eager_check.items() if not ok]
     bench.served.close()
     return 1 if bad or bad_eager else 0
-
-
-def default_png() -> Path:
-    """Where ``demo`` draws its PNG without ``--png``: ``ple_memops_demo.png`` in the
-    system's temporary directory (``$TMPDIR``, else ``/tmp`` on Linux), not the current
-    directory (a run from a repository's root would leave it there)."""
-    return Path(tempfile.gettempdir()) / "ple_memops_demo.png"
 
 
 def demo_main(args: Any) -> int:
@@ -377,10 +471,10 @@ def demo_main(args: Any) -> int:
         had = (ckpt / "model.safetensors").is_file()
         build_checkpoint(ckpt, tiny_gemma3n_config())
         print(("using" if had else "built") + f" the default checkpoint {ckpt}")
-    if args.png is None:
-        args.png = str(default_png())
-    results, bench, _ = _run(args, ckpt, f"Gemma 3n ({ckpt.name}): per-step latency")
-    return _finish(args, results, bench, f"Gemma 3n ({ckpt.name}): per-step latency")
+    title = f"Gemma 3n ({ckpt.name})"
+    results, bench, _ = _run(args, ckpt, title)
+    where = str(bench.device) if bench.cuda else "the CPU (no CUDA device)"
+    return _finish(args, results, bench, f"{title} on {where}")
 
 
 def bench_main(args: Any) -> int:
@@ -451,11 +545,11 @@ def _finish_bench(args: Any, results: list[RunResult], bench: GemmaBench, title:
                 f"{','.join(map(str, args.batch))} --styles {','.join(args.styles)} "
                 f"--page-cache {args.page_cache}`\n\n"
             )
-            f.write(report.markdown(results) + "\n\n")
+            f.write(report.markdown(results, bench.cuda) + "\n\n")
             if not bench.cuda:
                 f.write(f"- {report.CPU_TIMINGS}\n")
             table_bytes = bench.served.server.table_bytes
-            for line in report.summary(results, table_bytes, _shapes(bench)):
+            for line in report.summary(results, table_bytes, _shapes(bench), bench.cuda):
                 f.write(f"- {line}\n")
     return _finish(args, results, bench, title)
 

@@ -10,9 +10,18 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .runner import DEFERRED_VARIANTS, RunResult
+from .runner import DEFERRED_VARIANTS, RunResult, reference_name
 
-__all__ = ["CPU_TIMINGS", "markdown", "memory_saved", "plot", "summary", "text_table", "to_json"]
+__all__ = [
+    "CPU_TIMINGS",
+    "markdown",
+    "memory_saved",
+    "on_gpu",
+    "plot",
+    "summary",
+    "text_table",
+    "to_json",
+]
 
 _HEAD = (
     "batch",
@@ -21,7 +30,7 @@ _HEAD = (
     "placement",
     "median us",
     "p99 us",
-    "vs gpu-table",
+    "vs reference",
     "host gather us",
     "GPU waited (steps)",
     "GPU MiB",
@@ -45,6 +54,16 @@ def _ok(v: bool | None) -> str:
     return "-" if v is None else ("identical" if v else "DIFFER")
 
 
+def _head(cuda: bool) -> tuple[str, ...]:
+    """The columns, the reference's named for what it is here."""
+    return tuple(f"vs {reference_name(cuda)}" if h == "vs reference" else h for h in _HEAD)
+
+
+def on_gpu(results: Iterable[RunResult]) -> bool:
+    """Whether ``results`` were measured on a GPU (their steps were captured graphs)."""
+    return any(r.captured for r in results)
+
+
 def _ref_median(results: list[RunResult], batch: int, style: str) -> float | None:
     """The GPU-table reference at (batch, style): the mean of its runs' medians (it runs
     before and after the other variants)."""
@@ -56,7 +75,10 @@ def _ref_median(results: list[RunResult], batch: int, style: str) -> float | Non
     return sum(meds) / len(meds) if meds else None
 
 
-def rows(results: list[RunResult]) -> list[tuple[str, ...]]:
+def rows(results: list[RunResult], cuda: bool | None = None) -> list[tuple[str, ...]]:
+    """The table's rows; the reference is named for what it is on this machine (``cuda``,
+    default: whether the runs were captured)."""
+    cuda = on_gpu(results) if cuda is None else cuda
     out: list[tuple[str, ...]] = []
     for r in results:
         ref = _ref_median(results, r.batch, r.style)
@@ -73,7 +95,8 @@ def rows(results: list[RunResult]) -> list[tuple[str, ...]]:
             (
                 str(r.batch),
                 r.style,
-                r.variant + (f" [{r.mode}]" if r.mode and r.mode != "deferred" else ""),
+                (reference_name(cuda) if r.variant == "gpu-table" else r.variant)
+                + (f" [{r.mode}]" if r.mode and r.mode != "deferred" else ""),
                 r.placement,
                 _f(r.median_us),
                 _f(r.p99_us),
@@ -89,18 +112,20 @@ def rows(results: list[RunResult]) -> list[tuple[str, ...]]:
     return out
 
 
-def text_table(results: list[RunResult]) -> str:
-    body = rows(results)
-    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(_HEAD)]
-    line = "  ".join(h.ljust(w) for h, w in zip(_HEAD, widths, strict=True))
+def text_table(results: list[RunResult], cuda: bool | None = None) -> str:
+    cuda = on_gpu(results) if cuda is None else cuda
+    body, head = rows(results, cuda), _head(cuda)
+    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(head)]
+    line = "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))
     out = [line, "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in body]
     return "\n".join(out)
 
 
-def markdown(results: list[RunResult]) -> str:
-    body = rows(results)
-    out = ["| " + " | ".join(_HEAD) + " |", "|" + "---|" * len(_HEAD)]
+def markdown(results: list[RunResult], cuda: bool | None = None) -> str:
+    cuda = on_gpu(results) if cuda is None else cuda
+    body, head = rows(results, cuda), _head(cuda)
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join(r) + " |" for r in body]
     return "\n".join(out)
 
@@ -120,22 +145,51 @@ def _size(n: int) -> str:
     return f"{n:,} B"
 
 
-def memory_saved(results: list[RunResult], tables: Mapping[str, tuple[int, int]]) -> str | None:
-    """The GPU memory the deferred path saves, computed from the tables' shapes
-    (``name -> (rows, row_bytes)``), so on every machine: the GPU table holds every row in
-    GPU memory; the deferred path holds instead, per table, a staging buffer of one row
-    per sequence on the GPU and a pinned slot of the same size, at the largest batch run."""
+def _memory(
+    results: list[RunResult], tables: Mapping[str, tuple[int, int]]
+) -> tuple[int, int, int, str] | None:
+    """``(largest batch, table bytes, staging bytes, shapes)`` of the tables
+    (``name -> (rows, row_bytes)``): every row against one row per sequence at the
+    largest batch run."""
     if not results or not tables:
         return None
     n = max(r.batch for r in results)
     table = sum(rows * width for rows, width in tables.values())
     staging = sum(n * width for _, width in tables.values())
     shapes = ", ".join(f"{rows:,} rows x {width:,} B" for rows, width in tables.values())
+    return n, table, staging, shapes
+
+
+def memory_saved(
+    results: list[RunResult],
+    tables: Mapping[str, tuple[int, int]],
+    cuda: bool | None = None,
+) -> str | None:
+    """The GPU memory the deferred path saves, computed from the tables' shapes
+    (``name -> (rows, row_bytes)``), so on every machine: the GPU table holds every row in
+    GPU memory; the deferred path holds instead, per table, a staging buffer of one row
+    per sequence on the GPU and a pinned slot of the same size, at the largest batch run.
+    Without a GPU (``cuda`` false; default: whether the runs were captured) it says so,
+    and what the in-memory table and the served path hold here, in host memory."""
+    got = _memory(results, tables)
+    if got is None:
+        return None
+    n, table, staging, shapes = got
+    cuda = on_gpu(results) if cuda is None else cuda
+    if cuda:
+        return (
+            f"memory, computed from the table ({shapes}): the GPU table holds {_size(table)} "
+            f"of GPU memory; the deferred path holds instead {_size(staging)} on the GPU "
+            f"(staging, batch {n}) and {_size(staging)} pinned: saves "
+            f"{_size(table - staging)} of GPU memory"
+        )
     return (
-        f"memory, computed from the table ({shapes}): the GPU table holds {_size(table)} "
-        f"of GPU memory; the deferred path holds instead {_size(staging)} on the GPU "
-        f"(staging, batch {n}) and {_size(staging)} pinned: saves {_size(table - staging)} "
-        "of GPU memory"
+        f"memory, computed from the table ({shapes}): on a GPU the table would hold "
+        f"{_size(table)} of GPU memory, the deferred path instead {_size(staging)} on the "
+        f"GPU (staging, batch {n}) and {_size(staging)} pinned: it would save "
+        f"{_size(table - staging)} of GPU memory; here the in-memory table holds "
+        f"{_size(table)} of host memory, the served path {_size(2 * staging)} (staging and "
+        "slot)"
     )
 
 
@@ -143,12 +197,15 @@ def summary(
     results: list[RunResult],
     table_bytes: int | None = None,
     tables: Mapping[str, tuple[int, int]] | None = None,
+    cuda: bool | None = None,
 ) -> list[str]:
     """The targets, as measured: per (batch, style) the best deferred variant against the
     GPU-table reference (within 1%); under async its overhead against the synchronous
     gather's (at most 1/5); whether every run matched the reference; GPU memory saved
     (measured where there is a GPU; computed from ``tables``, ``name -> (rows,
-    row_bytes)``, on every machine)."""
+    row_bytes)``, on every machine). ``cuda``: whether the runs had a GPU (default:
+    whether they were captured); without one the reference is the in-memory table."""
+    cuda = on_gpu(results) if cuda is None else cuda
     lines: list[str] = []
     keys = sorted({(r.batch, r.style) for r in results}, key=lambda k: (k[0], k[1]))
     for b, s in keys:
@@ -193,7 +250,7 @@ def summary(
         )
     lines.append(
         f"{len(checked) - len(bad)}/{len(checked)} runs: tokens identical and logits "
-        "bit-identical to the GPU-table reference"
+        f"bit-identical to the {'GPU-table' if cuda else 'in-memory table'} reference"
         + (
             ""
             if not bad
@@ -213,7 +270,7 @@ def summary(
         if table_bytes:
             line += f" (the table is {_mib(table_bytes)} MiB)"
         lines.append(line)
-    computed = memory_saved(results, tables or {})
+    computed = memory_saved(results, tables or {}, cuda)
     if computed is not None:
         lines.append(computed)
     return lines
@@ -229,8 +286,122 @@ def to_json(results: Iterable[RunResult], path: str | Path, extra: dict[str, Any
     Path(path).write_text(json.dumps({"runs": data, **extra}, indent=1))
 
 
-def plot(results: list[RunResult], path: str | Path, title: str) -> str:
-    """Per-step latency by variant, one panel per (batch, style). Returns what it did."""
+def _run_label(r: RunResult, cuda: bool) -> str:
+    name = reference_name(cuda) if r.variant == "gpu-table" else r.variant
+    if r.placement == "again":
+        return f"{name} (again)"
+    return name + (f" ({r.placement})" if r.placement not in ("-", "early") else "")
+
+
+def _identity_panel(ax: Any, results: list[RunResult], cuda: bool) -> None:
+    """Runs (rows) by (batch, style) (columns): green where every step's tokens and
+    logits were bit-identical to the reference, red where they were not, from which step."""
+    checked = [r for r in results if r.logits_identical is not None]
+    labels = list(dict.fromkeys(_run_label(r, cuda) for r in checked))
+    cols = sorted({(r.batch, r.style) for r in checked}, key=lambda k: (k[0], k[1] != "sync"))
+    ax.set_xlim(0, max(len(cols), 1))
+    ax.set_ylim(len(labels), 0)
+    for r in checked:
+        x, y = cols.index((r.batch, r.style)), labels.index(_run_label(r, cuda))
+        ok = bool(r.logits_identical and r.tokens_identical)
+        if ok:
+            text = "identical"
+        elif r.first_mismatch is not None:
+            text = f"DIFFER\nat step {r.first_mismatch}"
+        else:
+            text = "DIFFER\n(tokens)"
+        ax.add_patch(_rect((x + 0.04, y + 0.08), 0.92, 0.84, "#2e9e4f" if ok else "#d62728"))
+        ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=7, color="white")
+    ax.set_xticks([i + 0.5 for i in range(len(cols))])
+    ax.set_xticklabels([f"batch {b}\n{s}" for b, s in cols], fontsize=8)
+    ax.set_yticks([i + 0.5 for i in range(len(labels))])
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    good = sum(1 for r in checked if r.logits_identical and r.tokens_identical)
+    steps = "/".join(map(str, sorted({r.steps for r in checked})))
+    ax.set_title(
+        f"rows: {good}/{len(checked)} runs bit-identical to the {reference_name(cuda)} "
+        f"reference\n(tokens and logits, every one of {steps} steps)",
+        fontsize=9,
+    )
+
+
+def _rect(xy: tuple[float, float], w: float, h: float, color: str) -> Any:
+    from matplotlib.patches import Rectangle  # type: ignore[import-not-found,unused-ignore]
+
+    return Rectangle(xy, w, h, color=color)
+
+
+def _memory_panel(
+    ax: Any, results: list[RunResult], tables: Mapping[str, tuple[int, int]], cuda: bool
+) -> None:
+    """What the table costs held whole (the reference) against what the served path
+    holds instead, computed from the tables' shapes; on a GPU also what was measured."""
+    got = _memory(results, tables)
+    if got is None:
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, "no table shapes: memory not drawn", ha="center", va="center")
+        return
+    n, table, staging, shapes = got
+    where = "GPU" if cuda else "host"
+    bars = [
+        (f"{reference_name(cuda)} (reference):\nevery row in {where} memory", table, "#7f7f7f"),
+        (
+            f"served: staging, one row a sequence\n(batch {n}, {'GPU' if cuda else 'host'})",
+            staging,
+            "#2e9e4f",
+        ),
+        (f"served: {'pinned ' if cuda else ''}host slot\n(batch {n})", staging, "#2e9e4f"),
+    ]
+    unit, scale = next(
+        ((u, k) for u, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if table >= k),
+        ("B", 1),
+    )
+    ys = list(range(len(bars)))
+    ax.barh(ys, [b[1] / scale for b in bars], color=[b[2] for b in bars], height=0.6)
+    for y, (_, v, _c) in zip(ys, bars, strict=True):
+        ax.text(v / scale, y, f"  {_size(v)}", va="center", fontsize=8)
+    ax.set_yticks(ys)
+    ax.set_yticklabels([b[0] for b in bars], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, table / scale * 1.35)
+    ax.set_xlabel(f"{unit} (the table: {shapes})", fontsize=8)
+    ax.ticklabel_format(axis="x", style="plain", useOffset=False)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.grid(axis="x", alpha=0.3)
+    saved = _size(table - staging)
+    if cuda:
+        head = (
+            f"memory: the table would cost {_size(table)} of GPU memory;\n"
+            f"served, {_size(staging)} of it (and {_size(staging)} pinned): it saves {saved}"
+        )
+        ref_mem = [r.gpu_bytes for r in results if r.variant == "gpu-table" and r.gpu_bytes]
+        dd = [r.gpu_bytes for r in results if r.variant == "deferred-device" and r.gpu_bytes]
+        if ref_mem and dd:
+            head += f"\n(measured here: {_size(max(ref_mem) - min(dd))} less GPU memory allocated)"
+    else:
+        head = (
+            f"memory: the table costs {_size(table)} held whole;\nserved, "
+            f"{_size(2 * staging)} (on a GPU it would save {saved} of GPU memory)"
+        )
+    ax.set_title(head, fontsize=9)
+
+
+def plot(
+    results: list[RunResult],
+    path: str | Path,
+    title: str,
+    tables: Mapping[str, tuple[int, int]] | None = None,
+    cuda: bool | None = None,
+) -> str:
+    """What a run showed, in one PNG: which runs were bit-identical to the reference
+    (tokens and logits, per batch and style), the memory the table costs held whole
+    against what the served path holds (from ``tables``, ``name -> (rows, row_bytes)``),
+    and per-step latency by variant, one panel per (batch, style). ``cuda``: whether the
+    runs had a GPU (default: whether they were captured); without one the reference is
+    the in-memory table and the timings are marked as noise. Returns what it did."""
     try:
         import matplotlib  # type: ignore[import-not-found,unused-ignore]
 
@@ -241,22 +412,38 @@ def plot(results: list[RunResult], path: str | Path, title: str) -> str:
     keys = sorted({(r.batch, r.style) for r in results})
     if not keys:
         return "PNG skipped: no runs"
+    cuda = on_gpu(results) if cuda is None else cuda
     batches = sorted({k[0] for k in keys})
     styles = sorted({k[1] for k in keys}, reverse=True)
-    fig, axes = plt.subplots(
-        len(batches), len(styles), figsize=(6 * len(styles), 3.2 * len(batches)), squeeze=False
+    labels = {_run_label(r, cuda) for r in results if r.logits_identical is not None}
+    top = max(3.2, 0.42 * len(labels) + 1.2)
+    fig = plt.figure(figsize=(13, top + 3.0 * len(batches)))
+    grid = fig.add_gridspec(
+        1 + len(batches), 2, height_ratios=[top] + [3.0] * len(batches), width_ratios=[1, 1]
     )
+    _identity_panel(fig.add_subplot(grid[0, 0]), results, cuda)
+    _memory_panel(fig.add_subplot(grid[0, 1]), results, tables or {}, cuda)
+    meds = [r.median_us for r in results if r.step_us]
+    ms = bool(meds) and max(meds) >= 10_000
+    unit, scale = ("ms", 1e-3) if ms else ("us", 1.0)
     for i, b in enumerate(batches):
         for j, s in enumerate(styles):
-            ax = axes[i][j]
+            ax = fig.add_subplot(grid[1 + i, j] if len(styles) > 1 else grid[1 + i, :])
             for r in results:
                 if r.batch == b and r.style == s and r.step_us:
-                    late = r.placement not in ("-", "early")
-                    label = r.variant + (f" ({r.placement})" if late else "")
-                    ax.plot(range(1, len(r.step_us)), r.step_us[1:], lw=0.8, label=label)
-            ax.set_title(f"batch {b}, {s} scheduling", fontsize=9)
+                    ax.plot(
+                        range(1, len(r.step_us)),
+                        [v * scale for v in r.step_us[1:]],
+                        lw=0.8,
+                        label=_run_label(r, cuda),
+                    )
+            head = f"batch {b}, {s} scheduling: time a step"
+            if not cuda:
+                head += " (CPU: eager steps, no graphs, no deferral; the times are noise)"
+            ax.set_title(head, fontsize=9)
             ax.set_xlabel("step")
-            ax.set_ylabel("us / step")
+            ax.set_ylabel(f"{unit} / step")
+            ax.ticklabel_format(axis="y", style="plain", useOffset=False)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=6)
     fig.suptitle(title, fontsize=10)

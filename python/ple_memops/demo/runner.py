@@ -50,6 +50,7 @@ side.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -81,7 +82,17 @@ __all__ = [
     "Ops",
     "Record",
     "RunResult",
+    "reference_name",
 ]
+
+log = logging.getLogger("ple_memops.demo")
+
+
+def reference_name(cuda: bool) -> str:
+    """What the reference (the ``gpu-table`` variant: the stock module, its table in the
+    model's device memory) is called in what the harness prints: ``gpu-table`` on a GPU,
+    ``in-memory table`` on the CPU, where the table is in host memory."""
+    return "gpu-table" if cuda else "in-memory table"
 
 
 class GemmaBench:
@@ -127,6 +138,8 @@ class GemmaBench:
         plan's staging buffer), as the served variants' graphs would."""
         self.deadline: float | None = None
         """``time.perf_counter()`` past which no further variant starts (``None``: none)."""
+        self.fallbacks_said: set[tuple[str, str]] = set()
+        """The (mode, reason) of the plans that did not defer, logged once each."""
         # GPU memory of the served model alone (no table), the base of every variant's figure.
         self.model_base = torch.cuda.memory_allocated(self.device) if self.cuda else 0
 
@@ -243,7 +256,7 @@ class GemmaBench:
         callable can time the reference again after the other variants (their modules
         are installed by then; the graph replays what it captured, and the eager prefill
         that precedes a run gives the same values through any variant)."""
-        self.progress(f"batch {dec.batch}: gpu-table (reference) record")
+        self.progress(f"batch {dec.batch}: {reference_name(self.cuda)} (reference) record")
         before = self._allocated()
         stack.enter_context(self.installed("gpu-table"))
         gpu_bytes = self.model_base + self._allocated() - before if self.cuda else None
@@ -256,7 +269,7 @@ class GemmaBench:
         def timed(placement: str) -> list[RunResult]:
             out = []
             for style in styles:
-                self.progress(f"batch {dec.batch}: gpu-table {style}")
+                self.progress(f"batch {dec.batch}: {reference_name(self.cuda)} {style}")
                 r = self.loop(dec, graph, logits, style, Ops(), record)
                 r.variant, r.placement, r.gpu_bytes, r.pinned_bytes = (
                     "gpu-table",
@@ -374,9 +387,11 @@ class GemmaBench:
                     watchdog=self.watchdog,
                     timeout=self.watchdog,
                     track_arrival=self.track_arrival and self.cuda,
+                    log_fallback=False,
                 )
                 stack.callback(server.close_plan)
                 mode = plan.mode
+                self._say_fallback(plan)
                 pinned = n * self.table.row_bytes
                 if variant == "fallback" or plan.mode != "deferred":
                     ops_for = fallback_ops(self, dec)
@@ -404,6 +419,19 @@ class GemmaBench:
                 out.append(r)
             del graph
         return out
+
+    def _say_fallback(self, plan: Any) -> None:
+        """Log, once a run of the harness, each reason a plan does not defer (every
+        variant and batch builds its own plan, for the same reason)."""
+        if plan.reason is None or (plan.mode, plan.reason) in self.fallbacks_said:
+            return
+        self.fallbacks_said.add((plan.mode, plan.reason))
+        log.warning(
+            "ple_memops: PLE rows of %d table(s) use the %s path: %s",
+            len(plan.names),
+            plan.mode,
+            plan.reason,
+        )
 
     # -- the decode loop and the state checks (their own modules) ------------------------
 

@@ -142,12 +142,15 @@ class PleServer:
         depth: int = DEFAULTS.depth,
         timeout: float | None = None,
         track_arrival: bool = False,
+        log_fallback: bool = True,
     ) -> Any:
         """Build the rows plan for captured steps of up to ``max_tokens`` tokens (call
         outside any capture: it allocates pinned memory and runs the probe). ``deferred=False``
         forces the synchronous fallback; ``source`` says how captured steps get their rows
         (module docs); ``track_arrival`` counts fills the GPU waited for; ``timeout``: the
-        seconds :attr:`driver` waits for a step's fill (default: the plan's). Returns the
+        seconds :attr:`driver` waits for a step's fill (default: the plan's);
+        ``log_fallback=False``: a plan that does not defer is not logged (its
+        ``plan.reason`` says why, for a caller that says it in its own words). Returns the
         plan (``plan.mode`` tells which); :attr:`driver` runs its steps."""
         from ..plan import RowsPlan
 
@@ -166,6 +169,7 @@ class PleServer:
             watchdog=watchdog,
             depth=depth,
             track_arrival=track_arrival,
+            log_fallback=log_fallback,
         )
         self.source = source
         self._depth, self._timeout = depth, timeout
