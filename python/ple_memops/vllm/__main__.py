@@ -20,8 +20,6 @@ from .settings import (
     BACKEND_ENV,
     COPY_ENV,
     EARLY_JOIN_ENV,
-    EXPECT_DECODE_ENV,
-    EXPECT_PREFILL_ENV,
     FIRST_LAYER_THREADS_ENV,
     PREDICT_READY_ENV,
     SKIP_GATHER_ENV,
@@ -89,10 +87,7 @@ def check() -> int:
         f"({FIRST_LAYER_THREADS_ENV}), stall timing {'on' if settings.time_stalls else 'off'} "
         f"({TIME_STALLS_ENV}), predicted READY {'on' if settings.predict_ready else 'off'} "
         f"({PREDICT_READY_ENV}), graph timing {'on' if settings.time_graphs else 'off'} "
-        f"({TIME_GRAPHS_ENV}), prefill ids expected on the host "
-        f"{'on' if settings.expect_prefill else 'off'} ({EXPECT_PREFILL_ENV}), decode ids "
-        f"expected on the host {'on' if settings.expect_decode else 'off'} "
-        f"({EXPECT_DECODE_ENV}), a Gemma's rows "
+        f"({TIME_GRAPHS_ENV}), a Gemma's rows "
         f"split at decoder layer 0 {'on' if settings.split_rows else 'off'} "
         f"({SPLIT_ROWS_ENV}); an engine's "
         "additional_config['ple_memops'] overrides them"
