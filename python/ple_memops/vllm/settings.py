@@ -79,7 +79,7 @@ REMOVED = {
     "expect_decode": (
         "PLE_MEMOPS_EXPECT_DECODE",
         "the host computed decode tokens' row ids from the tokens the step before sampled; "
-        "it cost +8.2% ITL at c64 (its ids took 162 us a step on the engine's thread)",
+        "it cost +8.2% ITL at c64, its ids 162 us a step on the engine's thread",
     ),
 }
 """Settings that no longer exist, by ``additional_config`` key: each one's environment
