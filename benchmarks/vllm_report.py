@@ -30,8 +30,9 @@ _STATS = re.compile(
     r"(\d+) synchronous replays; per layer, fills, mean READY -> FILLED[^:]*: (.*)$"
 )
 # "layers.0 120 fills, 160.7 us (110 replays 35.2 us, 10 eager 1375.0 us), 0.0% rows cold,
-# 3 completes waited 41.0 us, 10 steps expected (20480 rows early, 0 wrong)"; lines of older
-# wheels lack the parenthesis, the completes and the expected steps.
+# 3 completes waited 41.0 us"; lines of older wheels lack the parenthesis and the completes,
+# and those of wheels with expect_prefill / expect_decode (removed) end with "10 steps
+# expected (20480 rows early, 0 wrong)".
 _LAYER_STATS = re.compile(
     r"(\S+) (\d+) fills(?:, ([\d.]+) us)?"
     r"(?: \((\d+) replays(?: ([\d.]+) us)?, (\d+) eager(?: ([\d.]+) us)?\))?"
@@ -41,9 +42,10 @@ _LAYER_STATS = re.compile(
 
 
 # "host us per engine step over 812: total p50 41.2 p99 95.0, step p50 6.1 p99 9.0, arm p50
-# 20.3 p99 40.2, wait p50 0.4 p99 30.1, check p50 3.0 p99 5.2, stats p50 0.2 p99 0.5, expect
-# p50 30.1 p99 50.2; graph launch p50 12.0 p99 20.1, results wait p50 21.0 p99 900.3" (older
-# wheels: no results wait, no expect, no launch)
+# 20.3 p99 40.2, wait p50 0.4 p99 30.1, check p50 3.0 p99 5.2, stats p50 0.2 p99 0.5; graph
+# launch p50 12.0 p99 20.1, results wait p50 21.0 p99 900.3" (wheels with expect_prefill /
+# expect_decode, removed: ", expect p50 30.1 p99 50.2" before the launch; older wheels: no
+# results wait, no expect, no launch)
 _HOST = re.compile(
     r"host us per engine step over (\d+): total p50 ([\d.]+) p99 ([\d.]+), "
     r"step p50 ([\d.]+) p99 [\d.]+, arm p50 ([\d.]+) p99 [\d.]+, "
@@ -211,8 +213,9 @@ def delivery_stats(text: str) -> dict[str, Any]:
     if replay or eager:
         out["replay_fill_us"], out["eager_fill_us"] = weighted(replay), weighted(eager)
     if expected:
-        # expect_prefill: eager steps armed with the host's ids, rows gathered early, and
-        # rows the host expected wrongly (each layer's totals over the lines).
+        # Logs of wheels with expect_prefill (removed): eager steps armed with the host's
+        # ids, rows gathered early, and rows the host expected wrongly (each layer's totals
+        # over the lines).
         out["expected"] = {k: dict(zip(("steps", "early", "wrong"), v, strict=True))
                            for k, v in expected.items()}  # fmt: skip
     return out | cost_stats(raw) | graphs

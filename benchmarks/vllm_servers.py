@@ -136,15 +136,6 @@ MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     # The gather workers hot only around the READY they predict from the last steps
     # (predict_ready), asleep through the step before instead of spinning, then napping.
     "mmap-predict": {"predict_ready": True},
-    # Qwen4Exp: prefill chunks' row ids computed on the host and their rows gathered
-    # before the forward publishes them (expect_prefill): the eager steps' wait at the
-    # first PLE layer, i.e. TTFT under the mixed load.
-    "mmap-expect": {"expect_prefill": True},
-    # A FULL decode graph's rows gathered while the host prepares its inputs, from the
-    # tokens of the step before when it has finished on the GPU (expect_decode): the GPU's
-    # wait at the first PLE layer where the host paces the engine (c64); with prefill too.
-    "mmap-decode": {"expect_decode": True},
-    "mmap-expect-all": {"expect_decode": True, "expect_prefill": True},
     # A Gemma model run eagerly: whole rows joined at decoder layer 0's gate (the default
     # before split_rows was).
     "mmap-whole": {"split_rows": False},
@@ -352,8 +343,6 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
             "diag_skip_gather",
             "predict_ready",
             "diag_early_join",
-            "expect_prefill",
-            "expect_decode",
             "split_rows",
         ):
             if key in variant:

@@ -336,8 +336,8 @@ def test_the_report_says_where_a_profiled_graph_loses_time(tmp_path, capsys) -> 
 
 
 def test_delivery_stats_read_the_expected_steps_of_each_layer() -> None:
-    """A stats line with ``expect_prefill``'s counts (and one of an older wheel without
-    them): each layer's totals, the fills still read."""
+    """A stats line of a wheel that had ``expect_prefill`` (since removed), with its
+    counts, and lines without them: each layer's totals, the fills still read."""
     from vllm_report import delivery_stats
 
     head = (
@@ -362,9 +362,10 @@ def test_delivery_stats_read_the_expected_steps_of_each_layer() -> None:
 
 
 def test_cost_stats_read_the_host_time_with_and_without_expect() -> None:
-    """The host-time part of a stats line, of this wheel (``expect`` between ``stats`` and
-    the graph launch, the results' wait after it) and of older ones (no results' wait; no
-    ``expect``; no launch either)."""
+    """The host-time part of a stats line, of this wheel (the graph launch after
+    ``stats``, the results' wait after it), of older ones that had ``expect`` between
+    ``stats`` and the launch (its setting since removed), and of older ones still (no
+    results' wait; no ``expect``; no launch either)."""
     from vllm_report import cost_stats
 
     base = (
@@ -374,6 +375,8 @@ def test_cost_stats_read_the_host_time_with_and_without_expect() -> None:
     )
     launch = "; graph launch p50 12.0 p99 20.1"
     results = ", results wait p50 18.5 p99 4005.0"
+    now = cost_stats([base + launch + results])["host_us"]
+    assert now["launch"] == 12.0 and now["results"] == 18.5 and now["expect"] != now["expect"]
     new = cost_stats([base + ", expect p50 31.5 p99 50.0" + launch + results])
     assert new["host_us"]["expect"] == 31.5 and new["host_us"]["launch"] == 12.0
     assert new["host_us"]["arm"] == 20.3 and new["host_us"]["total_p50"] == 41.2

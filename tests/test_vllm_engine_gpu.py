@@ -96,8 +96,6 @@ def _engine(
     copy: str = "auto",
     lead: int | None = None,
     time_stalls: bool = False,
-    expect_prefill: bool = False,
-    expect_decode: bool = False,
     **kw: Any,
 ) -> LLM:
     settings: dict[str, Any] = {"copy": copy}
@@ -105,10 +103,6 @@ def _engine(
         settings["first_layer_threads"] = lead
     if time_stalls:
         settings["time_stalls"] = True
-    if expect_prefill:
-        settings["expect_prefill"] = True
-    if expect_decode:
-        settings["expect_decode"] = True
     return engine(ckpt, backend, settings=settings, **kw)
 
 
@@ -244,74 +238,6 @@ def test_stall_timing_keeps_the_stock_engines_tokens(
     assert set(stalls) == set(stats["own_threads"]), stalls
     for name, s in stalls.items():
         assert s["steps"] >= stats["armed"] and s["max_us"] < 30e6, (name, s)
-
-
-def _expected(worker: Any) -> dict[str, Any]:
-    """Each PLE layer's worker's counts of steps armed with expected ids."""
-    hooks = getattr(worker.model_runner, "ple_rows", None)  # None: vLLM's own runner
-    keys = ("expected_steps", "expected_rows_early", "expected_rows_late", "expected_rows_wrong")
-    return {
-        "hooks": hooks.expected_steps,
-        "replays": hooks.expected_replays,
-        "runner": worker.model_runner.ple_expect is not None,
-        "history": worker.model_runner.ple_history is not None,
-        **{n: {k: int(getattr(w, k)) for k in keys} for n, (_, w) in hooks.plan.stats().items()},
-    }
-
-
-def _serve_expecting(
-    ckpt: Path, setting: str, async_scheduling: bool
-) -> tuple[list[list[list[int]]], dict[str, Any], dict[str, Any]]:
-    """The workload's tokens, the rows' statistics and the expected ids' counts of an mmap
-    engine with ``setting`` (``expect_prefill`` or ``expect_decode``) on; shut down after."""
-    llm = _engine(ckpt, "mmap", async_scheduling=async_scheduling, **{setting: True})
-    got, stats, (expected,) = _serve(llm, _expected)
-    print(f"\n{setting} async={async_scheduling}: {stats}\n{expected}")
-    return got, stats, expected
-
-
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_expected_prefill_ids_keep_the_stock_engines_tokens(
-    checkpoints: dict[str, Path], stock_bf16: list[list[list[int]]], async_scheduling: bool
-) -> None:
-    """``expect_prefill``: the host computes prefill chunks' ids from the prompts and
-    arms the eager steps with them. The tokens stay the stock engine's, prefill rows were
-    gathered before their publish, and no expected id differed from the GPU's."""
-    got, stats, expected = _serve_expecting(checkpoints["bf16"], "expect_prefill", async_scheduling)
-    assert_same_tokens(stock_bf16, got)
-    assert stats["mode"] == "deferred" and stats["watchdog_releases"] == 0, stats
-    assert expected.pop("runner") and expected.pop("hooks") >= len(WORKLOAD), expected
-    assert expected.pop("replays") == 0 and not expected.pop("history"), expected
-    for name, counts in expected.items():
-        assert counts["expected_steps"] >= len(WORKLOAD), (name, counts)
-        assert counts["expected_rows_early"] > 0 and counts["expected_rows_wrong"] == 0, (
-            name,
-            counts,
-        )
-
-
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_expected_decode_ids_keep_the_stock_engines_tokens(
-    checkpoints: dict[str, Path], stock_bf16: list[list[list[int]]], async_scheduling: bool
-) -> None:
-    """``expect_decode``: when the step before has finished on the GPU, the host reads
-    each decode token from vLLM's ``all_token_ids``, computes its ids and arms the FULL
-    graph with them while it prepares the inputs. The tokens stay the stock engine's,
-    and no expected id differed from the GPU's. Synchronous scheduling waits for every
-    step, so there every decode replay is armed early."""
-    got, stats, expected = _serve_expecting(checkpoints["bf16"], "expect_decode", async_scheduling)
-    assert_same_tokens(stock_bf16, got)
-    assert stats["mode"] == "deferred" and stats["watchdog_releases"] == 0, stats
-    assert expected.pop("runner") and expected.pop("history"), expected
-    replays = expected.pop("replays")
-    expected.pop("hooks")
-    if not async_scheduling:
-        # (Dummy replays, e.g. after the capture, publish no data: never armed early.)
-        assert replays > 0 and replays >= stats["armed"] // 2, (replays, stats)
-    for name, counts in expected.items():
-        assert counts["expected_rows_wrong"] == 0, (name, counts)
-        if not async_scheduling:
-            assert counts["expected_rows_early"] > 0, (name, counts)
 
 
 # KV cache blocks: a few of the tiny model's requests at a time (each holds about two

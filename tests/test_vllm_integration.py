@@ -449,7 +449,6 @@ class RecordingPlan:
         self.reason = None if mode == "deferred" else "probe said sync"
         self.armed: list[int] = []
         self.eager_begins: list[bool] = []  # begin()'s eager= for each step, in order
-        self.expected: list[Any] = []  # begin()'s expected= for each step, in order
         self.poisoned: str | None = None
         self.closed = False
         self.fail_complete: BaseException | None = None
@@ -488,7 +487,6 @@ class RecordingPlan:
             raise StateError("depth")
         self.armed.append(rows)
         self.eager_begins.append(eager)
-        self.expected.append(expected)
         self.log.append(f"begin {rows}")
 
     def complete(self, timeout: float | None = None) -> None:
@@ -796,82 +794,6 @@ def test_replays_keep_two_steps_armed(capturing: list[bool]) -> None:
     assert plan.log[-1] == "close"
 
 
-def test_an_eager_step_is_armed_with_the_ids_the_host_expects(capturing: list[bool]) -> None:
-    """``expect()`` before an eager forward: its step is armed with each layer's expected
-    ids, padded with -1 (unknown) to the forward's; not for a later forward of the step,
-    not when a layer expects more ids than the forward publishes, not in a dummy step."""
-    names = ["a", "b"]
-    plan = RecordingPlan(names)
-    hk = PleRunnerHooks(plan, rows_per_token=2)
-    with hk.step(dummy=False):
-        hk.expect({"a": np.arange(4), "b": np.array([[5, 6], [7, 8]])})
-        _forward(hk, names, 3)  # 6 ids a layer
-        _forward(hk, names, 3)  # a second forward inside the step: its own step
-    assert plan.log[0] == "begin 6" and plan.eager_begins == [True, True]
-    first, second = plan.expected
-    assert first["a"].tolist() == [0, 1, 2, 3, -1, -1]
-    assert first["b"].tolist() == [5, 6, 7, 8, -1, -1]
-    assert second is None and hk.expected_steps == 1
-    with hk.step(dummy=False):
-        hk.expect({"a": np.arange(8)})  # more than the forward's 6 ids: not used
-        _forward(hk, names, 3)
-    assert plan.expected[-1] is None and hk.expected_steps == 1
-    hk.expect({"a": [1]})  # outside a step: nothing to arm
-    with hk.step(dummy=True):
-        hk.expect({"a": [1]})  # a dummy step publishes no data
-        _forward(hk, names, 1)
-    assert len(plan.expected) == 3
-    with pytest.raises(InvalidArgumentError, match=r"unknown layers \['c'\]"), hk.step(dummy=False):
-        hk.expect({"c": [1]})
-    hk.shutdown()
-
-
-def test_a_full_step_armed_early_replays_without_arming_again(capturing: list[bool]) -> None:
-    """``prearm()`` while the runner prepares a FULL graph's inputs (``expect_decode``):
-    the step is armed then, with the expected ids padded to the graph's, the oldest step
-    completed first when ``depth`` are armed; its replay launches without arming again.
-    Not outside a real step, for a graph that waits for no rows, or twice in a step. A
-    step armed for one graph that replays another, or none, raises and aborts the plan."""
-    names = ["a", "b"]
-    plan, hk, mgr = _captured(names, (2, 4), capturing)
-    want = {"a": np.array([1, 2, -1, 4]), "b": np.array([5, 6, 7, 8])}
-    for _ in range(3):
-        with hk.step(dummy=False):
-            assert hk.prearm(Desc(FULL, 4), want)
-            assert not hk.prearm(Desc(FULL, 4), want)  # once a step
-            assert _replay(hk, mgr, Desc(FULL, 4)) == "out4"
-    # Each step armed once, at prearm; the third completed the first (depth 2).
-    assert plan.log == ["begin 8", "begin 8", "complete 8", "begin 8"]
-    assert hk.expected_replays == 3 and hk.armed_steps == 3
-    assert plan.expected[-1]["a"].tolist() == [1, 2, -1, 4, -1, -1, -1, -1]
-    assert plan.expected[-1]["b"].tolist() == [5, 6, 7, 8, -1, -1, -1, -1]
-    # A replay not armed early is armed as before.
-    with hk.step(dummy=False):
-        _replay(hk, mgr, Desc(FULL, 2))
-    assert plan.log[-2:] == ["complete 8", "begin 4"] and plan.expected[-1] is None
-    assert not hk.prearm(Desc(FULL, 4), want)  # outside a step
-    with hk.step(dummy=True):
-        assert not hk.prearm(Desc(FULL, 4), want)  # a dummy step publishes no data
-    with hk.step(dummy=False):
-        assert not hk.prearm(Desc(FULL, 8), want)  # never captured with rows
-        assert not hk.prearm(Desc(FULL, 2), {"a": np.arange(5)})  # more ids than the graph's
-        with pytest.raises(InvalidArgumentError, match=r"unknown layers \['c'\]"):
-            hk.prearm(Desc(FULL, 4), {"c": [1]})
-    assert hk.expected_replays == 3
-    # Armed for one graph, replayed another: the plan is aborted, nothing waits.
-    with pytest.raises(StateError, match="armed for the replay of"), hk.step(dummy=False):
-        assert hk.prearm(Desc(FULL, 4), want)
-        _replay(hk, mgr, Desc(FULL, 2))
-    assert plan.poisoned is not None
-    # Armed and never replayed: the same.
-    plan2 = RecordingPlan(names)
-    hk2 = PleRunnerHooks(plan2, rows_per_token=2)
-    _capture(hk2, mgr, Desc(FULL, 4), capturing, lambda: _forward(hk2, names, 4))
-    with pytest.raises(StateError, match="which never ran"), hk2.step(dummy=False):
-        assert hk2.prearm(Desc(FULL, 4), want)
-    assert plan2.poisoned is not None
-
-
 def test_eager_forwards_of_a_sync_plan_gather_on_the_host(capturing: list[bool]) -> None:
     names = ["a", "b"]
     plan = RecordingPlan(names, mode="sync")
@@ -1041,12 +963,12 @@ def test_a_step_is_one_scope_at_a_time_timed_once_and_its_failures_abort() -> No
     (step,) = hk.host.take()  # one sample a step, the opening and the end in one
     assert step["step"] > 0 and plan.poisoned is None
 
-    # A failure at the step's end (its checks: here a FULL graph armed early that never
-    # ran) aborts, and the next step opens (the scope was closed) but its arming is
-    # refused.
-    with pytest.raises(StateError, match="which never ran"), hk.step(dummy=False):
-        hk._scope.prearmed = Desc(FULL, 4)  # type: ignore[union-attr]
-    assert plan.poisoned is not None and "never ran" in plan.poisoned
+    # A failure at the step's end (its checks: here an eager forward's layer staged and
+    # never joined) aborts, and the next step opens (the scope was closed) but its arming
+    # is refused.
+    with pytest.raises(StateError, match="never joined"), hk.step(dummy=False):
+        hk.stage("a", torch.zeros((1, 2), dtype=torch.int64), hk.output("a", 1))
+    assert plan.poisoned is not None and "never joined" in plan.poisoned
     with pytest.raises(PoisonedError), hk.step(dummy=False):
         plan.begin(2)
 
@@ -1212,22 +1134,27 @@ def test_settings_spin_and_stats_interval() -> None:
         S.for_engine({"ple_memops": {"spinning": 1}}, {})
 
 
-@pytest.mark.parametrize(
-    ("name", "other"), [("expect_prefill", "expect_decode"), ("expect_decode", "expect_prefill")]
-)
-def test_settings_expected_ids(name: str, other: str) -> None:
-    """``expect_prefill`` and ``expect_decode``: off by default, each its own switch."""
+@pytest.mark.parametrize("name", ["expect_prefill", "expect_decode"])
+def test_removed_settings_are_refused_when_on(name: str) -> None:
+    """``expect_prefill`` and ``expect_decode`` were removed: switched on (or given a value
+    that is not off) from either source, refused naming the setting and why; off, ignored."""
     S = settings.Settings
     var = f"PLE_MEMOPS_{name.upper()}"
-    assert not getattr(S.from_env({}), name) and not getattr(S(), name)
-    env = {var: "1"}
-    assert getattr(S.from_env(env), name) and not getattr(S.from_env(env), other)
-    assert not getattr(S.for_engine({"ple_memops": {name: False}}, env), name)
-    assert getattr(S.for_engine({"ple_memops": {name: "on"}}, {}), name)
-    with pytest.raises(InvalidArgumentError, match=f"{var} must be"):
-        S.from_env({var: "maybe"})
-    with pytest.raises(InvalidArgumentError, match=rf"\['{name}'\] must be 1 or 0"):
+    assert settings.REMOVED[name][0] == var and name not in settings.KEYS
+    assert not hasattr(S(), name)
+    for value in ("1", "on", "maybe"):
+        with pytest.raises(InvalidArgumentError, match=f"{var}='{value}': {name} was removed"):
+            S.from_env({var: value})
+    with pytest.raises(InvalidArgumentError, match="measured not better"):
+        S.from_env({var: "1"})
+    with pytest.raises(InvalidArgumentError, match=rf"\['{name}'\]=True: {name} was removed"):
+        S.for_engine({"ple_memops": {name: True}}, {})
+    with pytest.raises(InvalidArgumentError, match=f"{name} was removed"):
         S.for_engine({"ple_memops": {name: 2}}, {})
+    for off in ("", "0", "off"):
+        assert S.from_env({var: off}) == S()
+    assert S.for_engine({"ple_memops": {name: False, "timeout": 60}}, {}) == S(timeout=60.0)
+    assert S.for_engine({"ple_memops": {name: None}}, {}) == S()
 
 
 def test_settings_split_rows() -> None:

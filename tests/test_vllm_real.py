@@ -20,7 +20,6 @@ from __future__ import annotations
 import base64
 import csv
 import hashlib
-import itertools
 import json
 import logging
 import os
@@ -47,7 +46,6 @@ vllm = pytest.importorskip(
     "release's environment)",
 )
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import vllm_checkpoints as ckpts  # noqa: E402
 import vllm_cpu  # noqa: E402
@@ -632,16 +630,13 @@ def test_ops_compile(checkpoint: Path, dist: Any) -> None:
 # -- ids -----------------------------------------------------------------------------------------
 
 
-def _ngram_modules(checkpoint: Path, *, reloaded: bool = True) -> Iterator[tuple[int, Any, Any]]:
+def _ngram_modules(checkpoint: Path) -> Iterator[tuple[int, Any, Any]]:
     """vLLM's own n-gram embeddings of three PLE layers of the test model (with each
-    layer's dense index and the text config); ``reloaded``: each with its multipliers then
-    replaced by other odd values (as a checkpoint that holds them would overwrite them
-    when it loads): the host hash must read the module's."""
+    layer's dense index and the text config)."""
     from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
 
     vc = _config(checkpoint, EngramConfig(cpu_offload=False))
     cfg = vc.model_config.hf_text_config
-    gen = torch.Generator().manual_seed(5)
     with set_current_vllm_config(vc):
         for dense in (0, 1, 5):
             emb = Qwen4ExpNGramEmbedding(
@@ -653,17 +648,12 @@ def _ngram_modules(checkpoint: Path, *, reloaded: bool = True) -> Iterator[tuple
                 prefix=f"h{dense}",
                 params_dtype=torch.bfloat16,
             )
-            if reloaded:
-                loaded = torch.randint(
-                    -(1 << 62), 1 << 62, emb.layer_multipliers.shape, generator=gen
-                )
-                emb.layer_multipliers.copy_(loaded * 2 + 1)
             yield dense, cfg, emb
 
 
 def test_our_ids_equal_vllms_compute_ngram_ids(checkpoint: Path, dist: Any) -> None:
     rng = random.Random(11)
-    for dense, cfg, emb in _ngram_modules(checkpoint, reloaded=False):
+    for dense, cfg, emb in _ngram_modules(checkpoint):
         lay = NGramLayout.from_config(cfg, dense)
         assert list(lay.sizes) == emb.ngram_heads_vocab_sizes.tolist()
         assert list(lay.offsets) == emb.ngram_heads_offsets.tolist()
@@ -694,158 +684,6 @@ def _random_steps(
         toks = torch.tensor([tok() for _ in range(total)], dtype=torch.int32)
         ctx = torch.tensor([[tok(), tok()] for _ in range(nreq)], dtype=torch.int32)
         yield toks, torch.tensor(starts, dtype=torch.int32), ctx
-
-
-def test_host_ids_equal_vllms_compute_ngram_ids(checkpoint: Path, dist: Any) -> None:
-    """Random steps (EOS inside prompts and contexts, empty requests, tokens past the
-    last request's end): the host's ids are ``compute_ngram_ids``' (its torch path)."""
-    from ple_memops.vllm.ngram_ids import HostNGramIds
-
-    rng = random.Random(23)
-    for _, _, emb in _ngram_modules(checkpoint):
-        host = HostNGramIds.from_module(emb)
-        eos = host.eos_token_id
-        assert host.multipliers.tolist() == emb.layer_multipliers.tolist()
-
-        def tok(eos: int = eos) -> int:
-            return rng.choice([eos, rng.randint(0, 127), rng.randint(0, 1 << 30)])
-
-        for toks, qsl, ctx in _random_steps(rng, 150, tok, max_len=9):
-            want = emb.compute_ngram_ids(toks, qsl, ctx)
-            got = host(toks.numpy(), qsl.numpy(), ctx.numpy())
-            assert got.dtype == np.int64
-            assert torch.equal(torch.from_numpy(got), want), (toks, qsl, ctx)
-
-
-def test_host_ids_of_prompt_chunks_are_the_whole_prompts(checkpoint: Path, dist: Any) -> None:
-    """A step's prompt chunks (chunked prefill: any start, any length; a prefix-cache
-    hit: a first chunk that starts past the prompt's start) get the ids vLLM gives those
-    positions when it runs each whole prompt at once, and the ids vLLM gives the chunks
-    with the context its Qwen4Exp model state builds (EOS before the prompt's start)."""
-    from ple_memops.vllm.ngram_ids import HostNGramIds
-
-    rng = random.Random(31)
-    for _, _, emb in _ngram_modules(checkpoint):
-        host = HostNGramIds.from_module(emb)
-        eos = host.eos_token_id
-        for _ in range(60):
-            prompts = [
-                torch.tensor(
-                    [
-                        rng.choice([eos] + [rng.randint(0, 127)] * 6)
-                        for _ in range(rng.randint(1, 40))
-                    ],
-                    dtype=torch.int32,
-                )
-                for _ in range(rng.randint(1, 5))
-            ]
-            whole = [
-                emb.compute_ngram_ids(
-                    p,
-                    torch.tensor([0, p.numel()], dtype=torch.int32),
-                    torch.full((1, 2), eos, dtype=torch.int32),
-                )
-                for p in prompts
-            ]
-            computed = [rng.randint(0, p.numel() - 1) for p in prompts]
-            scheduled = [
-                rng.randint(1, p.numel() - c) for p, c in zip(prompts, computed, strict=True)
-            ]
-            chunks = list(zip(prompts, computed, scheduled, strict=True))
-            got = host.for_requests([p.numpy() for p in prompts], computed, scheduled)
-            want = torch.cat([w[c : c + s] for w, (_, c, s) in zip(whole, chunks, strict=True)])
-            assert torch.equal(torch.from_numpy(got), want)
-            ctx = torch.tensor(
-                [
-                    [int(p[i]) if i >= 0 else eos for i in (c - 2, c - 1)]
-                    for p, c in zip(prompts, computed, strict=True)
-                ],
-                dtype=torch.int32,
-            )
-            qsl = torch.tensor([0, *itertools.accumulate(scheduled)], dtype=torch.int32)
-            toks = torch.cat([p[c : c + s] for p, c, s in chunks])
-            assert torch.equal(torch.from_numpy(got), emb.compute_ngram_ids(toks, qsl, ctx))
-
-
-def test_a_mixed_steps_expectations_are_vllms_ids_where_known(checkpoint: Path, dist: Any) -> None:
-    """Steps mixing decodes (tokens only the GPU knows) with prefill chunks: where the
-    host expects an id it is the one ``compute_ngram_ids`` gives the step, with the
-    context vLLM's Qwen4Exp model state builds; every decode token is left ``-1``, unless
-    the host reads it from the token history (``expect_decode``): then all are known."""
-    from ple_memops.vllm.ngram_ids import HostNGramIds
-    from ple_memops.vllm.prefill import PrefillExpectations
-
-    rng = random.Random(41)
-    for _, _, emb in _ngram_modules(checkpoint):
-        host = HostNGramIds.from_module(emb)
-        eos, h = host.eos_token_id, host.heads
-        exp = PrefillExpectations({"t": host}, h)
-        for _ in range(40):
-            nreq = rng.randint(1, 6)
-            prompts = [
-                [rng.choice([eos] + [rng.randint(0, 127)] * 5) for _ in range(rng.randint(1, 30))]
-                for _ in range(nreq)
-            ]
-            outputs = [[rng.randint(0, 127) for _ in range(rng.randint(0, 4))] for _ in prompts]
-            rows = rng.sample(range(64), nreq)
-            for row, p in zip(rows, prompts, strict=True):
-                exp.add(row, p)
-            computed, scheduled, decode = [], [], []
-            for p, out in zip(prompts, outputs, strict=True):
-                if out:  # decoding: its last output is the GPU's sampled token
-                    computed.append(len(p) + len(out) - 1)
-                    scheduled.append(1)
-                    decode.append(True)
-                else:
-                    c = rng.randint(0, len(p) - 1)
-                    computed.append(c)
-                    scheduled.append(rng.randint(1, len(p) - c))
-                    decode.append(False)
-            every = [p + out for p, out in zip(prompts, outputs, strict=True)]
-            toks = torch.tensor(
-                [
-                    t
-                    for a, c, s in zip(every, computed, scheduled, strict=True)
-                    for t in a[c : c + s]
-                ],
-                dtype=torch.int32,
-            )
-            qsl = torch.tensor([0, *itertools.accumulate(scheduled)], dtype=torch.int32)
-            ctx = torch.tensor(
-                [
-                    [a[i] if i >= 0 else eos for i in (c - 2, c - 1)]
-                    for a, c in zip(every, computed, strict=True)
-                ],
-                dtype=torch.int32,
-            )
-            want = emb.compute_ngram_ids(toks, qsl, ctx).reshape(-1).numpy()
-            got = exp.step(
-                np.array(rows),
-                np.array(computed),
-                np.array(scheduled),
-                np.array([len(p) for p in prompts]),
-            )
-            # expect_decode: with vLLM's all_token_ids as the host sees it (the GPU wrote
-            # each sampled token there), every token is known, the decodes' too.
-            history = np.zeros((64, 40), dtype=np.int32)
-            for row, a in zip(rows, every, strict=True):
-                history[row, : len(a)] = a
-            full = exp.step(
-                np.array(rows),
-                np.array(computed),
-                np.array(scheduled),
-                np.array([len(p) for p in prompts]),
-                positions=np.array(computed),
-                history=history,
-            )
-            assert full is not None and np.array_equal(full["t"], want)
-            unknown = np.repeat(np.repeat(decode, scheduled), h)
-            if got is None:
-                assert unknown.all()
-                continue
-            ids = got["t"]
-            assert (ids[unknown] == -1).all()
-            assert np.array_equal(ids[~unknown], want[~unknown])
 
 
 # -- the model with the mmap backend ------------------------------------------------------------
@@ -933,13 +771,6 @@ def test_model_loads_without_its_tables_and_rows_match_the_device_table(
                 layer._dequantize_embeddings(got, torch.bfloat16),
                 ref._dequantize_embeddings(want, torch.bfloat16),
             )
-            # The table's host ids are its owner's, with the buffers as loaded.
-            host = layer.ple_embedding.ngram_embedding.ple_memops_host_ids()
-            assert torch.equal(
-                torch.from_numpy(host(ids.numpy(), qsl.numpy(), ctx.numpy())),
-                layer.ple_embedding.compute_ngram_ids(ids, qsl, ctx),
-            )
-        assert fake.ple_expect is None  # expect_prefill is off by default
     finally:
         hooks.shutdown()
 

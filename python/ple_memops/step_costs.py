@@ -84,14 +84,13 @@ class StallSummary:
         )
 
 
-HOST_KINDS = ("step", "arm", "wait", "check", "stats", "expect")
+HOST_KINDS = ("step", "arm", "wait", "check", "stats")
 """The hooks an engine step runs through, as :class:`HostTime` counts them: ``step`` (the
 step's scope: opening, eager forwards' end, not the engine's work inside), ``arm`` (arming
 every table and the launch's bookkeeping, not the launch), ``wait`` (completing the
 oldest step when ``depth`` are armed: a wait for a fill), ``check`` (the failure check
 before a step's output is handed out, and the runner's wrapping of that output; not
-``time_graphs``' own wrapping of it), ``stats`` (the stats line), ``expect`` (computing
-the ids the host expects the step to publish: ``expect_prefill``, ``expect_decode``)."""
+``time_graphs``' own wrapping of it) and ``stats`` (the stats line)."""
 
 ENGINE_KINDS = ("launch", "results")
 """The engine's own host time that :class:`HostTime` counts beside ours, outside its

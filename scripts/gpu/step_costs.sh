@@ -13,15 +13,11 @@
 #                without the host's gather), mmap-lead (first_layer_threads); paired
 #                against mmap (~5 min on a warm host), then the engine test of stall
 #                timing (the stock engine's tokens, ~2 min)
-#   PART=decode  gpu, mmap, mmap-decode (expect_decode: a decode graph's rows gathered while
-#                the host prepares it), mmap-b (A against A); paired against gpu, every mmap
-#                server with the GPU stall timing (~8 min on a fresh host)
-#   PART=results gpu-plugin (the GPU table, the plugin installed), mmap, mmap-decode,
-#                mmap-b (A against A) at c1, c8 and c64, every server with the graphs'
-#                clock: whether the engine's thread waits for a step's results ("results
-#                wait"), so whether a GPU stall is on the critical path at each load; the
-#                launch call's host time beside the GPU table's; our host time with
-#                expect_decode's ids counted; paired against gpu-plugin (~8 min)
+#   PART=results gpu-plugin (the GPU table, the plugin installed), mmap, mmap-b (A
+#                against A) at c1, c8 and c64, every server with the graphs' clock:
+#                whether the engine's thread waits for a step's results ("results wait"),
+#                so whether a GPU stall is on the critical path at each load; the launch
+#                call's host time beside the GPU table's; paired against gpu-plugin
 #   PART=solo    the targets' run: gpu-plugin, mmap, gpu-plugin-b (A against A), uva, each
 #                server alone on the GPU (--solo) at c1, c8, c64 and the mixed load, the
 #                graphs' clock on the plugin's servers; paired against gpu-plugin's median.
@@ -30,13 +26,6 @@
 #                  bash scripts/gpu/detached.sh start solo env PART=solo bash scripts/gpu/step_costs.sh
 #                  bash scripts/gpu/detached.sh collect solo 540   # again until exit 0
 #   PART=solo4   the same on the bench's default model (24 layers, four 1 GiB tables)
-#   PART=decode4 the four 1 GiB tables at c64 and the mixed load, each server alone:
-#                gpu-plugin, mmap, mmap-decode (expect_decode: layer 0's rows gathered
-#                before the graph starts), gpu-plugin-b (A against A); BACKENDS=... to
-#                change them (e.g. add mmap-lead). Where the engine waits for the GPU (an
-#                H100 host: BENCHMARKS.md "Four 1 GiB tables, each server alone"), what
-#                takes layer 0's fill off the GPU's path is what moves c64. Detached, as
-#                solo (~13 min)
 #   PART=hostcost our hooks' host time a step without an engine (benchmarks/bench_hooks.py) on
 #                this host's CPU: caches evicted by 96 MiB (the hooks, then through our
 #                runner over vLLM's classes) and by twice the L3 between steps, then
@@ -55,7 +44,7 @@ LOAD=(--kv-cache-gib 6 --concurrency 64 --requests 256 --mixed-long 0 --repeats 
       --start-timeout 300 --load-timeout 60)
 SOLO=(--kv-cache-gib 6 --solo --time-graphs --backends gpu-plugin,mmap,gpu-plugin-b,uva
       --ref gpu-plugin --repeats "${REPEATS:-5}")
-case "${PART:?PART=checks|gpu|mmap|decode|results|solo|solo4|decode4|hostcost}" in
+case "${PART:?PART=checks|gpu|mmap|results|solo|solo4|hostcost}" in
 hostcost)
     { lscpu | grep -E "Model name|L2|L3"
       echo "clock source: $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource)"
@@ -84,15 +73,11 @@ gpu)
     DEADLINE=${DEADLINE:-470} TAG=ladder_gpu BENCH_ARGS="${MODEL[*]} ${LOAD[*]} \
         --backends gpu,gpu-plugin,mmap --ref gpu" bash scripts/gpu/vllm_bench.sh
     ;;
-decode)
-    DEADLINE=${DEADLINE:-470} TAG=ladder_decode BENCH_ARGS="${MODEL[*]} ${LOAD[*]} \
-        --backends gpu,mmap,mmap-decode,mmap-b --ref gpu --time-stalls" bash scripts/gpu/vllm_bench.sh
-    ;;
 results)
     # Decode loads only, each concurrency's default request count (max(8, 6c)).
     DEADLINE=${DEADLINE:-480} TAG=ladder_results BENCH_ARGS="${MODEL[*]} --kv-cache-gib 6 \
         --concurrency 1,8,64 --mixed-long 0 --repeats ${REPEATS:-5} --start-timeout 300 \
-        --load-timeout 60 --backends gpu-plugin,mmap,mmap-decode,mmap-b --ref gpu-plugin \
+        --load-timeout 60 --backends gpu-plugin,mmap,mmap-b --ref gpu-plugin \
         --time-graphs" bash scripts/gpu/vllm_bench.sh
     ;;
 solo)
@@ -101,12 +86,6 @@ solo)
     ;;
 solo4)
     DEADLINE=${DEADLINE:-760} TAG=solo4 BENCH_ARGS="--layers 24 --dtype bf16 ${SOLO[*]}" \
-        bash scripts/gpu/vllm_bench.sh
-    ;;
-decode4)
-    DEADLINE=${DEADLINE:-760} TAG=decode4 BENCH_ARGS="--layers 24 --dtype bf16 --kv-cache-gib 6 \
-        --solo --time-graphs --concurrency 64 --ref gpu-plugin --repeats ${REPEATS:-5} \
-        --backends ${BACKENDS:-gpu-plugin,mmap,mmap-decode,gpu-plugin-b}" \
         bash scripts/gpu/vllm_bench.sh
     ;;
 mmap)

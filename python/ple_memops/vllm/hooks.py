@@ -147,7 +147,7 @@ class _Step:
     """An engine step's scope (one a step: a class with slots and literal containers, no
     dataclass's generated ``__init__`` and factory calls)."""
 
-    __slots__ = ("dummy", "expected", "forks", "pending", "prearmed", "ready", "rows", "staged")
+    __slots__ = ("dummy", "forks", "pending", "ready", "rows", "staged")
 
     def __init__(self, dummy: bool) -> None:
         self.dummy = dummy
@@ -162,12 +162,6 @@ class _Step:
         self.rows: int | None = None
         self.staged: set[str] = set()
         self.forks: dict[str, StagedLike] = {}
-        # Per layer, the ids the host expects this step's forward to publish
-        # (:meth:`PleRunnerHooks.expect`), given to the step's arming; None once used.
-        self.expected: dict[str, Any] | None = None
-        # The FULL graph this step armed before its replay (:meth:`prearm`), until
-        # replayed.
-        self.prearmed: Any = None
 
 
 class PleRunnerHooks:
@@ -216,10 +210,6 @@ class PleRunnerHooks:
         self._ids_graphs: dict[Any, _IdsGraph] = {}
         self._ids_buffers: dict[str, Any] = {}
         self.eager_steps = 0
-        self.expected_steps = 0
-        """Eager steps armed with ids the host expected (:meth:`expect`)."""
-        self.expected_replays = 0
-        """Replays armed early with ids the host expected (:meth:`prearm`)."""
         self.sync_replays = 0
         self.recorded_graphs = 0
         self.stats_every = stats_every
@@ -333,39 +323,29 @@ class PleRunnerHooks:
         between arming and the launch aborts the plan (the GPU is released, later calls
         raise :class:`~ple_memops.PoisonedError`)."""
         t0 = time.perf_counter_ns()
-        scope = self._scope
-        if isinstance(scope, _Step) and scope.prearmed is not None:
-            armed, scope.prearmed = scope.prearmed, None
-            if armed != desc:
-                raise StateError(
-                    f"ple-memops: the step was armed for the replay of {armed}, then "
-                    f"replayed {desc}"
-                )
-            wait_ns = 0  # prearm() counted its wait and arming
+        if desc is not self._last_wait_desc:
+            if desc not in self._wait_descs:
+                return launch()
+            self._last_wait_desc = desc
+        # Only a synchronous plan records ids graphs: no second hash of vLLM's
+        # descriptor (a Python __hash__) on a deferred plan's every replay.
+        entry = self._ids_graphs.get(desc) if self._ids_graphs else None
+        if entry is not None:
+            self._check_usable()
+            return self._replay_sync(desc, entry, launch)
+        # Arm: one native call when the plan has a stepper (the driver's counts, no
+        # Python frame between; its failure aborts the plan here, as the driver
+        # would). Closed hooks: it raises ClosedError.
+        rows = int(desc.num_tokens) * self.rows_per_token
+        step = self._stepper
+        if step is None:
+            _, wait_ns, _ = self.driver.advance(rows)
         else:
-            if desc is not self._last_wait_desc:
-                if desc not in self._wait_descs:
-                    return launch()
-                self._last_wait_desc = desc
-            # Only a synchronous plan records ids graphs: no second hash of vLLM's
-            # descriptor (a Python __hash__) on a deferred plan's every replay.
-            entry = self._ids_graphs.get(desc) if self._ids_graphs else None
-            if entry is not None:
-                self._check_usable()
-                return self._replay_sync(desc, entry, launch)
-            # Arm: one native call when the plan has a stepper (the driver's counts, no
-            # Python frame between; its failure aborts the plan here, as the driver
-            # would). Closed hooks: it raises ClosedError.
-            rows = int(desc.num_tokens) * self.rows_per_token
-            step = self._stepper
-            if step is None:
-                _, wait_ns, _ = self.driver.advance(rows)
-            else:
-                try:
-                    wait_ns = step(rows)[1]
-                except BaseException as exc:
-                    self.driver.abort_on(f"arming the replay of {desc}", exc)
-                    raise
+            try:
+                wait_ns = step(rows)[1]
+            except BaseException as exc:
+                self.driver.abort_on(f"arming the replay of {desc}", exc)
+                raise
         # The launch, timed; an exception in it aborts the plan (as the driver's guard,
         # without building one).
         t1 = time.perf_counter_ns()
@@ -418,13 +398,6 @@ class PleRunnerHooks:
             if late is not None:
                 # The host's completion of an armed step found it unfilled and waited.
                 cold += f", {got.completes_waited} completes waited {late:.1f} us"
-            if got.expected_steps:
-                # Steps armed with the host's ids (expect_prefill, expect_decode): rows gathered
-                # before the publish, and any the host expected wrongly (a bug if not 0).
-                cold += (
-                    f", {got.expected_steps} steps expected ({got.expected_rows_early} rows "
-                    f"early, {got.expected_rows_wrong} wrong)"
-                )
             layers.append(f"{_short(name)} {got.fills} fills{us}{cold}")
         stalls = self._stall_text()
         line = (
@@ -720,10 +693,7 @@ class PleRunnerHooks:
             # The forward's first PLE op (or a second forward inside one engine step).
             if scope.rows is not None:
                 self._end_eager(scope)
-            expected, scope.expected = _padded_expectation(scope.expected, n), None
-            self.driver.arm(n, eager=True, expected=expected)
-            if expected:
-                self.expected_steps += 1
+            self.driver.arm(n, eager=True)
             scope.rows = n
             scope.staged = set()
             self.eager_steps += 1
@@ -734,67 +704,6 @@ class PleRunnerHooks:
         self._check_output(name, output, n)
         scope.forks[name] = self.driver.stage_eager(name, ids.reshape(-1), rows=n)
         scope.staged.add(name)
-
-    def expect(self, expected: Mapping[str, Any]) -> None:
-        """Inside :meth:`step`, before the forward: per PLE layer, the row ids the host
-        expects this step's eager forward to publish (``int64``, ``-1`` where it cannot
-        know them, e.g. a decode token's; at most the forward's ids, padded with ``-1``).
-        The step is armed with them, so each layer's worker gathers those rows as soon as
-        the GPU has consumed the previous step's, instead of when the forward reaches
-        the layer; the ids the forward publishes still decide every row (see
-        :meth:`~ple_memops.GatherWorker.begin`). Ignored outside a real step of a
-        deferring plan, and for a forward whose ids are fewer than expected."""
-        scope = self._scope
-        if not (isinstance(scope, _Step) and not scope.dummy and self.deferred):
-            return
-        unknown = sorted(set(expected) - set(self.plan.layers))
-        if unknown:
-            raise InvalidArgumentError(f"ple-memops: expected ids for unknown layers {unknown}")
-        scope.expected = dict(expected)
-
-    def prearm(self, desc: Any, expected: Mapping[str, Any]) -> bool:
-        """Inside :meth:`step`, while the runner prepares the inputs of the FULL graph
-        ``desc``: arm its step now, with per PLE layer the row ids the host expects the
-        graph to publish (``int64``, ``-1`` where it cannot know them, at most the
-        graph's ids), so each layer's worker gathers those rows while the host still
-        prepares the step, not once the graph has started. Completes the oldest pending
-        step first when ``depth`` are armed, as :meth:`replay` would. The step's replay
-        of ``desc`` then launches without arming again; a step that arms and then
-        replays another graph, or none, raises :class:`~ple_memops.StateError` (the
-        plan is aborted: no GPU wait outlives it). Returns whether it armed: not outside
-        a real step of a deferring plan, for a graph that consumes no deferred rows or
-        whose ids a synchronous plan computes, for more expected ids than the graph's,
-        or twice in a step."""
-        scope = self._scope
-        if not (isinstance(scope, _Step) and not scope.dummy and self.deferred):
-            return False
-        unknown = sorted(set(expected) - set(self.plan.layers))
-        if unknown:
-            raise InvalidArgumentError(f"ple-memops: expected ids for unknown layers {unknown}")
-        if scope.prearmed is not None or desc not in self._wait_descs or desc in self._ids_graphs:
-            return False
-        rows = int(desc.num_tokens) * self.rows_per_token
-        padded = _padded_expectation(dict(expected), rows)
-        if padded is None:
-            return False
-        self._check_usable()
-        self._arm(desc, rows, padded)
-        scope.prearmed = desc
-        self.expected_replays += 1
-        return True
-
-    def _arm(self, desc: Any, rows: int, expected: dict[str, Any] | None = None) -> None:
-        """``driver.arm`` with the ids the host expects, in two parts, each timed on its
-        own: completing the oldest step when ``depth`` are armed (a wait for its fill),
-        then arming. (A replay without expected ids arms in one native call:
-        ``driver.advance``.)"""
-        t0 = time.perf_counter_ns()
-        with self.driver.guard(lambda: f"completing a step before the replay of {desc}"):
-            self.driver.settle(self.driver.depth - 1)
-        t1 = time.perf_counter_ns()
-        self.driver.arm(rows, expected=expected)
-        self.host.add("wait", t1 - t0)
-        self.host.add("arm", time.perf_counter_ns() - t1)
 
     def _gather_pending(self, scope: _Step) -> None:
         """A synchronous plan's eager forward: every staged layer's ids to the host in one
@@ -824,11 +733,6 @@ class PleRunnerHooks:
         for name, (output, n) in scope.ready.items():  # never joined: the op's output
             _copy_unless_same(self.plan.staging(name, n), output)
         scope.ready.clear()
-        if scope.prearmed is not None:
-            desc, scope.prearmed = scope.prearmed, None
-            raise StateError(
-                f"ple-memops: the step was armed for the replay of {desc}, which never ran"
-            )
         if scope.rows is None:
             return
         if scope.forks:
@@ -912,9 +816,7 @@ class _StepContext:
         hooks = self._hooks
         scope = self._scope
         # A replay's step has nothing to end: no frame for it (the common case).
-        if exc is None and (
-            scope.pending or scope.ready or scope.prearmed is not None or scope.rows is not None
-        ):
+        if exc is None and (scope.pending or scope.ready or scope.rows is not None):
             try:
                 hooks._end_eager(scope)
             except BaseException as err:
@@ -956,24 +858,6 @@ class _Scoped:
 
 
 _LAYER_NAME = re.compile(r"layers\.\d+")
-
-
-def _padded_expectation(expected: dict[str, Any] | None, n: int) -> dict[str, Any] | None:
-    """Each layer's expected ids as ``int64 [n]`` (padded with ``-1``: unknown), or
-    ``None`` when there are none or a layer expects more ids than the forward has."""
-    if not expected:
-        return None
-    import numpy as np
-
-    out = {}
-    for name, ids in expected.items():
-        flat = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if flat.size > n:
-            return None
-        if flat.size < n:
-            flat = np.concatenate([flat, np.full(n - flat.size, -1, dtype=np.int64)])
-        out[name] = flat
-    return out
 
 
 def _short(name: str) -> str:

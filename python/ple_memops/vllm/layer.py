@@ -71,12 +71,6 @@ class MmapTableLayer(ABC):
     def ple_memops_expect(self) -> TableExpectations:
         """What the table must be (rows, bytes a row, dtype, scale) for this model."""
 
-    def ple_memops_host_ids(self) -> Any:
-        """How this table's row ids follow from a request's tokens on the host (a
-        :class:`~ple_memops.vllm.prefill.HostIds`, read once the weights are loaded), or
-        ``None`` (the default) when only the model's forward can compute them."""
-        return None
-
     def ple_memops_bind(self, hooks: Any, max_tokens: int) -> None:
         """Bind the runner hooks (``None`` unbinds) for steps of up to ``max_tokens``."""
         self.ple_memops_hooks = hooks

@@ -39,7 +39,6 @@ from vllm.models.qwen4_exp.nvidia.model import (
 from ..errors import StateError, UnsupportedError
 from . import ops
 from .layer import MmapTableLayer, TableExpectations, find_tables
-from .ngram_ids import HostNGramIds
 from .settings import (
     BACKEND_ENV,
     CONFIG_KEY,
@@ -160,14 +159,6 @@ class Qwen4ExpPLEMmapEmbedding(Qwen4ExpPLEEmbedding, MmapTableLayer):
             scale=layer_weight_scale(self),
         )
 
-    def ple_memops_host_ids(self) -> Any:
-        """The n-gram hash of the embedding that owns this table, with the buffers as
-        loaded (:class:`~ple_memops.vllm.ngram_ids.HostNGramIds`)."""
-        owner = getattr(self, "ple_memops_owner", None)
-        if owner is None:
-            return None
-        return HostNGramIds.from_module(owner())
-
     def allocate_embedding_weight(
         self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype
     ) -> torch.Tensor:
@@ -284,9 +275,6 @@ def _finish_mmap_model(language_model: Any) -> int:
         if isinstance(getattr(module, "ngram_embedding", None), Qwen4ExpPLEMmapEmbedding):
             # Every rank holds full rows: nothing to reduce-scatter over the vocabulary.
             module.use_reduce_scatter = False
-            # Where the table finds its hash (a function: a module attribute would make the
-            # owner its child).
-            module.ngram_embedding.ple_memops_owner = lambda owner=module: owner
             tables += 1
     _stage_all_at_top(language_model.model)
     return tables

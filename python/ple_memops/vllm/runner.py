@@ -16,16 +16,10 @@ What each override adds (see :class:`~ple_memops.vllm.hooks.PleRunnerHooks`):
 ``GPUModelRunner.initialize_kv_cache`` the graph manager made our subclass (below)
 ``GPUModelRunner.execute_model``       one ``hooks.step``: an eager forward gathers before
                                        each consumer, a FULL replay is armed
-``GPUModelRunner.add_requests``        with ``expect_prefill``: each new request's
-                                       prompt kept
-``GPUModelRunner.prepare_inputs``      with ``expect_prefill`` / ``expect_decode``: the ids
-                                       the host knows, before vLLM's own preparation; a
-                                       FULL graph's step armed then (``hooks.prearm``)
 ``GPUModelRunner.sample_tokens``       the output checked when handed out, the engine's
                                        wait for it timed (``results``; with
                                        ``time_graphs`` also on the graphs' clock, hooks
-                                       or none); with ``expect_decode``, an event after
-                                       the sampling
+                                       or none)
 ``GPUModelRunner.capture_model``       pending steps completed first
 ``GPUModelRunner.shutdown``            drain, synchronise the device, close the plan
 ``CudaGraphManager.capture``           each descriptor's warm-up without data, its capture
@@ -55,7 +49,6 @@ from ..step_costs import GraphClock
 from ..table import MmapTable
 from .hooks import PleRunnerHooks, build_hooks
 from .layer import find_tables
-from .prefill import PrefillExpectations
 from .settings import engine_settings
 from .tables import checkpoint_tensor_names, open_layer_table
 
@@ -242,9 +235,6 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
             t.close()  # its windows keep the mapping
     for module in layers:
         module.ple_memops_bind(hooks, max_tokens)
-    runner.ple_expect = _expectations(layers, hooks, settings, rows_per_token)
-    runner.ple_expect_prefill = runner.ple_expect is not None and settings.expect_prefill
-    runner.ple_history = _decode_history(runner) if runner.ple_expect is not None else None
     if settings.diag_skip_gather:
         logger.warning(
             "ple-memops: diagnostics: the PLE rows are NOT gathered (diag_skip_gather): every "
@@ -298,56 +288,6 @@ def _own_threads(module: Any, settings: Any) -> int | None:
     if threads is None:
         threads = module.ple_memops_own_threads
     return threads or None
-
-
-def _expectations(
-    layers: list[Any], hooks: PleRunnerHooks, settings: Any, rows_per_token: int
-) -> PrefillExpectations | None:
-    """With ``expect_prefill`` or ``expect_decode`` on a deferring plan, what computes
-    each layer's ids on the host; ``None`` (with a log line saying why) otherwise."""
-    wanted = [k for k in ("expect_prefill", "expect_decode") if getattr(settings, k)]
-    if not wanted:
-        return None
-    host = {m.ple_memops_name: m.ple_memops_host_ids() for m in layers}
-    missing = sorted(name for name, ids in host.items() if ids is None)
-    if not hooks.deferred or missing:
-        logger.info(
-            "ple-memops: %s on but unused: %s",
-            " and ".join(wanted),
-            "the rows are not deferred"
-            if not hooks.deferred
-            else f"the host cannot compute the ids of {missing}",
-        )
-        return None
-    logger.info(
-        "ple-memops: row ids computed on the host and gathered before the GPU reaches them (%s)",
-        ", ".join(wanted),
-    )
-    return PrefillExpectations(host, rows_per_token)
-
-
-def _decode_history(runner: Any) -> Any:
-    """With ``expect_decode``: vLLM's ``all_token_ids`` as the host sees it (the numpy
-    view of the pinned buffer the GPU writes each sampled token into), or ``None`` with
-    a log line when it is not on the host (ngram speculative decoding keeps it on the
-    GPU) or the engine speculates (a step's tokens are then not one a request)."""
-    if not engine_settings(runner.vllm_config).expect_decode:
-        return None
-    states = getattr(runner, "req_states", None)
-    view = getattr(getattr(getattr(states, "all_token_ids", None), "_uva_buf", None), "np", None)
-    why = None
-    if getattr(runner, "speculative_config", None) is not None:
-        why = "the engine decodes speculatively"
-    elif view is None or getattr(view, "ndim", 0) != 2:
-        why = "vLLM's all_token_ids is not in host memory"
-    if why is not None:
-        logger.info("ple-memops: expect_decode is on but unused: %s", why)
-        return None
-    logger.info(
-        "ple-memops: a decode step's row ids computed on the host from the tokens the step "
-        "before sampled, once it has finished on the GPU (expect_decode)"
-    )
-    return view
 
 
 # -- the classes the plugin installs -----------------------------------------------------
@@ -455,12 +395,6 @@ class PleGPUModelRunner(_BaseRunner):
     """vLLM's Model Runner V2 with the rows hooks of an mmap engine (see the module)."""
 
     ple_rows: PleRunnerHooks | None = None
-    ple_expect: PrefillExpectations | None = None
-    ple_expect_prefill: bool = False
-    # expect_decode: vLLM's all_token_ids on the host, and an event recorded after the
-    # last step's sampling (its tokens are in all_token_ids once it completes).
-    ple_history: Any = None
-    ple_sampled: Any = None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
@@ -497,65 +431,6 @@ class PleGPUModelRunner(_BaseRunner):
         with hooks.step(dummy=dummy):
             return super().execute_model(*args, **kwargs)
 
-    def add_requests(self, scheduler_output: Any) -> None:
-        super().add_requests(scheduler_output)
-        expect = self.ple_expect
-        if expect is None or not self.ple_expect_prefill:
-            return
-        index = self.req_states.req_id_to_index
-        for new in scheduler_output.scheduled_new_reqs:
-            # What vLLM's request state received for the row (prefill_token_ids).
-            tokens = new.prefill_token_ids
-            row = index.get(new.req_id)
-            if row is not None:
-                if tokens is None:
-                    expect.drop(row)
-                else:
-                    expect.add(row, tokens)
-
-    def prepare_inputs(
-        self, scheduler_output: Any, batch_req_state: Any, batch_desc: Any, *args: Any
-    ) -> Any:
-        expect, hooks = self.ple_expect, self.ple_rows
-        if expect is not None and hooks is not None:
-            # Before vLLM's own preparation, so the rows are gathered during it.
-            self._ple_expect_step(expect, hooks, batch_req_state, batch_desc)
-        return super().prepare_inputs(scheduler_output, batch_req_state, batch_desc, *args)
-
-    def _ple_expect_step(
-        self, expect: PrefillExpectations, hooks: PleRunnerHooks, state: Any, desc: Any
-    ) -> None:
-        """Arm the step with the ids the host knows: a FULL graph's now (its decode
-        tokens', with ``expect_decode``), an eager forward's at its first PLE op."""
-        t0 = time.perf_counter_ns()
-        full = desc.cg_mode == CUDAGraphMode.FULL
-        history = None
-        if self.ple_history is not None:
-            done = self.ple_sampled
-            # The step before has finished on the GPU: its samples are in all_token_ids.
-            if done is not None and done.query():
-                history = self.ple_history
-        prefill = self.ple_expect_prefill and state.has_prefill and not full
-        if history is None and not prefill:
-            return
-        rows = state.idx_mapping_np
-        expected = expect.step(
-            rows,
-            state.num_computed_prefill_tokens_np,
-            state.num_scheduled_tokens,
-            state.prefill_len_np,
-            positions=None if history is None else self.req_states.num_computed_tokens_np[rows],
-            history=history,
-            tokens=int(desc.num_tokens) if full else None,
-        )
-        hooks.host.add("expect", time.perf_counter_ns() - t0)
-        if expected is None:
-            return
-        if full:
-            hooks.prearm(desc, expected)
-        else:
-            hooks.expect(expected)
-
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         out = super().sample_tokens(*args, **kwargs)
         manager: Any = getattr(self, "cudagraph_manager", None)
@@ -569,11 +444,6 @@ class PleGPUModelRunner(_BaseRunner):
         hooks = self.ple_rows
         if hooks is None or out is None:
             return out
-        if self.ple_history is not None:
-            # After the step's sampling and vLLM's update of all_token_ids.
-            if self.ple_sampled is None:
-                self.ple_sampled = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self.ple_sampled.record(self.main_stream)
         get_output = getattr(out, "get_output", None)
         if get_output is not None:
             # Async scheduling: checked when handed out, the engine's wait for it timed.

@@ -7,9 +7,8 @@ Two sources, the second overriding the first field by field:
   ``PLE_MEMOPS_TABLE_BACKEND=mmap`` (``default`` or unset: off), ``PLE_MEMOPS_TIMEOUT``
   (seconds, default 30), ``PLE_MEMOPS_COPY``, ``PLE_MEMOPS_SPIN``,
   ``PLE_MEMOPS_STATS_EVERY``, ``PLE_MEMOPS_FIRST_LAYER_THREADS``, ``PLE_MEMOPS_TIME_STALLS``,
-  ``PLE_MEMOPS_PREDICT_READY``, ``PLE_MEMOPS_TIME_GRAPHS``, ``PLE_MEMOPS_EXPECT_PREFILL``,
-  ``PLE_MEMOPS_SPLIT_ROWS`` and the diagnostic
-  ``PLE_MEMOPS_DIAG_SKIP_GATHER`` (see :class:`Settings`);
+  ``PLE_MEMOPS_PREDICT_READY``, ``PLE_MEMOPS_TIME_GRAPHS``, ``PLE_MEMOPS_SPLIT_ROWS`` and
+  the diagnostic ``PLE_MEMOPS_DIAG_SKIP_GATHER`` (see :class:`Settings`);
 * an engine's ``additional_config={"ple_memops": {"table_backend": "mmap", "timeout": 60}}``
   (``--additional-config`` on the command line), which is part of vLLM's config hash.
 
@@ -17,6 +16,8 @@ vLLM loads its general plugins before any configuration exists, so only the envi
 can install the plugin's classes; ``additional_config`` then chooses per engine (an
 engine with ``"table_backend": "default"`` runs vLLM's own code paths, in the same
 process as one that serves mmap tables) and sets the timeout.
+
+The removed settings of :data:`REMOVED` are refused when switched on, from either source.
 """
 
 from __future__ import annotations
@@ -38,11 +39,10 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "DEPTH",
     "EARLY_JOIN_ENV",
-    "EXPECT_DECODE_ENV",
-    "EXPECT_PREFILL_ENV",
     "FIRST_LAYER_THREADS_ENV",
     "KEYS",
     "PREDICT_READY_ENV",
+    "REMOVED",
     "SKIP_GATHER_ENV",
     "SPIN_ENV",
     "SPLIT_REST_THREADS",
@@ -68,9 +68,23 @@ SKIP_GATHER_ENV = "PLE_MEMOPS_DIAG_SKIP_GATHER"
 PREDICT_READY_ENV = "PLE_MEMOPS_PREDICT_READY"
 TIME_GRAPHS_ENV = "PLE_MEMOPS_TIME_GRAPHS"
 EARLY_JOIN_ENV = "PLE_MEMOPS_DIAG_EARLY_JOIN"
-EXPECT_PREFILL_ENV = "PLE_MEMOPS_EXPECT_PREFILL"
 SPLIT_ROWS_ENV = "PLE_MEMOPS_SPLIT_ROWS"
-EXPECT_DECODE_ENV = "PLE_MEMOPS_EXPECT_DECODE"
+
+REMOVED = {
+    "expect_prefill": (
+        "PLE_MEMOPS_EXPECT_PREFILL",
+        "the host computed prefill chunks' row ids and armed the step with them; it moved "
+        "the mixed load's ITL by -0.3%, inside the run-to-run spread",
+    ),
+    "expect_decode": (
+        "PLE_MEMOPS_EXPECT_DECODE",
+        "the host computed decode tokens' row ids from the tokens the step before sampled; "
+        "it cost +8.2% ITL at c64, its ids 162 us a step on the engine's thread",
+    ),
+}
+"""Settings that no longer exist, by ``additional_config`` key: each one's environment
+variable and what it did and measured. Switched on (or given a value that is not off)
+they raise :class:`~ple_memops.InvalidArgumentError`; off, they are ignored."""
 
 SPLIT_REST_THREADS = 8
 """Gather threads of its own for a split row's rest (every layer's slices but layer 0's,
@@ -217,15 +231,6 @@ class Settings:
     """Diagnostics only: a Gemma model run eagerly joins its rows after the projection
     at the top of the forward, as a compiled one does, instead of at decoder layer 0's
     per-layer gate (the same tokens; measures what the late join saves)."""
-    expect_prefill: bool = False
-    """The host computes a step's prefill-chunk row ids from the prompt (Qwen4Exp's
-    n-gram hash, :mod:`~ple_memops.vllm.ngram_ids`; Gemma's token ids) and arms the eager
-    step with them, so each
-    worker gathers those rows while the GPU still runs the step before, instead of after
-    the forward publishes its ids; the published ids still decide every row (a decode
-    token's, unknown on the host, is gathered at the publish as before). Off by default:
-    the engine's tests on an H200 give the stock engine's tokens with it, but its speed
-    in the engine is not yet measured."""
     split_rows: bool = True
     """On by default (``0`` turns it off). A Gemma model run eagerly (``-O0``) serves its
     per-layer table as two tables of the same checkpoint tensor (column windows): decoder
@@ -237,16 +242,6 @@ class Settings:
     compiled model (Inductor places its join) or on Qwen4Exp (a row is one layer's).
     Measured on Gemma 4 E4B at c64 on an H200: +4.1% ITL p50 over the GPU table with
     whole rows, +0.4% split with the rest on threads of its own (BENCHMARKS.md)."""
-    expect_decode: bool = False
-    """A FULL decode graph's rows gathered before the GPU publishes their ids: when the
-    step before has finished on the GPU by the time the host prepares the next one (the
-    host paces the engine, as at high concurrency), the host reads each decode token from
-    vLLM's ``all_token_ids`` (pinned host memory the GPU writes its samples into),
-    computes its ids (Qwen4Exp's n-gram hash; Gemma's token ids) and arms the step with
-    them while it still prepares the step's inputs, so the worker gathers during the
-    host's own preparation instead of after the graph starts. The published ids still
-    decide every row; where the step before is still running, nothing changes. Off by
-    default until measured in the engine (BENCHMARKS.md)."""
 
     @property
     def mmap(self) -> bool:
@@ -257,6 +252,8 @@ class Settings:
         """The environment's settings; a bad value raises
         :class:`~ple_memops.InvalidArgumentError` naming the variable."""
         env = os.environ if environ is None else environ
+        for key, (name, _) in REMOVED.items():
+            _refuse_removed(env.get(name), name, key)
         backend = _backend(env.get(BACKEND_ENV), BACKEND_ENV)
         raw = env.get(TIMEOUT_ENV)
         timeout = DEFAULT_TIMEOUT if raw is None else _timeout(raw, TIMEOUT_ENV)
@@ -272,9 +269,7 @@ class Settings:
             _switch(env.get(PREDICT_READY_ENV), PREDICT_READY_ENV),
             _switch(env.get(TIME_GRAPHS_ENV), TIME_GRAPHS_ENV),
             _switch(env.get(EARLY_JOIN_ENV), EARLY_JOIN_ENV),
-            _switch(env.get(EXPECT_PREFILL_ENV), EXPECT_PREFILL_ENV),
             _switch(env.get(SPLIT_ROWS_ENV), SPLIT_ROWS_ENV, default=True),
-            _switch(env.get(EXPECT_DECODE_ENV), EXPECT_DECODE_ENV),
         )
 
     @classmethod
@@ -283,12 +278,16 @@ class Settings:
     ) -> Settings:
         """An engine's settings: the environment's, overridden by
         ``additional_config["ple_memops"]`` (a mapping with the keys of :data:`KEYS`,
-        each optional). Unknown keys and bad values raise."""
+        each optional). Unknown keys, bad values and a :data:`REMOVED` setting switched
+        on raise."""
         base = cls.from_env(environ)
         section = _section(additional_config)
         if section is None:
             return base
-        unknown = sorted(set(section) - set(KEYS))
+        for key in REMOVED:
+            if key in section:
+                _refuse_removed(section[key], f"additional_config[{CONFIG_KEY!r}][{key!r}]", key)
+        unknown = sorted(set(section) - set(KEYS) - set(REMOVED))
         if unknown:
             raise InvalidArgumentError(
                 f"additional_config[{CONFIG_KEY!r}] has unknown keys {unknown}; "
@@ -296,6 +295,8 @@ class Settings:
             )
         changes: dict[str, Any] = {}
         for key, value in section.items():
+            if key in REMOVED:
+                continue  # off (refused above otherwise): nothing to set
             where = f"additional_config[{CONFIG_KEY!r}][{key!r}]"
             if key == "table_backend":
                 changes[key] = "default" if value in (None, "") else _backend(value, where)
@@ -311,9 +312,7 @@ class Settings:
                 "predict_ready",
                 "time_graphs",
                 "diag_early_join",
-                "expect_prefill",
                 "split_rows",
-                "expect_decode",
             ):
                 # Empty is the field's default (a class attribute of the dataclass).
                 changes[key] = _switch(value, where, default=getattr(cls, key))
@@ -334,11 +333,23 @@ KEYS = (
     "predict_ready",
     "time_graphs",
     "diag_early_join",
-    "expect_prefill",
     "split_rows",
-    "expect_decode",
 )
 """The keys ``additional_config["ple_memops"]`` may hold (:class:`Settings`' fields)."""
+
+
+def _refuse_removed(value: object, where: str, key: str) -> None:
+    """Raise :class:`~ple_memops.InvalidArgumentError` unless ``value`` (of the
+    :data:`REMOVED` setting ``key``, read at ``where``) is unset or off."""
+    try:
+        on = _switch(value, where)
+    except InvalidArgumentError:
+        on = True
+    if on:
+        raise InvalidArgumentError(
+            f"{where}={value!r}: {key} was removed, measured not better ({REMOVED[key][1]}); "
+            "the engine runs as it did with it off: unset it"
+        )
 
 
 def _section(additional_config: object) -> Mapping[str, Any] | None:

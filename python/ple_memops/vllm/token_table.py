@@ -27,7 +27,6 @@ from torch import nn
 from ..errors import StateError, UnsupportedError
 from . import ops
 from .layer import MmapTableLayer, TableExpectations, find_tables
-from .prefill import HostTokenIds
 from .settings import SPLIT_REST_THREADS, engine_settings, parallel_refusals, raise_refusals
 from .tables import TABLE_DTYPES, LayerTable, find_per_layer_table
 
@@ -168,10 +167,6 @@ class PerLayerTokenTable(nn.Module, MmapTableLayer):
         # Every decoder layer reads its slice of one table: layer 0 waits first; a split
         # table's rest is waited for first by layer 1.
         return self._layer_index
-
-    def ple_memops_host_ids(self) -> HostTokenIds:
-        """A token's row, row 0 outside the table (:class:`~.prefill.HostTokenIds`)."""
-        return HostTokenIds(self.org_vocab_size)
 
     def ple_memops_table(self, names: Iterable[str]) -> LayerTable:
         return dataclasses.replace(find_per_layer_table(names), columns=self.columns)
