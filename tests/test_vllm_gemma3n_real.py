@@ -1,5 +1,5 @@
-"""Gemma 3n's per-layer embedding table through the plugin, against the real vLLM (0.33.0, 0.34.0) on
-the CPU (``VLLM_TARGET_DEVICE=cpu``), with a checkpoint transformers wrote
+"""Gemma 3n's per-layer embedding table through the plugin, against the real vLLM (0.33.0, 0.34.0)
+on the CPU (``VLLM_TARGET_DEVICE=cpu``), with a checkpoint transformers wrote
 (``Gemma3nForConditionalGeneration.save_pretrained``, the class the released checkpoints
 are). Skipped, with the reason, where vLLM or timm (which transformers' Gemma 3n vision
 tower needs) is not installed (``scripts/test.sh`` runs this file in its vLLM
