@@ -39,6 +39,8 @@ if [ "${GEMMA3N:-1}" = 1 ]; then
         rm -rf /tmp/site-gemma3n
         python3 -m pip install -q --no-deps --target /tmp/site-gemma3n .gemma3n-wheels/*.whl
         extra=/tmp/site-gemma3n
+    elif [ -d /tmp/site-gemma3n ]; then
+        extra=/tmp/site-gemma3n  # installed by an earlier call on this host
     fi
     start=$(date +%s)
     (cd /tmp && PYTHONPATH=$PYTHONPATH${extra:+:$extra} timeout "${GEMMA3N_LIMIT:-300}" \
