@@ -151,16 +151,10 @@ def main() -> int:
     )
     args = ap.parse_args()
 
-    try:
-        import cutlass  # noqa: F401
-    except ImportError:
-        from vllm.models.qwen4_exp.nvidia import hyperconnection
-        from vllm.models.qwen4_exp.nvidia.ops.cute_dsl import hc_down_silu
-
-        hyperconnection.MAX_FUSED_M = 0
-        hc_down_silu.MAX_FUSED_M = 0
     # The harness module beside this script (on sys.path when it is run as a script).
     import vllm_harness as harness
+
+    harness.bundle_substitutes()  # the offline bundle leaves CuTe DSL out
 
     workload = harness.engine_workload()
     root = Path(tempfile.mkdtemp(prefix="ple-diag-"))

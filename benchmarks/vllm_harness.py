@@ -128,21 +128,42 @@ def _write_files(out: Path, files: dict[str, dict[str, Any]]) -> None:
 
 SUBSTITUTES = """
 def register():
+    # What the offline GPU bundle (scripts/vllm-h200/) leaves out, CuTe DSL, substituted
+    # where it is missing: Qwen4Exp's unfused hyper-connection path, and vLLM 0.34.0's
+    # MiniMax M3 kernel warm-up (it imports CuTe DSL at every CUDA engine's warm-up and
+    # does nothing for a model without MiniMax M3 attention) as the no-op it is here.
+    import importlib.util
+    import sys
+    import types
+
     try:
         import cutlass  # noqa: F401
+        return
     except ImportError:
-        from vllm.models.qwen4_exp.nvidia import hyperconnection
-        from vllm.models.qwen4_exp.nvidia.ops.cute_dsl import hc_down_silu
+        pass
+    from vllm.models.qwen4_exp.nvidia import hyperconnection
+    from vllm.models.qwen4_exp.nvidia.ops.cute_dsl import hc_down_silu
 
-        hyperconnection.MAX_FUSED_M = 0
-        hc_down_silu.MAX_FUSED_M = 0
+    hyperconnection.MAX_FUSED_M = 0
+    hc_down_silu.MAX_FUSED_M = 0
+    name = "vllm.model_executor.warmup.minimax_m3_msa_warmup"
+    if name not in sys.modules and importlib.util.find_spec(name) is not None:
+        stub = types.ModuleType(name)
+        stub.minimax_m3_msa_warmup = lambda worker: None
+        sys.modules[name] = stub
 """
+
+
+def bundle_substitutes() -> None:
+    """In this process, what :data:`SUBSTITUTES` does in every vLLM process of a server."""
+    namespace: dict[str, Any] = {}
+    exec(SUBSTITUTES, namespace)
+    namespace["register"]()
 
 
 def write_test_plugin(root: Path) -> Path:
     """A vLLM general plugin under ``root`` (a module and its dist-info, for ``PYTHONPATH``)
-    that makes the Qwen4Exp model take its unfused path where CuTe DSL is missing, in
-    every vLLM process."""
+    that applies :data:`SUBSTITUTES` where CuTe DSL is missing, in every vLLM process."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "h200_substitutes.py").write_text(SUBSTITUTES)
     info = root / "h200_substitutes-0.dist-info"

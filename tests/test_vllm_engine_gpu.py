@@ -45,24 +45,15 @@ os.environ["PLE_MEMOPS_TABLE_BACKEND"] = "mmap"  # the plugin installs; engines 
 os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0"
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/gpu/vllm_engine.sh)")
 
+import vllm_checkpoints as ckpts  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
-
-try:  # the bundle leaves CuTe DSL out: the model then takes its own unfused path
-    import cutlass  # noqa: F401
-except ImportError:
-    from vllm.models.qwen4_exp.nvidia import hyperconnection
-    from vllm.models.qwen4_exp.nvidia.ops.cute_dsl import hc_down_silu
-
-    hyperconnection.MAX_FUSED_M = 0
-    hc_down_silu.MAX_FUSED_M = 0
-
-import vllm_checkpoints as ckpts  # noqa: E402
 from vllm_harness import (  # noqa: E402
     ENGINE_GRAPH_SIZES,
     ENGINE_MAX_TOKENS,
     assert_gpu_usable,
     assert_same_tokens,
+    bundle_substitutes,
     close,
     engine,
     engine_workload,
@@ -74,6 +65,7 @@ from vllm_harness import (  # noqa: E402
 import ple_memops as pm  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+bundle_substitutes()  # the offline bundle leaves CuTe DSL out
 
 SIZES = ENGINE_GRAPH_SIZES
 MAX_TOKENS = ENGINE_MAX_TOKENS

@@ -33,12 +33,14 @@ import vllm_checkpoints as ckpts  # noqa: E402
 from vllm_harness import (  # noqa: E402
     assert_gemma_deferred,
     assert_same_greedy,
+    bundle_substitutes,
     gemma4_engine,
     gemma_eager,
     serve_gemma,
 )
 
 pytestmark = pytest.mark.gpu
+bundle_substitutes()  # the offline bundle leaves CuTe DSL out
 
 
 def test_gemma3n_multimodal_class(tmp_path: Path) -> None:

@@ -49,6 +49,7 @@ from vllm_harness import (  # noqa: E402
     assert_gemma_deferred,
     assert_gpu_usable,
     assert_same_greedy,
+    bundle_substitutes,
     close,
     gemma4_engine,
     gemma4_engine_workload,
@@ -60,6 +61,7 @@ from vllm_harness import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.gpu
+bundle_substitutes()  # the offline bundle leaves CuTe DSL out
 
 WORKLOAD = gemma4_engine_workload()
 
