@@ -312,9 +312,11 @@ def test_a_sync_plan_keeps_full_graphs(
 
 def _table_classes(worker: Any) -> list[str]:
     """The class names of the model's Qwen4Exp PLE tables (``collective_rpc``)."""
+    from vllm.models.qwen4_exp.common.ngram_embedding import Qwen4ExpPLEEmbedding
+
     model = worker.model_runner.model
     return sorted(
-        {type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Qwen4ExpPLE")}
+        {type(m).__name__ for m in model.modules() if isinstance(m, Qwen4ExpPLEEmbedding)}
     )
 
 
