@@ -1259,3 +1259,22 @@ def test_cli_check_without_vllm(capsys: pytest.CaptureFixture[str]) -> None:
         assert "vllm: not installed" in capsys.readouterr().out
     else:  # pragma: no cover - the vLLM environment tests this in test_vllm_real.py
         pytest.skip("vLLM is installed here: covered by test_vllm_real.py")
+
+
+def test_docs_list_every_private_name_the_plugin_checks() -> None:
+    """docs/vllm.md names every vLLM name ``_compat`` checks, with the counts it states."""
+    import re
+
+    from ple_memops.vllm import _compat
+
+    docs = (Path(__file__).parent.parent / "docs" / "vllm.md").read_text()
+    names = set()
+    for req in _compat.REQUIREMENTS:
+        found = re.match(r"[\w.]+:[\w.]+|MODELS_CONFIG_MAP\[[^]]+\]", req.what)
+        assert found is not None, req.what
+        names.add(found.group(0))
+    missing = sorted(n for n in names if f"`{n}`" not in docs)
+    assert not missing, f"docs/vllm.md does not list {missing}"
+    stated = f"checks {len(_compat.REQUIREMENTS)} facts about {len(names)} names"
+    assert stated in " ".join(docs.split()), stated
+    assert f"all {len(_compat.REQUIREMENTS)} facts the plugin relies on hold" in docs
