@@ -2,7 +2,9 @@
 ``gpu`` (the tables in GPU memory, ``engram_config.cpu_offload=False``),
 ``uva`` (vLLM's default: pinned host tables read by the GPU over UVA) and ``mmap``
 (ple-memops: the tables read from the checkpoint's files through the page cache, FULL decode
-graphs waiting for rows the host gathers after the launch).
+graphs waiting for rows the host gathers after the launch); on vLLM 0.34.0 also ``disk``
+(vLLM's own ``engram_config.disk_offload``: each step waits for the GPU's ids, then reads
+the rows with ``preadv`` on the engine's thread).
 
 The model has the real Qwen4Exp's per-layer widths (hidden 2048; with ``--attention-every
 N``, dense full-attention layers of 16 heads of 256 with 2 KV heads, off by default;
@@ -44,8 +46,8 @@ time a kernel was running, sampled every 100 ms) averaged over the load: at c1 t
 GPU's share of a decode step; beside it the SM clock's median over the same samples (a
 lower one than the other servers' means a slowed GPU, not a slow path). ``--cold`` evicts
 the table files (``POSIX_FADV_DONTNEED``) before every repeat; pages the mmap server has
-mapped stay resident (the residency after eviction is reported), and only the mmap backend
-reads the files at all.
+mapped stay resident (the residency after eviction is reported), and only the mmap and
+disk backends read the files at all.
 
 The verdict line reports (never asserts) the targets: mmap within 1% of the GPU table's
 throughput and ITL p50 at every concurrency and never below UVA's throughput; TTFT under
@@ -730,6 +732,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [b for b in args.backends if b not in known_backends(fam)]
     if unknown:
         raise SystemExit(f"unknown backends {unknown} for {fam}; known: {known_backends(fam)}")
+    if "disk" in args.backends:
+        from importlib.metadata import version
+
+        release = tuple(int(x) for x in version("vllm").split(".")[:2] if x.isdigit())
+        if release < (0, 34):
+            raise SystemExit(f"backend disk is vLLM 0.34.0's disk_offload; vLLM {version('vllm')}")
     if args.ref is None:
         args.ref = "gpu" if "gpu" in args.backends else args.backends[0]
     elif args.ref not in args.backends:

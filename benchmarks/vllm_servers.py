@@ -49,11 +49,15 @@ STOCK_VARIANTS: dict[str, dict[str, Any]] = {
     # the table's bytes (it offloads decoder layers' weights, read over UVA every step;
     # vLLM offloads no embedding table).
     "offload": {"offload": False, "offload_gb": True},
+    # Qwen4Exp on vLLM 0.34.0 and later: vLLM's own disk offload (engram_config's
+    # disk_offload: each step waits for the GPU's ids, then reads the rows with preadv on
+    # the engine's thread into staging buffers the graphs read).
+    "disk": {"offload": False, "disk": True},
 }
 # What each model family serves: Qwen4Exp's table paths are vLLM's engram_config; a Gemma's
 # table is on the GPU in vLLM, and --cpu-offload-gb frees as much GPU memory elsewhere.
 FAMILY_STOCK = {
-    "qwen4exp": ("gpu", "gpu-b", "uva", "gpu-plugin", "gpu-plugin-b"),
+    "qwen4exp": ("gpu", "gpu-b", "uva", "disk", "gpu-plugin", "gpu-plugin-b"),
     "gemma4": ("gpu", "gpu-b", "offload", "gpu-plugin", "gpu-plugin-b"),
     "gemma3n": ("gpu", "gpu-b", "offload", "gpu-plugin", "gpu-plugin-b"),
 }
@@ -375,7 +379,10 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
         if STOCK_VARIANTS.get(backend, {}).get("offload_gb"):
             tables += ["--cpu-offload-gb", f"{args.offload_gib:.6g}"]
     else:
-        tables = ["--engram-config", json.dumps({"cpu_offload": cpu_offload(backend)})]
+        engram: dict[str, bool] = {"cpu_offload": cpu_offload(backend)}
+        if STOCK_VARIANTS.get(backend, {}).get("disk"):
+            engram["disk_offload"] = True
+        tables = ["--engram-config", json.dumps(engram)]
     return [
         "--dtype", "bfloat16", "--tensor-parallel-size", str(args.tensor_parallel_size),
         "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),

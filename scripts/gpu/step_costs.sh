@@ -26,6 +26,7 @@
 #                  bash scripts/gpu/detached.sh start solo env PART=solo bash scripts/gpu/step_costs.sh
 #                  bash scripts/gpu/detached.sh collect solo 540   # again until exit 0
 #   PART=solo4   the same on the bench's default model (24 layers, four 1 GiB tables)
+#   PART=disk4   that model, vLLM 0.34.0's disk offload in uva's place (vLLM 0.34.0 set up)
 #   PART=hostcost our hooks' host time a step without an engine (benchmarks/bench_hooks.py) on
 #                this host's CPU: caches evicted by 96 MiB (the hooks, then through our
 #                runner over vLLM's classes) and by twice the L3 between steps, then
@@ -44,7 +45,7 @@ LOAD=(--kv-cache-gib 6 --concurrency 64 --requests 256 --mixed-long 0 --repeats 
       --start-timeout 300 --load-timeout 60)
 SOLO=(--kv-cache-gib 6 --solo --time-graphs --backends gpu-plugin,mmap,gpu-plugin-b,uva
       --ref gpu-plugin --repeats "${REPEATS:-5}")
-case "${PART:?PART=checks|gpu|mmap|results|solo|solo4|hostcost}" in
+case "${PART:?PART=checks|gpu|mmap|results|solo|solo4|disk4|hostcost}" in
 hostcost)
     { lscpu | grep -E "Model name|L2|L3"
       echo "clock source: $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource)"
@@ -87,6 +88,12 @@ solo)
 solo4)
     DEADLINE=${DEADLINE:-760} TAG=solo4 BENCH_ARGS="--layers 24 --dtype bf16 ${SOLO[*]}" \
         bash scripts/gpu/vllm_bench.sh
+    ;;
+disk4)
+    # vLLM 0.34.0 and later: its own disk offload beside the GPU table, its A/A twin and mmap.
+    DEADLINE=${DEADLINE:-500} TAG=disk4 BENCH_ARGS="--layers 24 --dtype bf16 --kv-cache-gib 6 \
+        --solo --time-graphs --backends gpu-plugin,disk,mmap,gpu-plugin-b --ref gpu-plugin \
+        --repeats ${REPEATS:-5}" bash scripts/gpu/vllm_bench.sh
     ;;
 mmap)
     DEADLINE=${DEADLINE:-330} TAG=ladder_mmap BENCH_ARGS="${MODEL[*]} ${LOAD[*]} \
