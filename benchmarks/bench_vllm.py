@@ -9,8 +9,9 @@ the rows with ``preadv`` on the engine's thread).
 The model has the real Qwen4Exp's per-layer widths (hidden 2048; with ``--attention-every
 N``, dense full-attention layers of 16 heads of 256 with 2 KV heads, off by default;
 GatedDeltaNet layers of 16 key / 32 value heads of 128; experts of 512 with a shared
-expert, top-10 routing; 4 hyper-connection streams of rank 320; 16 n-gram heads of
-128-wide rows per PLE layer: ngram_size 3 x heads_per_ngram 8, ple_embed_dim 2048),
+expert, top-10 routing; 4 hyper-connection streams of rank 316, the real 320 less 4, which
+vLLM 0.34.0 loads; 16 n-gram heads of 128-wide rows per PLE layer: ngram_size 3 x
+heads_per_ngram 8, ple_embed_dim 2048),
 ``--layers`` deep with ``--experts`` experts, and PLE tables of
 ``--table-gib`` GiB in all over ``--ple-layers`` layers (BF16 or FP8 with a global scale,
 ``--dtype``). It is written once per configuration under ``--ckpt-root`` (random weights,

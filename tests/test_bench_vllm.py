@@ -11,6 +11,7 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import bench_vllm
@@ -471,6 +472,30 @@ def test_gpu_plugin_b_is_the_same_engine_as_gpu_plugin() -> None:
         a, b = engine_argv(args, "gpu-plugin"), engine_argv(args, "gpu-plugin-b")
         assert a == b and '"time_graphs": true' in " ".join(a), model
         assert '"time_graphs"' not in " ".join(engine_argv(args, "gpu-b")), model
+
+
+def test_disk_is_vllms_own_disk_offload_and_the_rest_of_the_engine_is_gpus() -> None:
+    """``disk`` (Qwen4Exp only) asks vLLM for its disk offload and the plugin stays out;
+    every other argument is the GPU table server's. The bench model's hyper-connection
+    widths are ones vLLM 0.34.0 loads unquantized (``hc_lowrank + hc_count`` a multiple of
+    16; it pads the rest with a shard it never loads)."""
+    import vllm_bench_model as vbm
+    from vllm_servers import engine_argv, engine_env, known_backends
+
+    args = bench_vllm.parse_args(["--model", "bench", "--backends", "gpu,disk"])
+    disk, gpu = engine_argv(args, "disk"), engine_argv(args, "gpu")
+    engram = json.loads(disk[disk.index("--engram-config") + 1])
+    assert engram == {"cpu_offload": False, "disk_offload": True}
+    assert json.loads(gpu[gpu.index("--engram-config") + 1]) == {"cpu_offload": False}
+    assert [x for x in disk if "offload" not in x] == [x for x in gpu if "offload" not in x]
+    assert "PLE_MEMOPS_TABLE_BACKEND" not in engine_env("disk", Path("/nonexistent"))
+    assert '"ple_memops"' not in " ".join(disk)
+    assert "disk" in known_backends("qwen4exp") and "disk" not in known_backends("gemma4")
+    for tiny in (False, True):
+        cfg = vbm.bench_config(layers=4, experts=4, topk=2, ple_layers=1, table_gib=0.01,
+                               dtype="bf16", attention_every=0, vocab=512, split_parts=4,
+                               tiny=tiny)  # fmt: skip
+        assert (cfg["hc_lowrank"] + cfg["hc_count"]) % 16 == 0, cfg["hc_lowrank"]
 
 
 def test_the_report_compares_graph_spans_at_equal_batch_sizes(fake_stream: Any) -> None:

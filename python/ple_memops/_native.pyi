@@ -4,7 +4,6 @@ __all__ = [
     "DeferredRowsCore",
     "GatherWorkerCore",
     "MmapTableCore",
-    "NGramHashCore",
     "Stepper",
     "_bench_memory_latency_ns",
     "_bench_read_batches",
@@ -84,21 +83,6 @@ def error_kinds() -> list[tuple[str, str]]: ...
 def _raise_kind(kind: str) -> None: ...
 
 from typing import final  # noqa: E402
-
-@final
-class NGramHashCore:
-    def __new__(
-        cls,
-        multipliers: list[int],
-        sizes: list[int],
-        offsets: list[int],
-        eos: int,
-        heads_per_ngram: int,
-    ) -> NGramHashCore: ...
-    @property
-    def heads(self) -> int: ...
-    def ids(self, tokens: Any, query_start_loc: Any, context: Any) -> Any: ...
-    def ids_at(self, history: Any, rows: Any, positions: Any) -> Any: ...
 
 @final
 class MmapTableCore:

@@ -12,7 +12,6 @@
 //! * [`worker`]: [`GatherWorker`], device-produced ids gathered on a native thread.
 //! * [`table`]: [`MmapTable`], a memory-mapped safetensors table and the native row
 //!   gather.
-//! * [`ngram`]: [`NGramHash`], Qwen4Exp's n-gram row ids computed on the host.
 //! * [`watchdog`], [`error`], and two private helpers: `os` (the page size, the timer
 //!   slack) and `wait` (a bounded spin-yield-sleep wait).
 //! * `python` (feature `python`): the PyO3 module `ple_memops._native`; nothing else in
@@ -41,7 +40,7 @@
 //! * `python`: the streams and pointers torch hands over, made [`Stream`]s (`stream_of`)
 //!   and passed to those `unsafe fn`s.
 //!
-//! None in `ngram`, `state`, `watchdog`, `wait`, `error`, `table`'s `mod.rs` and `residency`, or
+//! None in `state`, `watchdog`, `wait`, `error`, `table`'s `mod.rs` and `residency`, or
 //! `worker` outside `mailbox.rs` (and its tests' host buffers).
 
 #![deny(clippy::undocumented_unsafe_blocks)]
@@ -49,7 +48,6 @@
 pub mod cuda;
 pub mod deferred;
 pub mod error;
-pub mod ngram;
 mod os;
 pub mod probe;
 pub mod state;
@@ -67,7 +65,6 @@ pub use deferred::{
     Config, Consumer, CopyPath, DeferredRows, Enqueued, Mode, Stats, Target, KERNEL_MAX_BYTES,
 };
 pub use error::{Error, ErrorKind, Result};
-pub use ngram::NGramHash;
 pub use probe::{probe, Capability, Check};
 pub use table::{MmapTable, RowIds, Selector, TableOptions};
 pub use worker::{

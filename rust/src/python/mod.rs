@@ -2,7 +2,6 @@
 //! it converts arguments, releases the GIL around anything that can block, and maps
 //! [`Error`] to the package's exceptions in exactly one place ([`to_pyerr`]).
 
-mod ngram;
 mod table;
 mod worker;
 
@@ -506,7 +505,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sigbus_guard_active, m)?)?;
     m.add_function(wrap_pyfunction!(error_kinds, m)?)?;
     m.add_function(wrap_pyfunction!(_raise_kind, m)?)?;
-    ngram::register(m)?;
     table::register(m)?;
     worker::register(m)?;
     Ok(())
