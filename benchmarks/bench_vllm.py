@@ -488,6 +488,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="evict the table files before the servers start and before each "
         "repeat (pages a live mmap server maps stay: the log says how much)",
     )
+    p.add_argument(
+        "--residency",
+        type=float,
+        default=None,
+        help="hold the table files' share in the page cache at this fraction (0 to 1) for "
+        "the whole run, every backend alike (benchmarks/residency.py: the chunks outside a "
+        "fixed random subset are dropped every 0.5 s, pages the servers map included); its "
+        "lines go to residency.log in --log-dir",
+    )
     p.add_argument("--deadline", type=float, default=480, help="seconds from start (all phases)")
     p.add_argument("--start-timeout", type=float, default=300)
     p.add_argument("--start-grace", type=float, default=90,
@@ -783,7 +792,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.input_len} in / {args.output_len} out, mixed: {args.mixed_decoders} x "
             f"{args.input_len}/{args.mixed_output_len} + {args.mixed_long} x "
             f"{args.long_min}-{args.long_max}/{args.long_output_len} every {args.mixed_gap} s; "
-            f"{'cold' if args.cold else 'warm'} page cache; compile {args.compile}; "
+            + _page_cache_setup(args)
+            + f"; compile {args.compile}; "
             f"FULL_DECODE_ONLY {args.capture_sizes}; max_num_batched_tokens "
             f"{args.max_num_batched_tokens}; "
             + (
@@ -816,6 +826,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if any(x["rc"] == 0 for x in cli_rows) else 1
     servers: dict[str, Server] = {}
     rows: list[dict[str, Any]] = []
+    holder = _hold_residency(args, tables)
     if args.cold and tables:
         # Before any server maps them: an mmap server then starts on a cold page cache
         # (vLLM's loader skips the table files; the gpu and uva servers read them while
@@ -852,7 +863,38 @@ def main(argv: list[str] | None = None) -> int:
                 report(args, rows, servers, meta, tables)
         finally:
             stop_servers(list(servers.values()))
+            if holder is not None:
+                holder.terminate()
+                holder.wait(timeout=10)
     return 0 if rows else 1
+
+
+def _page_cache_setup(args: argparse.Namespace) -> str:
+    if args.residency is not None:
+        return f"table files held at {args.residency:.0%} resident"
+    return f"{'cold' if args.cold else 'warm'} page cache"
+
+
+def _hold_residency(args: argparse.Namespace, tables: list[Path]) -> subprocess.Popen[bytes] | None:
+    """``--residency``: benchmarks/residency.py over the table files, for the whole run."""
+    if args.residency is None:
+        return None
+    if not 0.0 <= args.residency <= 1.0 or not tables:
+        raise SystemExit(f"--residency {args.residency}: a share from 0 to 1 of the table files")
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(Path(__file__).with_name("residency.py")), "--share",
+           str(args.residency), "--interval", "0.5", "--report-every", "5",
+           *map(str, tables)]  # fmt: skip
+    with open(args.log_dir / "residency.log", "wb") as out:
+        holder = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    time.sleep(2)
+    if holder.poll() is not None:
+        raise SystemExit(
+            f"--residency: the holder stopped (exit {holder.returncode}): "
+            + (args.log_dir / "residency.log").read_text()[-500:]
+        )
+    log(f"table files held at {args.residency:.0%} resident: {page_cache(tables):.2f} GiB now")
+    return holder
 
 
 if __name__ == "__main__":

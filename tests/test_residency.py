@@ -1,0 +1,134 @@
+"""``benchmarks/residency.py``: a file's share in the page cache held from outside the
+processes that read it, mapped pages included."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import residency
+
+MIB = 1 << 20
+CHUNK = 2 * MIB
+CHUNKS = 32
+
+_TOUCHER = """
+import mmap, sys, time
+f = open(sys.argv[1], "rb")
+m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+s = 0
+for i in range(0, len(m), mmap.PAGESIZE):
+    s += m[i]
+print("mapped", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _resident_chunks(path: Path) -> set[int]:
+    vec = residency.resident_pages(path)
+    per = CHUNK // mmap.PAGESIZE
+    return {c for c in range(CHUNKS) if any(b & 1 for b in vec[c * per : (c + 1) * per])}
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> Path:
+    path = tmp_path / "table.bin"
+    path.write_bytes(os.urandom(CHUNKS * CHUNK))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if _resident_chunks(path):
+        pytest.skip(f"{tmp_path}'s file system keeps its pages (tmpfs?): nothing to hold")
+    path.read_bytes()  # all of it resident again
+    return path
+
+
+def test_a_share_is_held_for_pages_another_process_maps(table: Path) -> None:
+    """A quarter of the chunks stay, exactly the kept ones, though another process maps
+    and has touched every page (``POSIX_FADV_DONTNEED`` alone cannot drop those)."""
+    with subprocess.Popen(
+        [sys.executable, "-c", _TOUCHER, str(table)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as child:
+        try:
+            _hold_a_quarter(table, child)
+        finally:
+            child.kill()
+
+
+def _hold_a_quarter(table: Path, child: subprocess.Popen[str]) -> None:
+    assert child.stdout is not None and child.stdout.readline().strip() == "mapped"
+    assert [m.pid for m in residency.mappers(table)] == [child.pid]
+    # fadvise alone leaves the mapped pages where they are.
+    fd = os.open(table, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    assert len(_resident_chunks(table)) == CHUNKS
+
+    holder = residency.ResidencyHolder([table], 0.25, CHUNK, seed=3)
+    try:
+        got = holder.tick()
+    except residency.HoldError as exc:
+        pytest.skip(f"this machine refuses process_madvise: {exc}")
+    assert got["before"] == 1.0 and got["after"] == 0.25
+    assert got["paged_out_pids"] == [child.pid]
+    assert got["dropped_bytes"] == (CHUNKS - 8) * CHUNK
+    assert _resident_chunks(table) == set(holder.files[0].keep)
+    assert len(holder.files[0].keep) == 8
+
+    # A reader brings chunks back; the next tick drops them again, and reports how far
+    # above the share they were.
+    table.read_bytes()
+    again = holder.tick()
+    assert again["before"] == 1.0 and again["after"] == 0.25
+    assert _resident_chunks(table) == set(holder.files[0].keep)
+
+
+def test_the_kept_chunks_are_the_seeds_and_the_shares_ends_hold(table: Path) -> None:
+    a = residency.ResidencyHolder([table], 0.5, CHUNK, seed=1)
+    assert a.files[0].keep == residency.ResidencyHolder([table], 0.5, CHUNK, seed=1).files[0].keep
+    assert a.files[0].keep != residency.ResidencyHolder([table], 0.5, CHUNK, seed=2).files[0].keep
+    everything = residency.ResidencyHolder([table], 1.0, CHUNK).tick()
+    assert everything["dropped_bytes"] == 0 and everything["after"] == 1.0
+    nothing = residency.ResidencyHolder([table], 0.0, CHUNK).tick()
+    assert nothing["after"] == 0.0 and not _resident_chunks(table)
+
+
+def test_bad_arguments_are_refused(table: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="share"):
+        residency.ResidencyHolder([table], 1.5)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        residency.ResidencyHolder([table], 0.5, chunk_bytes=1000)
+    assert residency.main(["--share", "2", str(table)]) == 2
+    assert "share must be within [0, 1]" in capsys.readouterr().err
+    assert residency.main(["--share", "0.5", str(table.parent / "missing")]) == 2
+
+
+def test_the_vllm_bench_holds_its_table_files_for_the_run(table: Path, tmp_path: Path) -> None:
+    """``bench_vllm.py --residency S`` runs the holder over the table files for the whole
+    run (its lines in residency.log) and refuses a share outside [0, 1]."""
+    import bench_vllm
+
+    args = bench_vllm.parse_args(["--residency", "0.25", "--log-dir", str(tmp_path / "logs")])
+    holder = bench_vllm._hold_residency(args, [table])
+    assert holder is not None
+    try:
+        assert _resident_chunks(table) and len(_resident_chunks(table)) <= CHUNKS // 4
+    finally:
+        holder.terminate()
+        holder.wait(timeout=10)
+    assert "residency: share 0.25" in (tmp_path / "logs" / "residency.log").read_text()
+    assert bench_vllm._hold_residency(bench_vllm.parse_args([]), [table]) is None
+    with pytest.raises(SystemExit, match="a share from 0 to 1"):
+        bench_vllm._hold_residency(bench_vllm.parse_args(["--residency", "1.5"]), [table])
