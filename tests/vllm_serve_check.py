@@ -1,8 +1,9 @@
 """``vllm serve`` with ``PLE_MEMOPS_TABLE_BACKEND=mmap`` on a GPU host, asked over HTTP on
 localhost (``python3 tests/vllm_serve_check.py [qwen4exp|gemma4] [mmap|default]``;
 ``scripts/gpu/vllm_engine.sh`` and ``scripts/gpu/vllm_gemma4.sh`` run it). ``default``
-serves the same checkpoint with the plugin off (stock vLLM), to tell the plugin's
-failures from vLLM's own on a host.
+serves the same checkpoint with the plugin off (stock vLLM with FULL decode graphs, as the
+mmap engine has them), to tell the plugin's failures from vLLM's own on a host; the
+engine's sizes are the in-process engine tests' (``benchmarks/vllm_harness.py``).
 
 Writes the tiny Qwen4Exp (or Gemma 4) checkpoint, starts the server (its engine core is a separate
 process, which loads ple-memops's plugin by itself), waits for it to be healthy, sends
@@ -67,11 +68,14 @@ def main(model: str = "qwen4exp", backend: str = "mmap") -> int:
     plugin_dir = write_test_plugin(work / "plugins")
     port = _port()
     env = dict(os.environ, PLE_MEMOPS_TABLE_BACKEND=backend, VLLM_USE_FLASHINFER_SAMPLER="0")
+    # FULL decode graphs in both (the plugin sets this for an mmap engine itself; vLLM would
+    # turn breakable graphs on for a stock Qwen4Exp, a different engine to compare with).
+    env["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0"
     env["PYTHONPATH"] = f"{plugin_dir}:{env.get('PYTHONPATH', '')}"
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(ckpt),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
-        "--skip-tokenizer-init", "--dtype", "bfloat16", "--max-model-len", "2048",
+        "--skip-tokenizer-init", "--dtype", "bfloat16", "--max-model-len", "4096",
         "--max-num-seqs", "8", "--max-num-batched-tokens", "1024",
         "--gpu-memory-utilization", "0.15",
         "--compilation-config", json.dumps(GRAPHS),
@@ -82,7 +86,7 @@ def main(model: str = "qwen4exp", backend: str = "mmap") -> int:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     ok = False
     try:
-        deadline = time.monotonic() + 170
+        deadline = time.monotonic() + 300  # a fresh host compiles Triton kernels first
         while time.monotonic() < deadline:
             if server.poll() is not None:
                 break

@@ -38,8 +38,15 @@ tail -1 "$OUT/engine_pytest.log"
 # vllm serve: its engine core runs in another process, so the bundle's model substitute
 # reaches it through a test-only vLLM plugin (write_test_plugin, benchmarks/vllm_harness.py).
 echo "== vllm serve with PLE_MEMOPS_TABLE_BACKEND=mmap"
-timeout 200 python3 "$R/tests/vllm_serve_check.py" 2>&1 | tee "$OUT/serve.log" | tail -15
+timeout 360 python3 "$R/tests/vllm_serve_check.py" 2>&1 | tee "$OUT/serve.log" | tail -15
 src=${PIPESTATUS[0]}
 echo "== serve: exit $src"
+if [ $src -ne 0 ]; then
+    # The same server with the plugin off: is the failure ours or vLLM's on this host?
+    echo "== vllm serve of the same model, the plugin off"
+    timeout 360 python3 "$R/tests/vllm_serve_check.py" qwen4exp default 2>&1 \
+        | tee "$OUT/serve_stock.log" | tail -4
+    echo "== stock serve: exit ${PIPESTATUS[0]}"
+fi
 [ $rc -eq 0 ] && exit $src
 exit $rc

@@ -65,7 +65,7 @@ if [ "${DIAG:-0}" = 1 ]; then
 fi
 [ "${SERVE:-1}" = 1 ] || exit $rc
 echo "== vllm serve (Gemma 4) with PLE_MEMOPS_TABLE_BACKEND=mmap"
-timeout 200 python3 "$R/tests/vllm_serve_check.py" gemma4 2>&1 | tee "$OUT/gemma4_serve.log" | tail -8
+timeout 360 python3 "$R/tests/vllm_serve_check.py" gemma4 2>&1 | tee "$OUT/gemma4_serve.log" | tail -8
 src=${PIPESTATUS[0]}
 echo "== serve: exit $src"
 [ $rc -eq 0 ] && exit $src
