@@ -181,6 +181,16 @@ class ResidencyHolder:
     def resident_bytes(self) -> int:
         return sum(sum(b & 1 for b in resident_pages(f.path)) for f in self.files) * mmap.PAGESIZE
 
+    def _fadvise_out(self, path: Path, chunks: list[int]) -> None:
+        """``POSIX_FADV_DONTNEED`` over each of ``chunks`` (the pages no process maps)."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for c in chunks:
+                os.posix_fadvise(fd, c * self.chunk_bytes, self.chunk_bytes,
+                                 os.POSIX_FADV_DONTNEED)  # fmt: skip
+        finally:
+            os.close(fd)
+
     def tick(self) -> dict[str, Any]:
         """Drop every resident chunk outside the kept set; what it found and did."""
         page = mmap.PAGESIZE
@@ -194,13 +204,7 @@ class ResidencyHolder:
                     and any(b & 1 for b in vec[c * per_chunk : (c + 1) * per_chunk])]  # fmt: skip
             if not drop:
                 continue
-            fd = os.open(f.path, os.O_RDONLY)
-            try:
-                for c in drop:
-                    os.posix_fadvise(fd, c * self.chunk_bytes, self.chunk_bytes,
-                                     os.POSIX_FADV_DONTNEED)  # fmt: skip
-            finally:
-                os.close(fd)
+            self._fadvise_out(f.path, drop)
             by_pid: dict[int, list[tuple[int, int]]] = {}
             for m in mappers(f.path):
                 for c in drop:
@@ -213,13 +217,7 @@ class ResidencyHolder:
                 paged.add(pid)
             if by_pid:
                 # Pages a mapping just let go of that the fadvise above could not drop.
-                fd = os.open(f.path, os.O_RDONLY)
-                try:
-                    for c in drop:
-                        os.posix_fadvise(fd, c * self.chunk_bytes, self.chunk_bytes,
-                                         os.POSIX_FADV_DONTNEED)  # fmt: skip
-                finally:
-                    os.close(fd)
+                self._fadvise_out(f.path, drop)
             dropped += len(drop) * self.chunk_bytes
         after = self.resident_bytes()
         total = max(self.total_bytes(), 1)

@@ -8,7 +8,6 @@ files' page cache (``resident_bytes``, ``page_cache``, ``evict``).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import mmap
 import os
 import shutil
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from proc_cpu import CLK_TCK, OUR_THREADS
+from residency import resident_pages
 
 
 class Utilization:
@@ -226,34 +226,9 @@ def gpu_used_total() -> float | None:
         return None
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]  # fmt: skip
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-
-
 def resident_bytes(path: Path) -> int:
     """Bytes of ``path`` in the page cache now (``mincore`` over a mapping nobody touches)."""
-    size = path.stat().st_size
-    if size == 0:
-        return 0
-    page = mmap.PAGESIZE
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), f"mmap {path}")
-        try:
-            vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
-            if _libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore {path}")
-            return sum(b & 1 for b in bytes(vec)) * page
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
+    return sum(b & 1 for b in resident_pages(path)) * mmap.PAGESIZE
 
 
 def evict(paths: list[Path]) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import residency
+from vllm_probes import evict
 
 MIB = 1 << 20
 CHUNK = 2 * MIB
@@ -38,12 +39,7 @@ def _resident_chunks(path: Path) -> set[int]:
 def table(tmp_path: Path) -> Path:
     path = tmp_path / "table.bin"
     path.write_bytes(os.urandom(CHUNKS * CHUNK))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    evict([path])
     if _resident_chunks(path):
         pytest.skip(f"{tmp_path}'s file system keeps its pages (tmpfs?): nothing to hold")
     path.read_bytes()  # all of it resident again
@@ -68,12 +64,7 @@ def test_a_share_is_held_for_pages_another_process_maps(table: Path) -> None:
 def _hold_a_quarter(table: Path, child: subprocess.Popen[str]) -> None:
     assert child.stdout is not None and child.stdout.readline().strip() == "mapped"
     assert [m.pid for m in residency.mappers(table)] == [child.pid]
-    # fadvise alone leaves the mapped pages where they are.
-    fd = os.open(table, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    evict([table])  # fadvise alone leaves the mapped pages where they are
     assert len(_resident_chunks(table)) == CHUNKS
 
     holder = residency.ResidencyHolder([table], 0.25, CHUNK, seed=3)
