@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Where `vllm serve` of the tiny Qwen4Exp stops (vLLM 0.34.0 on the H100: an illegal memory
+# access reported in the engine core's memory-profiling run, mmap backend), one step at a
+# time, each step's verdict on stdout and its log under $OUT:
+#   1. the server stock (the plugin off, FULL decode graphs as the mmap server has them);
+#   2. the server with the mmap backend;
+#   3. mmap with the plugin's device side out of the way (PLE_MEMOPS_FORCE_SYNC=1: each
+#      step's rows copied in plainly, no flag wait, no polling kernel);
+#   4. an in-process mmap engine that is the first engine of a fresh process (the engine
+#      tests always build a stock engine first), at the serve check's sizes;
+#   5. where compute-sanitizer is on the host, step 2 under its memcheck (the faulting
+#      kernel named).
+# Run from the repository root after the release's setup.sh (vLLM in $VLLM_SITE, default
+# /tmp/vllm-site) with our wheel in /tmp/site; about 6-10 minutes on a fresh host (the
+# first server compiles vLLM's Triton kernels).
+set -uo pipefail
+OUT=${OUT:-/tmp/ple-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+export PYTHONPATH=${VLLM_SITE:-/tmp/vllm-site}:/tmp/site:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
+R=$PWD
+serve() {  # NAME BACKEND [env...]
+    local name=$1 backend=$2
+    shift 2
+    echo "== $name $(date +%T)"
+    env "$@" timeout 360 python3 "$R/tests/vllm_serve_check.py" qwen4exp "$backend" \
+        >"$OUT/$name.log" 2>&1
+    echo "   exit $?; $(grep -E "requests served over HTTP|^PASS|^FAIL" "$OUT/$name.log" \
+        | tr '\n' ' ')"
+    grep -m3 -E "illegal memory access|Error:" "$OUT/$name.log" | cut -c1-240 | sed 's/^/   /'
+}
+serve stock default
+serve mmap mmap
+serve mmap-forcesync mmap PLE_MEMOPS_FORCE_SYNC=1
+echo "== fresh process, in-process mmap engine first $(date +%T)"
+(cd /tmp && timeout 300 python3 - "$R" >"$OUT/fresh.log" 2>&1 <<'EOF'
+import os, sys, tempfile
+from pathlib import Path
+
+os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", PLE_MEMOPS_TABLE_BACKEND="mmap",
+                  VLLM_USE_BREAKABLE_CUDAGRAPH="0")
+sys.path[:0] = [f"{sys.argv[1]}/tests", f"{sys.argv[1]}/benchmarks"]
+import vllm_checkpoints as ckpts
+from vllm_harness import bundle_substitutes, close, engine, engine_workload, generate
+
+bundle_substitutes()
+ckpt = ckpts.write_checkpoint(Path(tempfile.mkdtemp()) / "ckpt", fp8=False,
+                              max_position_embeddings=8192)
+llm = engine(ckpt, "mmap")
+print("generated", sum(len(b) for b in generate(llm, engine_workload()[:1])), "requests")
+close(llm)
+print("PASS: the first engine of a fresh process serves")
+EOF
+)
+echo "   exit $?; $(grep -E "^PASS|^generated" "$OUT/fresh.log" | tr '\n' ' ')"
+grep -m3 -E "illegal memory access|Error:" "$OUT/fresh.log" | cut -c1-240 | sed 's/^/   /'
+if command -v compute-sanitizer >/dev/null; then
+    echo "== mmap under compute-sanitizer $(date +%T)"
+    (timeout 600 compute-sanitizer --tool memcheck --target-processes all --print-limit 5 \
+        python3 "$R/tests/vllm_serve_check.py" qwen4exp mmap >"$OUT/sanitizer.log" 2>&1)
+    grep -m10 -E "Invalid|at 0x|by thread|kernel" "$OUT/sanitizer.log" | cut -c1-240
+else
+    echo "== no compute-sanitizer on this host"
+fi
