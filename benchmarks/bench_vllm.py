@@ -116,6 +116,7 @@ from vllm_probes import (
     evict,
     gpu_name,
     gpu_used_total,
+    host_memory,
     page_cache,
     proc_tree,
 )
@@ -123,6 +124,7 @@ from vllm_report import cli_markdown, delivery_stats, report
 from vllm_servers import (
     GEMMA_MODELS,
     Server,
+    base_backend,
     cli_argv,
     describe,
     engine_core_pid,
@@ -739,10 +741,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--solo measures the servers' loads; --vllm-bench runs no server")
     if args.backends is None:
         args.backends = ["gpu", "uva" if fam == "qwen4exp" else "offload", "mmap"]
-    unknown = [b for b in args.backends if b not in known_backends(fam)]
+    unknown = [b for b in args.backends if base_backend(b) not in known_backends(fam)]
     if unknown:
         raise SystemExit(f"unknown backends {unknown} for {fam}; known: {known_backends(fam)}")
-    if "disk" in args.backends:
+    if any(base_backend(b) == "disk" for b in args.backends):
         from importlib.metadata import version
 
         release = tuple(int(x) for x in version("vllm").split(".")[:2] if x.isdigit())
@@ -827,6 +829,7 @@ def main(argv: list[str] | None = None) -> int:
     servers: dict[str, Server] = {}
     rows: list[dict[str, Any]] = []
     holder = _hold_residency(args, tables)
+    meta["host_memory_before"] = host_memory()
     if args.cold and tables:
         # Before any server maps them: an mmap server then starts on a cold page cache
         # (vLLM's loader skips the table files; the gpu and uva servers read them while
@@ -846,6 +849,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers.values():
             s.facts = log_facts(s.log_path)
         meta["gpu_used_mib_all_servers"] = gpu_used_total()
+        meta["host_memory_all_servers"] = host_memory()
         if args.soak:
             return _soak(args, next(iter(servers.values())), tables, int(cfg["vocab_size"]), meta)
         asyncio.run(measure(args, servers, tables, int(cfg["vocab_size"]), rows))

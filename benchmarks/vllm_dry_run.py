@@ -329,7 +329,12 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
 
     ok = True
     fam = family(args)
+    import vllm
+
+    release = tuple(int(x) for x in str(vllm.__version__).split(".")[:2] if x.isdigit())
     for b in known_backends(fam):
+        if b == "disk" and release < (0, 34):
+            continue  # vLLM 0.34.0's disk offload: no engram_config.disk_offload before it
         parser = FlexibleArgumentParser()
         sub = parser.add_subparsers(dest="cmd")
         ServeSubcommand().subparser_init(sub)

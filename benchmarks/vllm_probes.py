@@ -1,8 +1,9 @@
 """What ``bench_vllm.py`` reads of the host while the servers run: nvidia-smi's GPU
 utilization, SM clock and power (``Utilization``) and memory (``gpu_memory_by_pid``,
 ``gpu_used_total``), a process tree (``proc_tree``), CPU use by thread (``cpu_use``,
-``busy_thread_cpus``, over ``proc_cpu``'s samples), host RSS (``host_rss``), and the table
-files' page cache (``resident_bytes``, ``page_cache``, ``evict``).
+``busy_thread_cpus``, over ``proc_cpu``'s samples), host RSS (``host_rss``), the host's
+memory (``host_memory``), and the table files' page cache (``resident_bytes``,
+``page_cache``, ``evict``).
 """
 
 from __future__ import annotations
@@ -224,6 +225,20 @@ def gpu_used_total() -> float | None:
         return None if text is None else float(text.split()[0])
     except (ValueError, IndexError):
         return None
+
+
+def host_memory() -> dict[str, float]:
+    """GiB of the host's memory in use (``MemTotal - MemAvailable``: pinned and anonymous
+    memory of every process, what the kernel cannot reclaim), its page cache (``Cached``)
+    and shared memory (``Shmem``), from ``/proc/meminfo``."""
+    kib: dict[str, int] = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            kib[key] = int(rest.split()[0])
+    gib = 2**20
+    return {"used": (kib["MemTotal"] - kib["MemAvailable"]) / gib,
+            "cached": kib["Cached"] / gib, "shmem": kib["Shmem"] / gib}  # fmt: skip
 
 
 def resident_bytes(path: Path) -> int:

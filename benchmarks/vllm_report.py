@@ -668,6 +668,16 @@ def markdown(
         freed = [f"{b} {w['gpu'] - w[b]:.2f} GiB" for b in w if b != "gpu" and w[b] is not None]
         if freed:
             lines += ["", f"GPU memory freed against the GPU table (weights): {', '.join(freed)}"]
+    before, after = meta.get("host_memory_before"), meta.get("host_memory_all_servers")
+    if before and after:
+        lines += [
+            "",
+            f"Host memory in use (MemTotal - MemAvailable): {before['used']:.2f} GiB before the "
+            f"servers, {after['used']:.2f} GiB with all {len(servers)} healthy (+"
+            f"{after['used'] - before['used']:.2f}); page cache {before['cached']:.2f} -> "
+            f"{after['cached']:.2f} GiB, shared memory {before['shmem']:.2f} -> "
+            f"{after['shmem']:.2f} GiB",
+        ]
     return "\n".join(lines)
 
 

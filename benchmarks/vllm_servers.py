@@ -190,6 +190,14 @@ def cpu_offload(backend: str) -> bool:
     return bool(STOCK_VARIANTS.get(backend, {}).get("offload", True))
 
 
+def base_backend(name: str) -> str:
+    """The backend a replica serves: ``mmap.2`` is a second ``mmap`` server (``NAME.K``,
+    K >= 2: one more identical server, e.g. for the host memory of several servers of one
+    checkpoint); any other name is itself."""
+    base, dot, k = name.rpartition(".")
+    return base if dot and k.isdigit() and int(k) >= 2 else name
+
+
 def known_backends(fam: str | None = None) -> list[str]:
     """The backends of model family ``fam`` (every family's when None)."""
     stock = FAMILY_STOCK[fam] if fam else list(STOCK_VARIANTS)
@@ -328,6 +336,7 @@ def profiler_argv(args: argparse.Namespace, backend: str) -> list[str]:
 def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
     """The engine's arguments for ``backend``: the same for ``vllm serve`` and for
     ``vllm bench latency|throughput``."""
+    backend = base_backend(backend)
     variant = MMAP_VARIANTS.get(backend, {})
     graphs: dict[str, Any] = {
         "cudagraph_mode": variant.get("cudagraph_mode", "FULL_DECODE_ONLY"),
@@ -416,6 +425,7 @@ def cli_argv(args: argparse.Namespace, kind: str, ckpt: Path, backend: str, out:
 
 def engine_env(backend: str, plugin_dir: Path) -> dict[str, str]:
     """The environment of a vLLM process serving ``backend`` (server or ``vllm bench``)."""
+    backend = base_backend(backend)
     env = dict(os.environ)
     env.pop("PLE_MEMOPS_TABLE_BACKEND", None)
     # PYTHONFAULTHANDLER: a server that never gets healthy is sent SIGABRT, and every

@@ -498,6 +498,29 @@ def test_disk_is_vllms_own_disk_offload_and_the_rest_of_the_engine_is_gpus() -> 
         assert (cfg["hc_lowrank"] + cfg["hc_count"]) % 16 == 0, cfg["hc_lowrank"]
 
 
+def test_a_replica_is_one_more_identical_server_and_host_memory_is_reported() -> None:
+    """``NAME.K`` (K >= 2) serves as ``NAME`` does (several servers of one checkpoint); the
+    report gives the host's memory before the servers and with all of them."""
+    from vllm_probes import host_memory
+    from vllm_report import markdown
+    from vllm_servers import base_backend, engine_argv, engine_env
+
+    assert [base_backend(b) for b in ("mmap.2", "uva.4", "mmap-b", "mmap.1", "gpu")] == [
+        "mmap", "uva", "mmap-b", "mmap.1", "gpu"]  # fmt: skip
+    args = bench_vllm.parse_args(["--backends", "mmap,mmap.2,uva,uva.2"])
+    plugin = Path("/nonexistent")
+    for b in ("mmap", "uva"):
+        assert engine_argv(args, f"{b}.2") == engine_argv(args, b)
+        assert engine_env(f"{b}.3", plugin) == engine_env(b, plugin)
+    mem = host_memory()
+    assert 0 < mem["used"] and 0 <= mem["cached"] and 0 <= mem["shmem"]
+    meta = {"model": "m", "host_memory_before": {"used": 10.0, "cached": 4.0, "shmem": 0.5},
+            "host_memory_all_servers": {"used": 12.5, "cached": 8.0, "shmem": 0.5}}  # fmt: skip
+    md = markdown({}, {"mmap": {}, "mmap.2": {}}, meta)
+    assert "10.00 GiB before the servers, 12.50 GiB with all 2 healthy (+2.50)" in md
+    assert "page cache 4.00 -> 8.00 GiB" in md
+
+
 def test_the_report_compares_graph_spans_at_equal_batch_sizes(fake_stream: Any) -> None:
     """The graph lines a server logs with each replay keyed by its batch size (what the
     plugin's graph manager writes, ``GraphClock`` over a fake stream) are read per size,

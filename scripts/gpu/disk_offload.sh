@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# ple-memops' mmap backend against vLLM 0.34.0's own disk offload (`disk`), the GPU table
+# (`gpu-plugin`, its A/A twin `gpu-plugin-b`) and vLLM's pinned default (`uva`), on the
+# benchmark's Qwen4Exp, each server alone on the GPU (benchmarks/bench_vllm.py --solo). Run
+# from the repository root after vLLM 0.34.0's setup.sh, our wheel in /tmp/site; each part
+# writes under $OUT as scripts/gpu/vllm_bench.sh does. Parts longer than a device call:
+# start them with scripts/gpu/detached.sh.
+#
+#   PART=warm4      four 1 GiB BF16 tables: c1, c8, c64, mixed (~14 min)
+#   PART=warm24     one 24 GiB table on decoder layer 0: the same (~15 min)
+#   PART=fp8        four 1 GiB FP8 tables at c64 (~8 min)
+#   PART=residency  the 24 GiB table held at SHARES (default "1.0 0.5 0.1 0.0") of the page
+#                   cache (benchmarks/residency.py, every backend alike): disk and mmap at
+#                   c1, c8 and c64 per share (~6 min a share), then the storage floor on the
+#                   same disk (benchmarks/bench_cold.py host --quick)
+#   PART=servers    host memory as servers of one checkpoint are added: 1, 2 and 4 mmap
+#                   servers, then 1, 2 and 4 uva servers, small KV caches, c1 once each
+#                   (~12 min); the report's "Host memory in use" line per run
+set -uo pipefail
+OUT=${OUT:-/tmp/ple-out}
+mkdir -p "$OUT"
+COMMON=(--layers 24 --kv-cache-gib 6 --solo --time-graphs --ref gpu-plugin
+        --repeats "${REPEATS:-3}")
+FOUR=(--ple-layers 4 --table-gib 4)
+ONE24=(--ple-layers 1 --table-gib 24)
+ALL=gpu-plugin,disk,mmap,uva,gpu-plugin-b
+bench() {  # TAG DEADLINE ARGS...
+    local tag=$1 deadline=$2
+    shift 2
+    DEADLINE=$deadline TAG=$tag BENCH_ARGS="$*" bash scripts/gpu/vllm_bench.sh
+}
+case "${PART:?PART=warm4|warm24|fp8|residency|servers}" in
+warm4) bench disk_warm4 "${DEADLINE:-800}" "${COMMON[*]} ${FOUR[*]} --dtype bf16 --backends $ALL" ;;
+warm24) bench disk_warm24 "${DEADLINE:-860}" "${COMMON[*]} ${ONE24[*]} --dtype bf16 --backends $ALL" ;;
+fp8)
+    bench disk_fp8 "${DEADLINE:-420}" "${COMMON[*]} ${FOUR[*]} --dtype fp8 --concurrency 64 \
+        --mixed-long 0 --backends gpu-plugin,disk,mmap,gpu-plugin-b"
+    ;;
+residency)
+    for share in ${SHARES:-1.0 0.5 0.1 0.0}; do
+        backends=disk,mmap
+        [ "$share" = 1.0 ] && backends=gpu-plugin,disk,mmap
+        bench "disk_res${share/./}" "${DEADLINE:-330}" "${COMMON[*]} ${ONE24[*]} --dtype bf16 \
+            --concurrency 1,8,64 --mixed-long 0 --residency $share --backends $backends \
+            --ref ${backends%%,*}"
+    done
+    echo "== the storage floor on this disk"
+    timeout 300 python3 benchmarks/bench_cold.py host --dir /tmp/ple-cold --gib 2.5 --quick \
+        2>&1 | tee "$OUT/storage_floor.txt" | tail -20
+    ;;
+servers)
+    for b in mmap uva; do
+        for n in 1 2 4; do
+            set=$b
+            for k in $(seq 2 $n); do set="$set,$b.$k"; done
+            bench "servers_${b}_$n" "${DEADLINE:-240}" "--layers 24 ${FOUR[*]} --dtype bf16 \
+                --kv-cache-gib 1 --concurrency 1 --mixed-long 0 --repeats 1 --backends $set \
+                --ref $b"
+        done
+    done
+    ;;
+*) echo "unknown PART=$PART"; exit 2 ;;
+esac
