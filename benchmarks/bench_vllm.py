@@ -90,7 +90,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-# The harness modules beside this script (on sys.path when it is run as a script). The
+# The benchmark's modules beside this script (on sys.path when it is run as a script). The
 # benchmark's parts live in modules of their own: vllm_clock (the deadline and the log),
 # vllm_loads (the loads and the client), vllm_probes (what is read of the host),
 # vllm_servers (backends, models, engine arguments, the servers), vllm_report (the stats
@@ -104,7 +104,9 @@ from vllm_clock import left, log
 from vllm_dry_run import dry_run
 
 # The offline bundle leaves CuTe DSL out: the model then takes its unfused hyper-connection
-# path in every vLLM process (a vLLM general plugin on PYTHONPATH).
+# path in every vLLM process (a vLLM general plugin on PYTHONPATH; the engine tests'
+# harness, tests/vllm_harness.py, writes it).
+sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))
 from vllm_harness import write_test_plugin as write_plugin
 from vllm_loads import Client, Load, Req, make_loads, metrics, run_load
 

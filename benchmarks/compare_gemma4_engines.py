@@ -1,7 +1,7 @@
 """Compare Gemma 4 engines' greedy runs in the real vLLM 0.33.0 engine on a GPU, engine
 against engine, with a device-side check of every row an mmap engine delivers.
 
-Each run serves the Gemma 4 engine tests' workload (``benchmarks/vllm_harness.py``) and
+Each run serves the Gemma 4 engine tests' workload (``tests/vllm_harness.py``) and
 records its tokens and logprobs. ``--save FILE`` keeps them, so engines built in separate
 processes (each compiling the model afresh) can be compared with ``--compare``: that is
 the A/A measurement behind ``vllm_harness.NEAR_TIE`` (on the H200 two stock engines of
@@ -36,7 +36,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ["PLE_MEMOPS_TABLE_BACKEND"] = "mmap"
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import vllm_harness as harness
 
 VARIANTS = ("stock", "mmap", "mmap-sync")

@@ -2,7 +2,7 @@
 vLLM 0.33.0 engine on a GPU (``scripts/gpu/all_gpu_tests.sh`` runs it unless ``DIAG=0``).
 
 Every engine serves the workload of ``tests/test_vllm_engine_gpu.py`` (BF16 tiny Qwen4Exp:
-its engine, prompts and sampling as ``benchmarks/vllm_harness.py`` copies them) with a
+its engine, prompts and sampling as ``tests/vllm_harness.py`` copies them) with a
 check inside its PLE embedding, captured into the CUDA graphs with the rest: the rows
 the consumer reads are compared, byte for byte, with the checkpoint file's rows at the ids
 the model computed, on the device, at every real step (dummy and warm-up passes excluded).
@@ -17,6 +17,7 @@ import argparse
 import gc
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -151,7 +152,8 @@ def main() -> int:
     )
     args = ap.parse_args()
 
-    # The harness module beside this script (on sys.path when it is run as a script).
+    # The engine tests' harness (tests/vllm_harness.py).
+    sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))
     import vllm_harness as harness
 
     harness.bundle_substitutes()  # the offline bundle leaves CuTe DSL out

@@ -1,4 +1,4 @@
-"""The engine tests' token oracle (``benchmarks/vllm_harness.py``): tokens compared up to
+"""The engine tests' token oracle (``tests/vllm_harness.py``): tokens compared up to
 a request's first difference, which must be a near tie of the reference's, and enough of
 them compared (the GPU engine tests rely on it; here it runs without vLLM or a GPU)."""
 

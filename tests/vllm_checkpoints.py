@@ -1,6 +1,6 @@
 """The tiny Qwen4Exp, Gemma 4 and Gemma 3n checkpoints of the vLLM tests (and the Gemma 4 engine
 tests' workload). They live in
-``benchmarks/vllm_harness.py`` (the benchmarks' diagnostic writes them too); the tests
+``tests/vllm_harness.py`` (the benchmarks' diagnostic writes them too); the tests
 import them from here. ``benchmarks/`` is on the path through pytest's ``pythonpath``; a
 script that imports this module puts it there itself."""
 

@@ -3,14 +3,14 @@ localhost (``python3 tests/vllm_serve_check.py [qwen4exp|gemma4] [mmap|default]`
 ``scripts/gpu/vllm_engine.sh`` and ``scripts/gpu/vllm_gemma4.sh`` run it). ``default``
 serves the same checkpoint with the plugin off (stock vLLM with FULL decode graphs, as the
 mmap engine has them), to tell the plugin's failures from vLLM's own on a host; the
-engine's sizes are the in-process engine tests' (``benchmarks/vllm_harness.py``).
+engine's sizes are the in-process engine tests' (``tests/vllm_harness.py``).
 
 Writes the tiny Qwen4Exp (or Gemma 4) checkpoint, starts the server (its engine core is a separate
 process, which loads ple-memops's plugin by itself), waits for it to be healthy, sends
 completions, and checks that they come back and that the engine core said it serves the
 PLE tables from the checkpoint with deferred rows. The server is stopped in every case;
 every wait is bounded. The bundle of ``scripts/vllm-h200`` leaves CuTe DSL out, so a
-test-only plugin (``benchmarks/vllm_harness.py``, written to a temporary folder on
+test-only plugin (``tests/vllm_harness.py``, written to a temporary folder on
 ``PYTHONPATH``) makes the model take its unfused path in every process, as the in-process
 tests do by hand.
 """
@@ -30,7 +30,6 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.resolve().parent / "benchmarks"))
 from vllm_harness import write_test_plugin  # noqa: E402
 
 __all__ = ["write_test_plugin"]  # vllm_tp2_check.py imports it from here

@@ -36,7 +36,7 @@ fi
 tail -1 "$OUT/engine_pytest.log"
 [ "${SERVE:-1}" = 1 ] || exit $rc
 # vllm serve: its engine core runs in another process, so the bundle's model substitute
-# reaches it through a test-only vLLM plugin (write_test_plugin, benchmarks/vllm_harness.py).
+# reaches it through a test-only vLLM plugin (write_test_plugin, tests/vllm_harness.py).
 echo "== vllm serve with PLE_MEMOPS_TABLE_BACKEND=mmap"
 timeout 360 python3 "$R/tests/vllm_serve_check.py" 2>&1 | tee "$OUT/serve.log" | tail -15
 src=${PIPESTATUS[0]}
