@@ -831,6 +831,7 @@ def main(argv: list[str] | None = None) -> int:
     servers: dict[str, Server] = {}
     rows: list[dict[str, Any]] = []
     holder = _hold_residency(args, tables)
+    meta["residency"] = args.residency
     meta["host_memory_before"] = host_memory()
     if args.cold and tables:
         # Before any server maps them: an mmap server then starts on a cold page cache

@@ -11,7 +11,7 @@ rustup component add rustfmt clippy >/dev/null 2>&1 || true
 # staging buffers and rows) and on the GPU where there is one.
 $PY -m pip install -q --disable-pip-version-check "maturin>=1.8,<2" "pytest>=8" "ruff>=0.6" \
     "mypy>=1.10" "numpy>=1.24" "safetensors>=0.4" "torch>=2.4" "ziglang>=0.13" \
-    "transformers>=5.17"
+    "transformers>=5.17" "matplotlib>=3.7"
 
 echo "== rust: fmt, clippy, tests"
 cargo fmt --all -- --check

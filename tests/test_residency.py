@@ -123,3 +123,54 @@ def test_the_vllm_bench_holds_its_table_files_for_the_run(table: Path, tmp_path:
     assert bench_vllm._hold_residency(bench_vllm.parse_args([]), [table]) is None
     with pytest.raises(SystemExit, match="a share from 0 to 1"):
         bench_vllm._hold_residency(bench_vllm.parse_args(["--residency", "1.5"]), [table])
+
+
+def _doc(share: float | None, servers: list[str], tok: dict[tuple[str, str], float],
+         mem: tuple[float, float] | None = None) -> dict[str, object]:  # fmt: skip
+    meta: dict[str, object] = {"residency": share}
+    if mem is not None:
+        meta["host_memory_before"] = {"used": 10.0, "cached": 2.0, "shmem": 0.1}
+        meta["host_memory_all_servers"] = {"used": 10.0 + mem[0], "cached": 2.0 + mem[1],
+                                           "shmem": 0.1}  # fmt: skip
+    runs = [{"ok": True, "backend": b, "load": load, "tok_s": t * f, "itl_p50_ms": 1000 / t / f}
+            for (b, load), t in tok.items() for f in (0.99, 1.0, 1.01)]  # fmt: skip
+    return {"meta": meta, "servers": {s: {} for s in servers}, "runs": runs}
+
+
+def test_the_disk_offload_report_draws_the_residency_curve_and_the_servers_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The residency table has a column per share (medians over the repeats), the plot is
+    written, and a run of one backend's replicas gives its memory against one server."""
+    import json
+
+    import disk_offload_report as rep
+
+    docs = [
+        _doc(1.0, ["disk", "mmap"], {("disk", "c64"): 900.0, ("mmap", "c64"): 1000.0}),
+        _doc(0.1, ["disk", "mmap"], {("disk", "c64"): 300.0, ("mmap", "c64"): 800.0}),
+        _doc(None, ["mmap"], {("mmap", "c1"): 100.0}, mem=(0.5, 4.0)),
+        _doc(None, ["mmap", "mmap.2", "mmap.3", "mmap.4"], {("mmap", "c1"): 100.0}, mem=(2.0, 4.0)),
+        _doc(None, ["uva"], {("uva", "c1"): 100.0}, mem=(4.5, 0.0)),
+        _doc(None, ["uva", "uva.2"], {("uva", "c1"): 100.0}, mem=(9.0, 0.0)),
+    ]
+    table = rep.residency_table(docs)
+    assert "| 100% resident: tok/s, ITL p50 ms | 10% resident: tok/s, ITL p50 ms |" in table
+    assert "| disk | c64 | 900, 1.11 | 300, 3.33 |" in table
+    assert "| mmap | c64 | 1,000, 1.00 | 800, 1.25 |" in table
+    servers = rep.servers_table(docs)
+    assert "| mmap | 1 | +0.50 GiB | +4.00 GiB | +0.00 GiB | 1.00x |" in servers
+    assert "| mmap | 4 | +2.00 GiB | +4.00 GiB | +0.00 GiB | 1.33x |" in servers
+    assert "| uva | 2 | +9.00 GiB | +0.00 GiB | +0.00 GiB | 2.00x |" in servers
+
+    paths = []
+    for i, doc in enumerate(docs):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(doc))
+    png = tmp_path / "res.png"
+    assert rep.main([*map(str, paths), "-o", str(png)]) == 0
+    assert png.stat().st_size > 10_000 and "Several servers" in capsys.readouterr().out
+    assert rep.main([str(paths[2])]) == 0  # no residency run: the servers table only
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert rep.main([str(bad)]) == 2

@@ -16,6 +16,8 @@
 #   PART=servers    host memory as servers of one checkpoint are added: 1, 2 and 4 mmap
 #                   servers, then 1, 2 and 4 uva servers, small KV caches, c1 once each
 #                   (~12 min); the report's "Host memory in use" line per run
+# benchmarks/disk_offload_report.py then tabulates the residency and servers runs' JSON and
+# draws the residency curve.
 set -uo pipefail
 OUT=${OUT:-/tmp/ple-out}
 mkdir -p "$OUT"

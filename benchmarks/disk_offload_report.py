@@ -1,0 +1,181 @@
+"""The tables (and the plot) of ``scripts/gpu/disk_offload.sh``'s runs, from their
+``bench_vllm.py --json`` results:
+
+* the residency curve: each run made with ``--residency S`` gives, per backend and load,
+  output tok/s and ITL p50 at that share of the table files in the page cache; the table
+  has a row per backend and load, a column per share, and the PNG (``-o``) draws tok/s
+  against the share, a panel per load;
+* several servers of one checkpoint: each run whose servers are one backend and its
+  replicas (``mmap``, ``mmap.2``, ...) gives the host memory in use before the servers and
+  with all of them healthy, and the page cache, per backend and server count.
+
+    python3 benchmarks/disk_offload_report.py OUT/bench_vllm_disk_res*.json \\
+        OUT/bench_vllm_servers_*.json -o benchmarks/vllm_residency.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from vllm_servers import base_backend
+
+__all__ = ["main", "residency_table", "servers_table"]
+
+
+def _ok_runs(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in doc.get("runs", []) if r.get("ok")]
+
+
+def residency_points(
+    docs: list[dict[str, Any]],
+) -> dict[tuple[str, str], dict[float, dict[str, float]]]:
+    """``(backend, load) -> share -> {"tok_s", "itl_p50_ms"}`` (medians over the repeats)
+    of every run made with ``--residency``."""
+    points: dict[tuple[str, str], dict[float, dict[str, float]]] = {}
+    for doc in docs:
+        share = doc.get("meta", {}).get("residency")
+        if share is None:
+            continue
+        by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for r in _ok_runs(doc):
+            by.setdefault((r["backend"], r["load"]), []).append(r)
+        for key, runs in by.items():
+            points.setdefault(key, {})[float(share)] = {
+                "tok_s": statistics.median(float(r["tok_s"]) for r in runs),
+                "itl_p50_ms": statistics.median(float(r["itl_p50_ms"]) for r in runs),
+            }
+    return points
+
+
+def residency_table(docs: list[dict[str, Any]]) -> str:
+    points = residency_points(docs)
+    if not points:
+        return ""
+    shares = sorted({s for per in points.values() for s in per}, reverse=True)
+    lines = [
+        "| backend | load | "
+        + " | ".join(f"{s:.0%} resident: tok/s, ITL p50 ms" for s in shares)
+        + " |",
+        "|---|---|" + "---|" * len(shares),
+    ]
+    for (backend, load), per in sorted(points.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        cells = [
+            f"{per[s]['tok_s']:,.0f}, {per[s]['itl_p50_ms']:.2f}" if s in per else "-"
+            for s in shares
+        ]
+        lines.append(f"| {backend} | {load} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def servers_rows(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A row per run whose servers are one backend and its replicas."""
+    rows = []
+    for doc in docs:
+        meta = doc.get("meta", {})
+        before, after = meta.get("host_memory_before"), meta.get("host_memory_all_servers")
+        names = list(doc.get("servers", {}))
+        bases = {base_backend(n) for n in names}
+        if not (before and after and names and len(bases) == 1):
+            continue
+        rows.append({
+            "backend": bases.pop(), "servers": len(names),
+            "used_gib": after["used"] - before["used"],
+            "page_cache_gib": after["cached"] - before["cached"],
+            "shmem_gib": after["shmem"] - before["shmem"],
+        })  # fmt: skip
+    return sorted(rows, key=lambda r: (r["backend"], r["servers"]))
+
+
+def servers_table(docs: list[dict[str, Any]]) -> str:
+    rows = servers_rows(docs)
+    if not rows:
+        return ""
+    one = {r["backend"]: r for r in rows if r["servers"] == 1}
+    lines = [
+        "| backend | servers | host memory in use, added | page cache, added | shared memory, "
+        "added | memory added against one server |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        base = one.get(r["backend"])
+        total = r["used_gib"] + r["page_cache_gib"]
+        ratio = (
+            f"{total / (base['used_gib'] + base['page_cache_gib']):.2f}x"
+            if base and base["used_gib"] + base["page_cache_gib"] > 0
+            else "-"
+        )
+        lines.append(
+            f"| {r['backend']} | {r['servers']} | {r['used_gib']:+.2f} GiB | "
+            f"{r['page_cache_gib']:+.2f} GiB | {r['shmem_gib']:+.2f} GiB | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(docs: list[dict[str, Any]], out: Path, title: str) -> bool:
+    """tok/s against the resident share, a line per backend, a panel per load."""
+    points = residency_points(docs)
+    if not points:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loads = sorted({load for _, load in points}, key=lambda s: (len(s), s))
+    fig, axes = plt.subplots(1, len(loads), figsize=(4.2 * len(loads), 3.6), squeeze=False)
+    for ax, load in zip(axes[0], loads, strict=True):
+        for (backend, ld), per in sorted(points.items()):
+            if ld != load:
+                continue
+            xs = sorted(per)
+            ax.plot([x * 100 for x in xs], [per[x]["tok_s"] for x in xs], marker="o", label=backend)
+        ax.set_title(load)
+        ax.set_xlabel("table resident in the page cache (%)")
+        ax.set_ylabel("output tok/s")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description="The residency curve and the several-servers memory table of "
+        "scripts/gpu/disk_offload.sh's runs (see the module).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("results", nargs="+", type=Path, help="bench_vllm.py --json outputs")
+    p.add_argument("-o", "--png", type=Path, default=None, help="the residency plot")
+    p.add_argument("--title", default="Qwen4Exp, tok/s against the table's resident share")
+    args = p.parse_args(argv)
+    docs = []
+    for path in args.results:
+        try:
+            docs.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            print(f"disk_offload_report: {path}: {exc}", file=sys.stderr)
+            return 2
+    res, srv = residency_table(docs), servers_table(docs)
+    if not res and not srv:
+        print("disk_offload_report: no --residency run and no run of one backend's replicas")
+        return 1
+    if res:
+        print("Residency\n\n" + res + "\n")
+    if srv:
+        print("Several servers of one checkpoint\n\n" + srv + "\n")
+    if args.png is not None and plot(docs, args.png, args.title):
+        print(f"plot: {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
