@@ -58,6 +58,7 @@ def make_table(directory: Path, gib: float, seed: int = 0) -> Path:
     from safetensors.numpy import save_file
 
     rows = int(gib * (1 << 30)) // ROW_BYTES
+    directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"cold_{rows}.safetensors"
     if path.exists():
         with pm.MmapTable.open(path, NAME) as t:

@@ -174,3 +174,15 @@ def test_the_disk_offload_report_draws_the_residency_curve_and_the_servers_memor
     bad = tmp_path / "bad.json"
     bad.write_text("{")
     assert rep.main([str(bad)]) == 2
+
+
+def test_the_cold_benchmark_writes_its_table_into_a_folder_it_makes(tmp_path: Path) -> None:
+    """``bench_cold.py host --dir DIR`` on a fresh host: DIR need not exist yet; the table
+    is written there by the safetensors package and reused when present."""
+    import bench_cold
+
+    where = tmp_path / "not" / "yet"
+    path = bench_cold.make_table(where, 0.001)
+    rows = int(0.001 * 2**30) // bench_cold.ROW_BYTES
+    assert path.parent == where and path.stat().st_size >= rows * bench_cold.ROW_BYTES
+    assert bench_cold.make_table(where, 0.001) == path
