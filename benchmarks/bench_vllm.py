@@ -99,6 +99,7 @@ from typing import Any
 import trace_steps
 import vllm_bench_model as vbm
 import vllm_clock
+import vllm_disk_timer
 from proc_cpu import cpu_topology, thread_cpu, thread_last_cpu
 from vllm_clock import left, log
 from vllm_dry_run import dry_run
@@ -122,7 +123,7 @@ from vllm_probes import (
     page_cache,
     proc_tree,
 )
-from vllm_report import cli_markdown, delivery_stats, report
+from vllm_report import cli_markdown, delivery_stats, disk_stats, report
 from vllm_servers import (
     GEMMA_MODELS,
     Server,
@@ -237,7 +238,8 @@ async def measure(
                         cpu["thread_cpus"] = busy_thread_cpus(cpu0, cpu1, thread_last_cpu(tree))
                     gpu = util.stop()
                     busy, mhz = gpu["gpu_busy_pct"], gpu["sm_mhz_p50"]
-                    m = metrics(outs, wall) | delivery_stats(log_since(srv.log_path, log_at))
+                    since = log_since(srv.log_path, log_at)
+                    m = metrics(outs, wall) | delivery_stats(since) | disk_stats(since)
                     m |= cpu
                     took[load.name] = max(took.get(load.name, 0.0), wall)
                     row = {"repeat": r + 1, "load": load.name, "backend": b, **gpu,
@@ -814,6 +816,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     log(meta["model"])
     plugin_dir = write_plugin(Path(tempfile.mkdtemp(prefix="ple-bench-plugin-")))
+    vllm_disk_timer.install(plugin_dir)  # on only in the disk servers (PLE_BENCH_TIME_DISK)
     if args.vllm_bench:
         cli_rows: list[dict[str, Any]] = []
         try:

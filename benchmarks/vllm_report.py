@@ -162,6 +162,28 @@ def graph_stats(text: str) -> dict[str, Any]:
     return {"graphs": out}
 
 
+_DISK = re.compile(
+    r"ple-bench disk: steps (\d+), stage p50 (\d+) p99 (\d+) us, reads p50 (\d+) p99 (\d+) us"
+)
+DISK_FIELDS = ("stage_p50_us", "stage_p99_us", "reads_p50_us", "reads_p99_us")
+
+
+def disk_stats(text: str) -> dict[str, Any]:
+    """What a ``disk`` server's timer lines (``benchmarks/vllm_disk_timer.py``) say about one
+    load: steps, and the engine thread's time a step in vLLM's staging call and in its
+    reads (p50 and p99, weighted by the lines' steps). The first line after a load starts
+    covers the end of the server's previous load, so it is dropped."""
+    lines = [m for ln in text.splitlines() if (m := _DISK.search(ln))][1:]
+    if not lines:
+        return {}
+    steps = [int(m.group(1)) for m in lines]
+    total = sum(steps) or 1
+    out: dict[str, Any] = {"steps": sum(steps)}
+    for i, f in enumerate(DISK_FIELDS, start=2):
+        out[f] = sum(int(m.group(i)) * n for m, n in zip(lines, steps, strict=True)) / total
+    return {"disk": out}
+
+
 def delivery_stats(text: str) -> dict[str, Any]:
     """What an mmap server's ``ple-memops stats`` lines (``--stats-every``) say about one
     load: deferred steps, replays, eager steps, synchronous replays, and each layer's
@@ -292,6 +314,9 @@ def summarize(
                             statistics.median(d[k][1] for d in by if k in d)]
                         for k in sizes
                     }  # fmt: skip
+            disks = [r["disk"] for r in good if r.get("disk")]
+            if disks:
+                s["disk"] = {f: statistics.median(d[f] for d in disks) for f in DISK_FIELDS}
             stalls = [r["stall"] for r in good if r.get("stall")]
             if stalls:
                 names = list(dict.fromkeys(n for st in stalls for n in st))
@@ -668,6 +693,19 @@ def markdown(
         freed = [f"{b} {w['gpu'] - w[b]:.2f} GiB" for b in w if b != "gpu" and w[b] is not None]
         if freed:
             lines += ["", f"GPU memory freed against the GPU table (weights): {', '.join(freed)}"]
+    disk = [(load, b, s["disk"]) for (load, b), s in summary.items() if s.get("disk")]
+    if disk:
+        lines += [
+            "",
+            "vLLM's disk offload, the engine thread a step before the forward (benchmarks/"
+            "vllm_disk_timer.py): its staging call (the ids, the wait for the GPU, the reads "
+            "and the copy) and the reads inside it, us:",
+            "",
+            "| load | backend | staging p50 / p99 | reads p50 / p99 |",
+            "|---|---|---|---|",
+            *(f"| {load} | {b} | {d['stage_p50_us']:,.0f} / {d['stage_p99_us']:,.0f} | "
+              f"{d['reads_p50_us']:,.0f} / {d['reads_p99_us']:,.0f} |" for load, b, d in disk),
+        ]  # fmt: skip
     before, after = meta.get("host_memory_before"), meta.get("host_memory_all_servers")
     if before and after:
         lines += [

@@ -438,6 +438,9 @@ def engine_env(backend: str, plugin_dir: Path) -> dict[str, str]:
         env["PLE_MEMOPS_TABLE_BACKEND"] = "mmap"
     if backend in MMAP_VARIANTS:
         env |= MMAP_VARIANTS[backend].get("env", {})
+    env.pop("PLE_BENCH_TIME_DISK", None)
+    if STOCK_VARIANTS.get(backend, {}).get("disk"):
+        env["PLE_BENCH_TIME_DISK"] = "1"  # benchmarks/vllm_disk_timer.py: its staging timed
     env["PYTHONPATH"] = f"{plugin_dir}:{env.get('PYTHONPATH', '')}".rstrip(":")
     return env
 

@@ -781,3 +781,70 @@ def test_the_gpu_probes_read_nvidia_smis_answers(
     assert vllm_probes.gpu_used_total() == 1234.0
     smi.write_text("#!/bin/sh\nexit 0\n")  # no answer: nothing recorded, no error
     assert vllm_probes.gpu_name() is None and vllm_probes.gpu_used_total() is None
+
+
+def test_the_disk_timer_times_vllms_staging_and_its_reads(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The bench-only plugin wraps vLLM's ``stage_checkpoint_rows`` and the disk table's
+    ``stage_rows`` where ``PLE_BENCH_TIME_DISK=1`` (and only there), prints its lines, and
+    the report reads them into a per-load table; ``install`` writes it as a vLLM plugin."""
+    import sys
+    import types
+
+    import vllm_disk_timer
+    from vllm_report import disk_stats, markdown, summarize
+
+    class Disk:
+        def stage_rows(self, n: int) -> None:
+            time.sleep(0.002)
+
+    def stage(modules: list[Disk], n: int) -> None:
+        time.sleep(0.001)
+        for m in modules:
+            m.stage_rows(n)
+
+    state = types.ModuleType("model_state")
+    state.stage_checkpoint_rows = stage  # type: ignore[attr-defined]
+    emb = types.ModuleType("ngram_embedding")
+    emb.Qwen4ExpPLEDiskOffloadEmbedding = Disk  # type: ignore[attr-defined]
+    nvidia = types.ModuleType("nvidia")
+    nvidia.model_state = state  # type: ignore[attr-defined]
+    for name, mod in (("vllm", types.ModuleType("vllm")),
+                      ("vllm.models", types.ModuleType("models")),
+                      ("vllm.models.qwen4_exp", types.ModuleType("qwen4_exp")),
+                      ("vllm.models.qwen4_exp.nvidia", nvidia),
+                      ("vllm.models.qwen4_exp.nvidia.model_state", state),
+                      ("vllm.models.qwen4_exp.nvidia.ngram_embedding", emb)):  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, mod)
+    original = Disk.stage_rows
+    monkeypatch.setattr(Disk, "stage_rows", original)
+    monkeypatch.delenv("PLE_BENCH_TIME_DISK", raising=False)
+    vllm_disk_timer.register()
+    assert state.stage_checkpoint_rows is stage  # off without the variable
+    monkeypatch.setenv("PLE_BENCH_TIME_DISK", "1")
+    monkeypatch.setenv("PLE_BENCH_TIME_DISK_EVERY", "0")
+    vllm_disk_timer.register()
+    vllm_disk_timer.register()  # once only
+    assert state.stage_checkpoint_rows is not stage
+    for _ in range(3):
+        state.stage_checkpoint_rows([Disk(), Disk()], 8)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and all(ln.startswith("ple-bench disk: steps 1, stage p50 ") for ln in err)
+    got = disk_stats("\n".join(err))["disk"]
+    assert got["steps"] == 2 and got["stage_p50_us"] >= got["reads_p50_us"] >= 4000
+
+    rows = [{"load": "c1", "repeat": 1, "backend": "disk", "ok": True, "tok_s": 10.0,
+             "itl_p50_ms": 5.0, "disk": got}]  # fmt: skip
+    md = markdown(summarize(rows, ["disk"]), {"disk": {}}, {"model": "m"})
+    assert "| load | backend | staging p50 / p99 | reads p50 / p99 |" in md
+    assert "| c1 | disk | " in md
+
+    vllm_disk_timer.install(tmp_path / "plugins")
+    entry = tmp_path / "plugins" / "ple_bench_disk_timer-0.dist-info" / "entry_points.txt"
+    assert "ple_bench_disk_timer = ple_bench_disk_timer:register" in entry.read_text()
+    assert (tmp_path / "plugins" / "ple_bench_disk_timer.py").read_text().startswith('"""')
+    from vllm_servers import engine_env
+
+    assert engine_env("disk", tmp_path)["PLE_BENCH_TIME_DISK"] == "1"
+    assert "PLE_BENCH_TIME_DISK" not in engine_env("mmap", tmp_path)
