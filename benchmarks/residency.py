@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 __all__ = ["HoldError", "ResidencyHolder", "mappers", "resident_pages"]
 
 MADV_PAGEOUT = 21
@@ -82,6 +84,11 @@ def resident_pages(path: Path) -> bytes:
             _libc.munmap(addr, size)
     finally:
         os.close(fd)
+
+
+def _in_core(path: Path) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    """One bool a page of ``path``: in the page cache now."""
+    return (np.frombuffer(resident_pages(path), dtype=np.uint8) & 1).astype(bool)
 
 
 @dataclass(frozen=True)
@@ -179,7 +186,8 @@ class ResidencyHolder:
         return sum(f.size for f in self.files)
 
     def resident_bytes(self) -> int:
-        return sum(sum(b & 1 for b in resident_pages(f.path)) for f in self.files) * mmap.PAGESIZE
+        pages = sum(int(np.count_nonzero(_in_core(f.path))) for f in self.files)
+        return pages * mmap.PAGESIZE
 
     def _fadvise_out(self, path: Path, chunks: list[int]) -> None:
         """``POSIX_FADV_DONTNEED`` over each of ``chunks`` (the pages no process maps)."""
@@ -198,10 +206,12 @@ class ResidencyHolder:
         before = after = dropped = 0
         paged: set[int] = set()
         for f in self.files:
-            vec = resident_pages(f.path)
-            before += sum(b & 1 for b in vec) * page
-            drop = [c for c in range(f.chunks) if c not in f.keep
-                    and any(b & 1 for b in vec[c * per_chunk : (c + 1) * per_chunk])]  # fmt: skip
+            core = _in_core(f.path)
+            before += int(np.count_nonzero(core)) * page
+            padded = np.zeros(f.chunks * per_chunk, dtype=bool)
+            padded[: core.size] = core
+            touched = np.flatnonzero(padded.reshape(f.chunks, per_chunk).any(axis=1))
+            drop = [int(c) for c in touched if int(c) not in f.keep]
             if not drop:
                 continue
             self._fadvise_out(f.path, drop)
