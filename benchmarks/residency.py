@@ -199,11 +199,13 @@ class ResidencyHolder:
         finally:
             os.close(fd)
 
-    def tick(self) -> dict[str, Any]:
-        """Drop every resident chunk outside the kept set; what it found and did."""
+    def tick(self, measure: bool = True) -> dict[str, Any]:
+        """Drop every resident chunk outside the kept set; what it found and did (the share
+        resident after it only with ``measure``: a second pass over every page, 0.25 s for
+        24 GiB on a 2-vCPU VM; where nothing was dropped it is the share before)."""
         page = mmap.PAGESIZE
         per_chunk = self.chunk_bytes // page
-        before = after = dropped = 0
+        before = dropped = 0
         paged: set[int] = set()
         for f in self.files:
             core = _in_core(f.path)
@@ -229,9 +231,9 @@ class ResidencyHolder:
                 # Pages a mapping just let go of that the fadvise above could not drop.
                 self._fadvise_out(f.path, drop)
             dropped += len(drop) * self.chunk_bytes
-        after = self.resident_bytes()
         total = max(self.total_bytes(), 1)
-        return {"before": before / total, "after": after / total, "dropped_bytes": dropped,
+        after = (self.resident_bytes() if dropped else before) / total if measure else None
+        return {"before": before / total, "after": after, "dropped_bytes": dropped,
                 "paged_out_pids": sorted(paged)}  # fmt: skip
 
 
@@ -257,13 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     last = 0.0
     worst = 0.0
     while time.monotonic() < end:
+        report = time.monotonic() - last >= args.report_every
         try:
-            r = holder.tick()
+            r = holder.tick(measure=report)
         except HoldError as exc:
             print(f"residency: {exc}", file=sys.stderr)
             return 1
         worst = max(worst, r["before"])
-        if time.monotonic() - last >= args.report_every:
+        if report:
             print(f"residency: share {args.share:.2f}: before tick {r['before']:.3f} (highest "
                   f"{worst:.3f}), after {r['after']:.3f}; dropped {r['dropped_bytes'] / 2**20:.0f}"
                   f" MiB; paged out of pids {r['paged_out_pids']}", flush=True)  # fmt: skip
