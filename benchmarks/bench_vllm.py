@@ -109,6 +109,7 @@ from vllm_dry_run import dry_run
 # harness, tests/vllm_harness.py, writes it).
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))
 from vllm_harness import write_test_plugin as write_plugin
+from vllm_harness import write_vllm_plugin
 from vllm_loads import Client, Load, Req, make_loads, metrics, run_load
 
 # cpu_use and busy_thread_cpus are also tests/test_bench_vllm.py's (as bench_vllm.*).
@@ -144,6 +145,7 @@ from vllm_servers import (
     start_server,
     stop_servers,
     table_files,
+    vllm_release,
     wait_healthy,
 )
 from vllm_soak import SoakResult, soak, soak_markdown, soak_verdict
@@ -749,11 +751,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown backends {unknown} for {fam}; known: {known_backends(fam)}")
     if any(base_backend(b) == "disk" for b in args.backends):
-        from importlib.metadata import version
-
-        release = tuple(int(x) for x in version("vllm").split(".")[:2] if x.isdigit())
-        if release < (0, 34):
-            raise SystemExit(f"backend disk is vLLM 0.34.0's disk_offload; vLLM {version('vllm')}")
+        if vllm_release() < (0, 34):
+            raise SystemExit(f"backend disk is vLLM 0.34.0's disk_offload; vLLM {vllm_release()}")
     if args.ref is None:
         args.ref = "gpu" if "gpu" in args.backends else args.backends[0]
     elif args.ref not in args.backends:
@@ -816,7 +815,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     log(meta["model"])
     plugin_dir = write_plugin(Path(tempfile.mkdtemp(prefix="ple-bench-plugin-")))
-    vllm_disk_timer.install(plugin_dir)  # on only in the disk servers (PLE_BENCH_TIME_DISK)
+    # On only in the disk servers (PLE_BENCH_TIME_DISK).
+    write_vllm_plugin(
+        plugin_dir, "ple_bench_disk_timer", Path(vllm_disk_timer.__file__).read_text()
+    )
     if args.vllm_bench:
         cli_rows: list[dict[str, Any]] = []
         try:

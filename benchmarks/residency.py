@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["HoldError", "ResidencyHolder", "mappers", "resident_pages"]
+__all__ = ["HoldError", "ResidencyHolder", "mappers", "resident_bytes", "resident_pages"]
 
 MADV_PAGEOUT = 21
 _SYS_PROCESS_MADVISE = 440  # x86_64 and aarch64 alike
@@ -61,8 +61,11 @@ class _Iovec(ctypes.Structure):
 
 
 class HoldError(RuntimeError):
-    """The share cannot be held: a mapping the holder may not page out, or a file it
-    cannot read."""
+    """The share cannot be held: a mapping the holder may not page out (``errno``: why)."""
+
+    def __init__(self, message: str, err: int) -> None:
+        super().__init__(message)
+        self.errno = err
 
 
 def resident_pages(path: Path) -> bytes:
@@ -89,6 +92,11 @@ def resident_pages(path: Path) -> bytes:
 def _in_core(path: Path) -> np.ndarray[Any, np.dtype[np.bool_]]:
     """One bool a page of ``path``: in the page cache now."""
     return (np.frombuffer(resident_pages(path), dtype=np.uint8) & 1).astype(bool)
+
+
+def resident_bytes(path: Path) -> int:
+    """Bytes of ``path`` in the page cache now."""
+    return int(np.count_nonzero(_in_core(path))) * mmap.PAGESIZE
 
 
 @dataclass(frozen=True)
@@ -145,7 +153,8 @@ def _page_out(pid: int, ranges: list[tuple[int, int]]) -> None:
                 raise HoldError(
                     f"process_madvise(MADV_PAGEOUT) on pid {pid}: {os.strerror(err)} "
                     "(needs Linux 5.10+, CAP_SYS_NICE and ptrace access to the process); "
-                    "a page it maps cannot be dropped otherwise"
+                    "a page it maps cannot be dropped otherwise",
+                    err,
                 )
     finally:
         os.close(pidfd)
@@ -186,8 +195,7 @@ class ResidencyHolder:
         return sum(f.size for f in self.files)
 
     def resident_bytes(self) -> int:
-        pages = sum(int(np.count_nonzero(_in_core(f.path))) for f in self.files)
-        return pages * mmap.PAGESIZE
+        return sum(resident_bytes(f.path) for f in self.files)
 
     def _fadvise_out(self, path: Path, chunks: list[int]) -> None:
         """``POSIX_FADV_DONTNEED`` over each of ``chunks`` (the pages no process maps)."""

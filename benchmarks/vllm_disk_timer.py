@@ -21,10 +21,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-__all__ = ["Timer", "install", "line", "register"]
+__all__ = ["Timer", "line", "register"]
 
 ENV = "PLE_BENCH_TIME_DISK"
 PREFIX = "ple-bench disk:"
@@ -116,18 +115,3 @@ def register() -> None:
     model_state.stage_checkpoint_rows = stage
     cls: Any = Qwen4ExpPLEDiskOffloadEmbedding
     cls.stage_rows = timer.wrap_reads(cls.stage_rows)
-
-
-def install(root: Path) -> None:
-    """This module as a vLLM general plugin under ``root`` (a folder on the servers'
-    ``PYTHONPATH``: a copy of the module and its dist-info)."""
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "ple_bench_disk_timer.py").write_text(Path(__file__).read_text())
-    info = root / "ple_bench_disk_timer-0.dist-info"
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: ple-bench-disk-timer\nVersion: 0\n"
-    )
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nple_bench_disk_timer = ple_bench_disk_timer:register\n"
-    )

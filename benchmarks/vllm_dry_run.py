@@ -46,6 +46,7 @@ from vllm_servers import (
     serve_argv,
     stop_servers,
     table_files,
+    vllm_release,
     wait_healthy,
 )
 
@@ -329,9 +330,7 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
 
     ok = True
     fam = family(args)
-    import vllm
-
-    release = tuple(int(x) for x in str(vllm.__version__).split(".")[:2] if x.isdigit())
+    release = vllm_release()
     for b in known_backends(fam):
         if b == "disk" and release < (0, 34):
             continue  # vLLM 0.34.0's disk offload: no engram_config.disk_offload before it

@@ -9,7 +9,6 @@ memory (``host_memory``), and the table files' page cache (``resident_bytes``,
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import shutil
 import statistics
@@ -19,9 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from proc_cpu import CLK_TCK, OUR_THREADS
-from residency import resident_pages
+from residency import resident_bytes
 
 
 class Utilization:
@@ -240,11 +238,6 @@ def host_memory() -> dict[str, float]:
     gib = 2**20
     return {"used": (kib["MemTotal"] - kib["MemAvailable"]) / gib,
             "cached": kib["Cached"] / gib, "shmem": kib["Shmem"] / gib}  # fmt: skip
-
-
-def resident_bytes(path: Path) -> int:
-    """Bytes of ``path`` in the page cache now (``mincore`` over a mapping nobody touches)."""
-    return int(np.count_nonzero(np.frombuffer(resident_pages(path), np.uint8) & 1)) * mmap.PAGESIZE
 
 
 def evict(paths: list[Path]) -> None:

@@ -190,6 +190,13 @@ def cpu_offload(backend: str) -> bool:
     return bool(STOCK_VARIANTS.get(backend, {}).get("offload", True))
 
 
+def vllm_release() -> tuple[int, ...]:
+    """The installed vLLM's (major, minor), e.g. ``(0, 34)``."""
+    from importlib.metadata import version
+
+    return tuple(int(x) for x in version("vllm").split(".")[:2] if x.isdigit())
+
+
 def base_backend(name: str) -> str:
     """The backend a replica serves: ``mmap.2`` is a second ``mmap`` server (``NAME.K``,
     K >= 2: one more identical server, e.g. for the host memory of several servers of one

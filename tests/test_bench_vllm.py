@@ -788,7 +788,7 @@ def test_the_disk_timer_times_vllms_staging_and_its_reads(
 ) -> None:
     """The bench-only plugin wraps vLLM's ``stage_checkpoint_rows`` and the disk table's
     ``stage_rows`` where ``PLE_BENCH_TIME_DISK=1`` (and only there), prints its lines, and
-    the report reads them into a per-load table; ``install`` writes it as a vLLM plugin."""
+    the report reads them into a per-load table; it is written as a vLLM plugin."""
     import sys
     import types
 
@@ -840,7 +840,12 @@ def test_the_disk_timer_times_vllms_staging_and_its_reads(
     assert "| load | backend | staging p50 / p99 | reads p50 / p99 |" in md
     assert "| c1 | disk | " in md
 
-    vllm_disk_timer.install(tmp_path / "plugins")
+    from vllm_harness import write_vllm_plugin
+
+    # As bench_vllm.py installs it in its servers.
+    write_vllm_plugin(
+        tmp_path / "plugins", "ple_bench_disk_timer", Path(vllm_disk_timer.__file__).read_text()
+    )
     entry = tmp_path / "plugins" / "ple_bench_disk_timer-0.dist-info" / "entry_points.txt"
     assert "ple_bench_disk_timer = ple_bench_disk_timer:register" in entry.read_text()
     assert (tmp_path / "plugins" / "ple_bench_disk_timer.py").read_text().startswith('"""')

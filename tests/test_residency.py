@@ -3,6 +3,7 @@ processes that read it, mapped pages included."""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import subprocess
@@ -71,6 +72,8 @@ def _hold_a_quarter(table: Path, child: subprocess.Popen[str]) -> None:
     try:
         got = holder.tick()
     except residency.HoldError as exc:
+        if exc.errno not in (errno.EPERM, errno.EACCES, errno.ENOSYS):
+            raise  # not the machine's refusal: the holder's own fault
         pytest.skip(f"this machine refuses process_madvise: {exc}")
     assert got["before"] == 1.0 and got["after"] == 0.25
     assert got["paged_out_pids"] == [child.pid]

@@ -161,18 +161,25 @@ def bundle_substitutes() -> None:
     namespace["register"]()
 
 
-def write_test_plugin(root: Path) -> Path:
-    """A vLLM general plugin under ``root`` (a module and its dist-info, for ``PYTHONPATH``)
-    that applies :data:`SUBSTITUTES` where CuTe DSL is missing, in every vLLM process."""
+def write_vllm_plugin(root: Path, module: str, source: str) -> Path:
+    """``source`` as the vLLM general plugin ``module`` under ``root`` (the module and its
+    dist-info, for ``PYTHONPATH``; vLLM calls its ``register`` in every process)."""
     root.mkdir(parents=True, exist_ok=True)
-    (root / "h200_substitutes.py").write_text(SUBSTITUTES)
-    info = root / "h200_substitutes-0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: h200-substitutes\nVersion: 0\n")
+    (root / f"{module}.py").write_text(source)
+    info = root / f"{module}-0.dist-info"
+    info.mkdir(exist_ok=True)
+    name = module.replace("_", "-")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0\n")
     (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nh200_substitutes = h200_substitutes:register\n"
+        f"[vllm.general_plugins]\n{module} = {module}:register\n"
     )
     return root
+
+
+def write_test_plugin(root: Path) -> Path:
+    """A vLLM general plugin under ``root`` that applies :data:`SUBSTITUTES` where CuTe DSL
+    is missing, in every vLLM process."""
+    return write_vllm_plugin(root, "h200_substitutes", SUBSTITUTES)
 
 
 # The engine workload of tests/test_vllm_engine_gpu.py and benchmarks/diagnose_vllm_rows.py:
