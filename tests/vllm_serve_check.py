@@ -1,9 +1,11 @@
 """``vllm serve`` with ``PLE_MEMOPS_TABLE_BACKEND=mmap`` on a GPU host, asked over HTTP on
-localhost (``python3 tests/vllm_serve_check.py [qwen4exp|gemma4] [mmap|default]``;
+localhost (``python3 tests/vllm_serve_check.py [qwen4exp|gemma4] [mmap|default] [sizes]``;
 ``scripts/gpu/vllm_engine.sh`` and ``scripts/gpu/vllm_gemma4.sh`` run it). ``default``
 serves the same checkpoint with the plugin off (stock vLLM with FULL decode graphs, as the
 mmap engine has them), to tell the plugin's failures from vLLM's own on a host; the
-engine's sizes are the in-process engine tests' (``tests/vllm_harness.py``).
+engine's sizes are the in-process engine tests' (``tests/vllm_harness.py``), or with ``sizes``
+``serve`` the ones ``vllm serve`` picks itself (the model's context length and, on a card of
+70 GiB or more, 8,192 tokens a step).
 
 Writes the tiny Qwen4Exp (or Gemma 4) checkpoint, starts the server (its engine core is a separate
 process, which loads ple-memops's plugin by itself), waits for it to be healthy, sends
@@ -48,7 +50,7 @@ def _get(url: str, timeout: float = 5) -> int:
         return int(r.status)
 
 
-def main(model: str = "qwen4exp", backend: str = "mmap") -> int:
+def main(model: str = "qwen4exp", backend: str = "mmap", sizes: str = "tests") -> int:
     import vllm_checkpoints as ckpts
 
     work = Path(tempfile.mkdtemp(prefix="ple-serve-"))
@@ -64,6 +66,9 @@ def main(model: str = "qwen4exp", backend: str = "mmap") -> int:
     if backend not in ("mmap", "default"):
         print(f"unknown backend {backend!r} (mmap or default)")
         return 2
+    if sizes not in ("tests", "serve"):
+        print(f"unknown sizes {sizes!r} (tests or serve)")
+        return 2
     plugin_dir = write_test_plugin(work / "plugins")
     port = _port()
     env = dict(os.environ, PLE_MEMOPS_TABLE_BACKEND=backend, VLLM_USE_FLASHINFER_SAMPLER="0")
@@ -74,12 +79,13 @@ def main(model: str = "qwen4exp", backend: str = "mmap") -> int:
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(ckpt),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
-        "--skip-tokenizer-init", "--dtype", "bfloat16", "--max-model-len", "4096",
-        "--max-num-seqs", "8", "--max-num-batched-tokens", "1024",
+        "--skip-tokenizer-init", "--dtype", "bfloat16", "--max-num-seqs", "8",
         "--gpu-memory-utilization", "0.15",
         "--compilation-config", json.dumps(GRAPHS),
         "--additional-config", extra,
     ]  # fmt: skip
+    if sizes == "tests":
+        cmd += ["--max-model-len", "4096", "--max-num-batched-tokens", "1024"]
     log_path = work / "server.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -97,7 +103,7 @@ def main(model: str = "qwen4exp", backend: str = "mmap") -> int:
                 pass
             time.sleep(2)
         if not ok:
-            print(log_path.read_text()[-6000:])
+            print(log_path.read_text()[-12000:])
             print("FAIL: the server did not become healthy")
             return 1
         done = 0
@@ -126,7 +132,9 @@ def main(model: str = "qwen4exp", backend: str = "mmap") -> int:
         # plugin's model tells it that they hold nothing it loads.
         needle = f"{skipped} holding no weights the model loads"
         served = needle in text
-        print(f"{model}: {done} requests served over HTTP on port {port} ({backend})")
+        print(
+            f"{model}: {done} requests served over HTTP on port {port} ({backend}, {sizes} sizes)"
+        )
         if backend == "default":
             print("PASS: vllm serve with the plugin off serves")
             return 0
@@ -150,4 +158,4 @@ def main(model: str = "qwen4exp", backend: str = "mmap") -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    sys.exit(main(*sys.argv[1:4]))

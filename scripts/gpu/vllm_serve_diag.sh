@@ -2,35 +2,45 @@
 # Where `vllm serve` of the tiny Qwen4Exp stops (vLLM 0.34.0 on the H100: an illegal memory
 # access reported in the engine core's memory-profiling run, mmap backend), one step at a
 # time, each step's verdict on stdout and its log under $OUT:
-#   1. the server stock (the plugin off, FULL decode graphs as the mmap server has them);
-#   2. the server with the mmap backend;
+#   1. the server with the mmap backend at the engine tests' sizes, then at the sizes
+#      `vllm serve` picks itself (8,192 tokens a step on this card); both serve: nothing
+#      more to find (exit 0); else, at the sizes that failed:
+#   2. the same with CUDA_LAUNCH_BLOCKING=1 (the traceback names the launch that faults);
 #   3. mmap with the plugin's device side out of the way (PLE_MEMOPS_FORCE_SYNC=1: each
 #      step's rows copied in plainly, no flag wait, no polling kernel);
 #   4. an in-process mmap engine that is the first engine of a fresh process (the engine
 #      tests always build a stock engine first), at the serve check's sizes;
-#   5. where compute-sanitizer is on the host, step 2 under its memcheck (the faulting
-#      kernel named).
+#   5. the server stock (the plugin off, FULL decode graphs as the mmap server has them):
+#      vLLM's own failure or the plugin's;
+#   6. with SANITIZER=1 and compute-sanitizer on the host, step 1 under its memcheck.
 # Run from the repository root after the release's setup.sh (vLLM in $VLLM_SITE, default
-# /tmp/vllm-site) with our wheel in /tmp/site; about 6-10 minutes on a fresh host (the
-# first server compiles vLLM's Triton kernels).
+# /tmp/vllm-site) with our wheel in /tmp/site; 3-12 minutes on a fresh host (the first
+# server compiles vLLM's Triton kernels).
 set -uo pipefail
 OUT=${OUT:-/tmp/ple-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export PYTHONPATH=${VLLM_SITE:-/tmp/vllm-site}:/tmp/site:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
 R=$PWD
+SIZES=tests
 serve() {  # NAME BACKEND [env...]
     local name=$1 backend=$2
     shift 2
-    echo "== $name $(date +%T)"
-    env "$@" timeout 360 python3 "$R/tests/vllm_serve_check.py" qwen4exp "$backend" \
+    echo "== $name ($SIZES sizes) $(date +%T)"
+    env "$@" timeout 360 python3 "$R/tests/vllm_serve_check.py" qwen4exp "$backend" "$SIZES" \
         >"$OUT/$name.log" 2>&1
     echo "   exit $?; $(grep -E "requests served over HTTP|^PASS|^FAIL" "$OUT/$name.log" \
         | tr '\n' ' ')"
     grep -m3 -E "illegal memory access|Error:" "$OUT/$name.log" | cut -c1-240 | sed 's/^/   /'
+    grep -q "^PASS" "$OUT/$name.log"
 }
-serve stock default
-serve mmap mmap
+if serve mmap mmap; then
+    SIZES=serve
+    serve mmap-serve-sizes mmap && { echo "the mmap server serves at both sizes"; exit 0; }
+fi
+serve mmap-blocking mmap CUDA_LAUNCH_BLOCKING=1
+grep -B2 -A14 -m1 "Traceback" "$OUT/mmap-blocking.log" | grep -E 'File "|Error' | tail -14 \
+    | cut -c1-200 | sed 's/^/   /'
 serve mmap-forcesync mmap PLE_MEMOPS_FORCE_SYNC=1
 echo "== fresh process, in-process mmap engine first $(date +%T)"
 (cd /tmp && timeout 300 python3 - "$R" >"$OUT/fresh.log" 2>&1 <<'EOF'
@@ -54,11 +64,10 @@ EOF
 )
 echo "   exit $?; $(grep -E "^PASS|^generated" "$OUT/fresh.log" | tr '\n' ' ')"
 grep -m3 -E "illegal memory access|Error:" "$OUT/fresh.log" | cut -c1-240 | sed 's/^/   /'
-if command -v compute-sanitizer >/dev/null; then
+serve stock default
+if [ "${SANITIZER:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
     echo "== mmap under compute-sanitizer $(date +%T)"
     (timeout 600 compute-sanitizer --tool memcheck --target-processes all --print-limit 5 \
-        python3 "$R/tests/vllm_serve_check.py" qwen4exp mmap >"$OUT/sanitizer.log" 2>&1)
+        python3 "$R/tests/vllm_serve_check.py" qwen4exp mmap "$SIZES" >"$OUT/sanitizer.log" 2>&1)
     grep -m10 -E "Invalid|at 0x|by thread|kernel" "$OUT/sanitizer.log" | cut -c1-240
-else
-    echo "== no compute-sanitizer on this host"
 fi
