@@ -25,7 +25,7 @@ COMMON=(--layers 24 --kv-cache-gib 6 --solo --time-graphs --ref gpu-plugin
         --repeats "${REPEATS:-3}")
 FOUR=(--ple-layers 4 --table-gib 4)
 ONE24=(--ple-layers 1 --table-gib 24)
-ALL=gpu-plugin,disk,mmap,uva,gpu-plugin-b
+ALL=${BACKENDS:-gpu-plugin,disk,mmap,uva,gpu-plugin-b}  # BACKENDS=...: the warm parts' servers, in order
 bench() {  # TAG DEADLINE ARGS...
     local tag=$1 deadline=$2
     shift 2
