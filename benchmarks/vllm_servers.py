@@ -551,6 +551,10 @@ def tail(path: Path, n: int) -> str:
         return ""
 
 
+# vLLM's first line once a server is told to stop (0.33.0 and 0.34.0).
+STOPPING = re.compile(r"\[shutdown\].*(trigger received signal|shutdown triggered)")
+
+
 def log_facts(path: Path) -> dict[str, Any]:
     """What the server's log says about memory and the PLE tables."""
     text = path.read_text(errors="replace") if path.exists() else ""
@@ -564,8 +568,11 @@ def log_facts(path: Path) -> dict[str, Any]:
     if "deferred PLE rows are unavailable" in text:
         line = next(ln for ln in text.splitlines() if "deferred PLE rows are unavailable" in ln)
         facts["mmap_fallback"] = line.strip()[-400:]
+    # The markers count while the server runs: once it is told to stop (the benchmark's
+    # SIGTERM), vLLM's own teardown logs an EngineDeadError traceback on every clean stop.
+    running = text[: m.start()] if (m := STOPPING.search(text)) else text
     for marker in ("TableIoError", "PlanPoisonedError", "watchdog", "Traceback"):
-        if marker in text:
+        if marker in running:
             facts.setdefault("log_markers", []).append(marker)
     if m := re.search(
         r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+)", text

@@ -853,3 +853,22 @@ def test_the_disk_timer_times_vllms_staging_and_its_reads(
 
     assert engine_env("disk", tmp_path)["PLE_BENCH_TIME_DISK"] == "1"
     assert "PLE_BENCH_TIME_DISK" not in engine_env("mmap", tmp_path)
+
+
+def test_a_traceback_counts_while_the_server_runs_not_in_vllms_teardown(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from vllm_servers import log_facts
+
+    running = "(EngineCore pid=1) ERROR [core.py:1] Traceback (most recent call last):\n"
+    teardown = (
+        "(EngineCore pid=1) INFO [core.py:1698] [shutdown] EngineCore: trigger received signal=SIGTERM\n"
+        "(APIServer pid=2) INFO [launcher.py:256] [shutdown] API server: shutdown triggered\n"
+        "(APIServer pid=2) ERROR [async_llm.py:957] Traceback (most recent call last):\n"
+        "(APIServer pid=2) ERROR [async_llm.py:957] vllm.v1.engine.exceptions.EngineDeadError\n"
+    )
+    log = tmp_path / "server.log"
+    log.write_text("Model loading took 13.18 GiB memory\n" + teardown)
+    assert "log_markers" not in log_facts(log)
+    log.write_text("Model loading took 13.18 GiB memory\n" + running + teardown)
+    assert log_facts(log)["log_markers"] == ["Traceback"]
+    log.write_text(running)
+    assert log_facts(log)["log_markers"] == ["Traceback"]

@@ -72,7 +72,9 @@ grep -E "^\[ *[0-9.]+ s\]|^\||^VERDICT|^SOAK|^Soak of|^Random weights|Traceback|
     | grep -vE "Warning|warn" | tail -90
 for f in "$OUT"/server-*.log "$OUT"/cli-*.log; do
     [ -f "$f" ] || continue
-    echo "== $(basename "$f"): $(grep -cE "ERROR|Traceback" "$f") error lines; key lines:"
+    # Error lines until the server is told to stop (vLLM's teardown logs a traceback).
+    n=$(sed -E '/\[shutdown\].*(trigger received signal|shutdown triggered)/q' "$f" | grep -cE "ERROR|Traceback")
+    echo "== $(basename "$f"): $n error lines before the stop; key lines:"
     grep -E "Model loading took|Graph capturing finished|init engine|ple-memops|Skipped [0-9]+/|KV cache memory|deferred PLE rows|Throughput:|Avg latency" "$f" \
         | grep -v "ple-memops stats" | sed 's/^.*\] //' | cut -c1-220 | head -8
     grep "ple-memops stats" "$f" | tail -1 | sed 's/^.*\] //' | cut -c1-400
