@@ -123,6 +123,7 @@ from vllm_probes import (
     host_memory,
     page_cache,
     proc_tree,
+    vllm_release,
 )
 from vllm_report import cli_markdown, delivery_stats, disk_stats, report
 from vllm_servers import (
@@ -812,6 +813,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": cfg,
         "cpu_topology": cpu_topology(),
         "gpu": gpu_name(),
+        "vllm": vllm_release(),
     }
     log(meta["model"])
     plugin_dir = write_plugin(Path(tempfile.mkdtemp(prefix="ple-bench-plugin-")))

@@ -26,11 +26,14 @@ def _runs(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def default_title(docs: list[tuple[str, dict[str, Any]]]) -> str:
-    """The figure's title, naming the GPU the runs recorded (``meta.gpu``; runs before it
-    was recorded name none, and runs on different cards name each)."""
+    """The figure's title, naming the vLLM release and the GPU the runs recorded
+    (``meta.vllm``, ``meta.gpu``; a run from before one was recorded names none, and runs
+    that differ name each)."""
+    releases = sorted({v for _, d in docs if (v := d.get("meta", {}).get("vllm"))})
     gpus = sorted({g for _, d in docs if (g := d.get("meta", {}).get("gpu"))})
+    vllm = f"vLLM {' and '.join(releases)}" if releases else "vLLM"
     on = f" on {' and '.join(gpus)}" if gpus else ""
-    return f"vLLM 0.33.0{on}: ITL p50 per backend"
+    return f"{vllm}{on}: ITL p50 per backend"
 
 
 def plot(docs: list[tuple[str, dict[str, Any]]], out: Path, title: str) -> None:

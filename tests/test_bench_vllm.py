@@ -751,14 +751,15 @@ def test_the_verdict_judges_paired_itl_against_the_runs_reference() -> None:
 def test_the_plots_title_names_the_gpu_the_runs_recorded() -> None:
     import plot_vllm
 
-    h100 = {"meta": {"gpu": "NVIDIA H100 80GB HBM3"}}
-    h200 = {"meta": {"gpu": "NVIDIA H200"}}
-    old = {"meta": {}}  # a run from before the GPU was recorded
+    h100 = {"meta": {"gpu": "NVIDIA H100 80GB HBM3", "vllm": "0.34.0"}}
+    h200 = {"meta": {"gpu": "NVIDIA H200", "vllm": "0.33.0"}}
+    old = {"meta": {}}  # a run from before the GPU and the release were recorded
     assert plot_vllm.default_title([("a", h100), ("b", old)]) == (
-        "vLLM 0.33.0 on NVIDIA H100 80GB HBM3: ITL p50 per backend"
+        "vLLM 0.34.0 on NVIDIA H100 80GB HBM3: ITL p50 per backend"
     )
-    assert "H100 80GB HBM3 and NVIDIA H200" in plot_vllm.default_title([("a", h200), ("b", h100)])
-    assert plot_vllm.default_title([("a", old)]) == "vLLM 0.33.0: ITL p50 per backend"
+    both = plot_vllm.default_title([("a", h200), ("b", h100)])
+    assert both.startswith("vLLM 0.33.0 and 0.34.0 on NVIDIA H100 80GB HBM3 and NVIDIA H200"), both
+    assert plot_vllm.default_title([("a", old)]) == "vLLM: ITL p50 per backend"
 
 
 def test_the_gpu_probes_read_nvidia_smis_answers(
