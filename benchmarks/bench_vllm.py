@@ -123,7 +123,6 @@ from vllm_probes import (
     host_memory,
     page_cache,
     proc_tree,
-    vllm_release,
 )
 from vllm_report import cli_markdown, delivery_stats, disk_stats, report
 from vllm_servers import (
@@ -147,6 +146,7 @@ from vllm_servers import (
     stop_servers,
     table_files,
     vllm_release,
+    vllm_version,
     wait_healthy,
 )
 from vllm_soak import SoakResult, soak, soak_markdown, soak_verdict
@@ -813,7 +813,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": cfg,
         "cpu_topology": cpu_topology(),
         "gpu": gpu_name(),
-        "vllm": vllm_release(),
+        "vllm": vllm_version(),
     }
     log(meta["model"])
     plugin_dir = write_plugin(Path(tempfile.mkdtemp(prefix="ple-bench-plugin-")))

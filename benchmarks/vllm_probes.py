@@ -217,17 +217,6 @@ def gpu_name() -> str | None:
     return _gpu_query("name")
 
 
-def vllm_release() -> str | None:
-    """The vLLM release the servers run (they start with this interpreter and its path),
-    for the results' JSON; ``None`` where vLLM is not installed (a dry run)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def gpu_used_total() -> float | None:
     """MiB of the benchmarked GPU's memory in use (``None`` without nvidia-smi)."""
     text = _gpu_query("memory.used")

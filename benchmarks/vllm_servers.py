@@ -190,11 +190,20 @@ def cpu_offload(backend: str) -> bool:
     return bool(STOCK_VARIANTS.get(backend, {}).get("offload", True))
 
 
-def vllm_release() -> tuple[int, ...]:
-    """The installed vLLM's (major, minor), e.g. ``(0, 34)``."""
-    from importlib.metadata import version
+def vllm_version() -> str | None:
+    """The installed vLLM's version (the servers start with this interpreter and its path),
+    e.g. ``"0.34.0"``; ``None`` where vLLM is not installed (a dry run)."""
+    from importlib import metadata
 
-    return tuple(int(x) for x in version("vllm").split(".")[:2] if x.isdigit())
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def vllm_release() -> tuple[int, ...]:
+    """The installed vLLM's (major, minor), e.g. ``(0, 34)``; ``()`` without vLLM."""
+    return tuple(int(x) for x in (vllm_version() or "").split(".")[:2] if x.isdigit())
 
 
 def base_backend(name: str) -> str:

@@ -861,7 +861,8 @@ def test_a_traceback_counts_while_the_server_runs_not_in_vllms_teardown(tmp_path
 
     running = "(EngineCore pid=1) ERROR [core.py:1] Traceback (most recent call last):\n"
     teardown = (
-        "(EngineCore pid=1) INFO [core.py:1698] [shutdown] EngineCore: trigger received signal=SIGTERM\n"
+        "(EngineCore pid=1) INFO [core.py:1698] [shutdown] EngineCore: trigger received "
+        "signal=SIGTERM\n"
         "(APIServer pid=2) INFO [launcher.py:256] [shutdown] API server: shutdown triggered\n"
         "(APIServer pid=2) ERROR [async_llm.py:957] Traceback (most recent call last):\n"
         "(APIServer pid=2) ERROR [async_llm.py:957] vllm.v1.engine.exceptions.EngineDeadError\n"
