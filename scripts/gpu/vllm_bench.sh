@@ -72,7 +72,8 @@ grep -E "^\[ *[0-9.]+ s\]|^\||^VERDICT|^SOAK|^Soak of|^Random weights|Traceback|
     | grep -vE "Warning|warn" | tail -90
 for f in "$OUT"/server-*.log "$OUT"/cli-*.log; do
     [ -f "$f" ] || continue
-    # Error lines until the server is told to stop (vLLM's teardown logs a traceback).
+    # Error lines until the server is told to stop (vLLM's teardown logs a traceback); the
+    # stop line is benchmarks/vllm_servers.py's STOPPING, which the report's markers use.
     n=$(sed -E '/\[shutdown\].*(trigger received signal|shutdown triggered)/q' "$f" | grep -cE "ERROR|Traceback")
     echo "== $(basename "$f"): $n error lines before the stop; key lines:"
     grep -E "Model loading took|Graph capturing finished|init engine|ple-memops|Skipped [0-9]+/|KV cache memory|deferred PLE rows|Throughput:|Avg latency" "$f" \
