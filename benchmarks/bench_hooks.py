@@ -1,7 +1,7 @@
 """Our own host time per engine step in the vLLM integration, without a GPU.
 
 Drives ``PleRunnerHooks`` (what vLLM's model runner calls) the way a serving loop at a
-steady decode load does, on a plan of gather workers that fill host rows: each step opens
+steady decode load does, on steps of gather workers that fill host rows: each step opens
 the step's scope, replays a FULL graph (``replay``: completing the oldest armed step,
 arming every table, the "launch", which here publishes the step's ids from the host as
 the GPU would), hands the output out (``hand_out``, as vLLM's ``get_output`` under
@@ -49,7 +49,6 @@ import numpy as np
 from safetensors.numpy import save_file
 
 import ple_memops as pm
-from ple_memops.plan import PlanLayer, RowsPlan
 from ple_memops.step_costs import HOST_KINDS
 from ple_memops.vllm.hooks import PleRunnerHooks
 
@@ -71,17 +70,33 @@ def build(
     root: Path, tables: int, tokens: int, row_bytes: int = 512
 ) -> tuple[PleRunnerHooks, list[Any]]:
     opened = []
-    layers = []
+    made = []
     for i in range(tables):
         data = np.random.default_rng(i).integers(0, 256, (4096, row_bytes), dtype=np.uint8)
         path = root / f"t{i}.safetensors"
         save_file({f"layers.{i}.table": data.view(np.float16)}, str(path))
         table = pm.MmapTable.open(path, f"layers.{i}.table")
         rows = pm.DeferredRows(tokens, table.row_bytes, device="cpu", watchdog=None)
-        layers.append(PlanLayer(f"layers.{i}", table, rows, pm.GatherWorker(rows, table, depth=2)))
+        made.append((f"layers.{i}", table, rows, pm.GatherWorker(rows, table, depth=2)))
         opened.append(table)
-    plan = RowsPlan(layers, "deferred", None, None, 5.0)
-    return PleRunnerHooks(plan, rows_per_token=1), opened
+    # Host rows with workers: the deferred protocol's host side, no GPU.
+    try:
+        from ple_memops.steps import Steps, StepTable
+    except ImportError:  # a build before the one step object (ab_hooks.py across it)
+        from ple_memops.plan import PlanLayer, RowsPlan  # type: ignore[import-not-found]
+
+        plan = RowsPlan([PlanLayer(*m) for m in made], "deferred", None, None, 5.0)
+        return PleRunnerHooks(plan, rows_per_token=1), opened
+    steps = Steps([StepTable(*m) for m in made], "deferred", None, None, 2, 5.0)
+    return PleRunnerHooks(steps, rows_per_token=1), opened
+
+
+def publisher(hooks: Any) -> tuple[list[str], Callable[[str, Any], None]]:
+    """The tables' names and their host publish, on this build or one before ``Steps``."""
+    steps = getattr(hooks, "steps", None)
+    if steps is None:  # a build before the one step object
+        return list(hooks.plan.layers), hooks.driver.publish_host
+    return steps.names, steps.publish_host
 
 
 def llc_bytes() -> int:
@@ -223,27 +238,26 @@ def run(
         if native_split:
             # The stepper's one native call, its own phases recorded (one Python frame more
             # in `arm`): what of `arm` and `wait` is the native call's.
-            step = hooks._stepper
-            assert step is not None
+            step = hooks._arm
 
             def recorded(*a: Any, **kw: Any) -> tuple[int, int, int]:
                 got = step(*a, **kw)
                 native.append(got)
                 return got
 
-            hooks._stepper = recorded
+            hooks._arm = recorded
         desc = (
             vllm_descriptor(tokens)
             if engine_only is not None
             else Descriptor("FULL", tokens, tokens, 1)
         )
         hooks._wait_descs.add(desc)  # as a capture of this size would have
-        names = list(hooks.plan.layers)
+        names, publish_host = publisher(hooks)
         ids = np.arange(tokens, dtype=np.int64)
 
         def publish() -> None:  # the GPU's publish of the step's ids
             for name in names:
-                hooks.driver.publish_host(name, ids)
+                publish_host(name, ids)
 
         # "launch": the GPU reaches the step at once (the worker gathers while the host
         # checks the step before); "next-step": the GPU reaches it as the host prepares the

@@ -51,9 +51,8 @@ import torch
 from safetensors.numpy import save_file
 
 import ple_memops as pm
-from ple_memops.plan import RowsPlan
 from ple_memops.settings import COPIES
-from ple_memops.steps import StepDriver
+from ple_memops.steps import Steps
 
 # Rows a token (n-gram heads) and bytes a row: Qwen4Exp-like by default; --heads 1
 # --row-bytes 15360 is a Gemma E2B token's one row of 30 x 256 BF16 values.
@@ -117,8 +116,8 @@ class Variant:
         self.ids = torch.zeros(n, dtype=torch.int64, device="cuda")
         self.hist = torch.zeros(4096, batch, dtype=torch.int64, device="cuda")
         self.step = torch.zeros(1, dtype=torch.int64, device="cuda")
-        self.plan: RowsPlan | None = None
-        self.driver: StepDriver | None = None
+        self.plan: Steps | None = None
+        self.driver: Steps | None = None
         self.rows_sync: pm.DeferredRows | None = None
         self.gpu_table: torch.Tensor | None = None
         self.graph_ids: torch.cuda.CUDAGraph | None = None
@@ -135,7 +134,7 @@ class Variant:
             # "worker-staged@memop": the variant with that device side (default --copy).
             base, _, copy = name.partition("@")
             depth = 1 if base == "staged-depth1" else 2
-            self.plan = RowsPlan.build(
+            self.plan = Steps.build(
                 {"ple": table},
                 max_rows=n,
                 device=0,
@@ -144,8 +143,8 @@ class Variant:
                 copy=copy or COPY,
             )
             assert self.plan.mode == "deferred", self.plan.reason
-            self.driver = StepDriver(self.plan, depth=depth)
-            self.track = self.plan.layers["ple"].rows
+            self.driver = self.plan
+            self.track = self.plan.tables["ple"].rows
         self.track_arrival = track
         self.reset()
         self.graph = self.capture()
@@ -201,7 +200,7 @@ class Variant:
         elif v.partition("@")[0] == "worker-inline":
             plan = self.plan
             assert plan is not None
-            worker = plan.layers["ple"].worker
+            worker = plan.tables["ple"].worker
             assert worker is not None
 
             def pre() -> None:
@@ -209,7 +208,7 @@ class Variant:
                 worker.publish(self.ids)
 
             def consume() -> torch.Tensor:
-                plan.layers["ple"].rows.enqueue(rows=self.n)
+                plan.tables["ple"].rows.enqueue(rows=self.n)
                 return self.rows_view(plan.staging("ple"))
 
             self.forward(consume, pre)
@@ -306,7 +305,7 @@ class Variant:
 
     def close(self) -> None:
         if self.plan is not None:
-            self.plan.close()
+            self.plan.shutdown()
 
 
 VARIANTS = [

@@ -62,7 +62,7 @@ class Shadow:
             out = read_rows(hooks, name, staged)
             table = shadow.tables.get(name)
             if table is None:
-                layer = hooks.plan.layers[name]
+                layer = hooks.steps.tables[name]
                 rows = layer.table.gather(np.arange(layer.table.rows, dtype=np.int64))
                 table = shadow.tables[name] = torch.from_numpy(rows).to(out.device)
                 shadow.counts = torch.zeros(2, 3, dtype=torch.int64, device=out.device)

@@ -1,6 +1,6 @@
 """On a real GPU: replays nobody armed (never a hang, never stale rows, a typed error),
 two steps in flight with the host one step ahead (asynchronous scheduling), the staged
-consumer on a side branch, and RowsPlan. Bytes are checked for every step.
+consumer on a side branch, and the tables' Steps. Bytes are checked for every step.
 
 No test may hang: every wait for the GPU polls an event with a bound.
 """
@@ -16,8 +16,7 @@ import pytest
 from gpu_wait import captured_after_warmup, done, replayed
 
 import ple_memops as pm
-from ple_memops.plan import RowsPlan
-from ple_memops.steps import StepDriver
+from ple_memops.steps import Steps
 
 pytestmark = pytest.mark.gpu
 
@@ -231,7 +230,7 @@ def test_rows_stage_for_host_known_ids(torch: Any, table: pm.MmapTable) -> None:
 
 
 def test_plan_deferred_and_eager_give_the_same_bytes(torch: Any, table: pm.MmapTable) -> None:
-    with RowsPlan.build({"a": table, "b": table}, max_rows=32, device=0) as plan:
+    with Steps.build({"a": table, "b": table}, max_rows=32, device=0, timeout=10.0) as plan:
         assert plan.mode == "deferred" and plan.reason is None
         n = 24
         ids = {k: torch.zeros(n, dtype=torch.int64, device="cuda") for k in "ab"}
@@ -249,7 +248,7 @@ def test_plan_deferred_and_eager_give_the_same_bytes(torch: Any, table: pm.MmapT
                 staged[k].join()
                 outs[k].copy_(plan.staging(k, n))
 
-        driver = StepDriver(plan, timeout=10.0)
+        driver = plan
         arm, settle = (lambda: driver.arm(n)), (lambda: driver.settle(0))
         graph = captured_after_warmup(torch, body, arm, settle, reset=counter.zero_)
         end = torch.cuda.Event()
@@ -266,7 +265,7 @@ def test_plan_deferred_and_eager_give_the_same_bytes(torch: Any, table: pm.MmapT
 
 
 def test_plan_sync_fallback_refuses_stage(torch: Any, table: pm.MmapTable) -> None:
-    with RowsPlan.build({"a": table}, max_rows=8, device=0, deferred=False) as plan:
+    with Steps.build({"a": table}, max_rows=8, device=0, deferred=False) as plan:
         assert plan.mode == "sync" and "deferred=False" in (plan.reason or "")
         with pytest.raises(pm.StateError, match="deferred path"):
             plan.stage("a", torch.zeros(8, dtype=torch.int64, device="cuda"))

@@ -18,7 +18,7 @@ from gpu_wait import done
 from safetensors.numpy import save_file
 
 import ple_memops as pm
-from ple_memops.plan import RowsPlan
+from ple_memops.steps import Steps
 
 pytestmark = pytest.mark.gpu
 
@@ -149,7 +149,7 @@ def test_a_plans_replays_and_eager_steps_are_timed(torch, table: pm.MmapTable) -
     """Worker-fed steps: the graph computes and publishes its ids, the worker gathers; an
     eager step's consumer joins from the current stream (its arrival stamped there). One
     sample a step, each far below the watchdog; the rows are the table's."""
-    plan = RowsPlan.build({"t": table}, max_rows=N, device=0, time_stalls=True, watchdog=10.0)
+    plan = Steps.build({"t": table}, max_rows=N, device=0, time_stalls=True, watchdog=10.0)
     try:
         assert plan.deferred, plan.reason
         counter = torch.zeros(1, dtype=torch.int64, device="cuda")
@@ -167,13 +167,13 @@ def test_a_plans_replays_and_eager_steps_are_timed(torch, table: pm.MmapTable) -
 
         # Eager steps through the plan: a side stream per table, joined here.
         for i in (1, 2):
-            plan.begin(N, eager=True)
+            plan.arm(N, True)
             compute_ids()
             plan.stage_eager("t", ids, rows=N).join()
             out.copy_(plan.staging("t", N))
             end.record()
             assert done(end)
-            plan.complete()
+            plan.settle(0)
             np.testing.assert_array_equal(out.cpu().numpy(), want(i))
         assert len(plan.stall_samples()["t"].ns) == 2
         # Captured: publish + wait/copy on the rows' side stream, joined before the copy.
@@ -187,11 +187,11 @@ def test_a_plans_replays_and_eager_steps_are_timed(torch, table: pm.MmapTable) -
             out.copy_(plan.staging("t", N))
         counter.zero_()
         for i in range(1, 201):
-            plan.begin(N)
+            plan.arm(N)
             graph.replay()
             end.record()
             assert done(end), f"replay {i} never finished"
-            plan.complete()
+            plan.settle(0)
             np.testing.assert_array_equal(out.cpu().numpy(), want(i))
         ns = plan.stall_samples()["t"].ns
         print(
@@ -199,7 +199,7 @@ def test_a_plans_replays_and_eager_steps_are_timed(torch, table: pm.MmapTable) -
         )
         assert len(ns) == 200 and max(ns) < 1_000_000_000, ns
     finally:
-        plan.close()
+        plan.shutdown()
 
 
 def test_the_graph_clock_tells_a_graphs_span_from_the_gpu_idle_between(torch) -> None:  # type: ignore[no-untyped-def]

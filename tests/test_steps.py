@@ -1,6 +1,6 @@
-"""The step driver on the host (a plan whose tables have gather workers feeding host rows),
-the settings object and the one id conversion. The GPU suites drive it through the
-transformers runner."""
+"""The tables' steps on the host: ``Steps`` over gather workers that feed host rows (the
+deferred protocol's host side), the host mode's eager gathers, the settings object and the
+one id conversion. tests/test_steps_gpu.py covers the deferred mode on a GPU."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,9 +18,8 @@ import pytest
 from safetensors.numpy import save_file
 
 import ple_memops as pm
-from ple_memops import _common, plan, settings
-from ple_memops.plan import PlanLayer, RowsPlan
-from ple_memops.steps import StepCounters, StepDriver
+from ple_memops import _common, settings
+from ple_memops.steps import StepCounters, Steps, StepTable
 
 torch = pytest.importorskip("torch")
 
@@ -36,340 +36,345 @@ def table(tmp_path: Path) -> Any:
     t.close()
 
 
-def _worker_plan(table: pm.MmapTable, *, timeout: float = 5.0) -> RowsPlan:
-    """A plan whose one table is fed by a worker on host rows (as the deferred mode is)."""
-    rows = pm.DeferredRows(8, table.row_bytes, device="cpu", watchdog=None)
-    worker = pm.GatherWorker(rows, table, depth=2)
-    return RowsPlan([PlanLayer("t", table, rows, worker)], "deferred", None, None, timeout)
+def _worker_steps(
+    table: pm.MmapTable, names: tuple[str, ...] = ("t",), *, depth: int = 2, timeout: float = 5.0
+) -> Steps:
+    """Steps whose tables are fed by workers on host rows (as the deferred mode is)."""
+    made = []
+    for name in names:
+        rows = pm.DeferredRows(8, table.row_bytes, device="cpu", watchdog=None)
+        made.append(StepTable(name, table, rows, pm.GatherWorker(rows, table, depth=2)))
+    return Steps(made, "deferred", None, None, depth, timeout)
+
+
+def _poisoned(steps: Steps) -> bool:
+    return all(t.rows.phase == "poisoned" for t in steps)
 
 
 def test_depth_limits_the_steps_armed_and_settle_completes_the_oldest(table: Any) -> None:
-    p = _worker_plan(table)
-    driver = StepDriver(p, depth=2)
-    assert driver.deferred and driver.timeout == 5.0
-    base = driver.counters("t")
-    driver.arm(2)
-    driver.publish_host("t", [1, 2])
-    driver.arm(2)
-    driver.publish_host("t", [3, 4])
-    assert driver.in_flight == 2 and driver.completed_steps == 0
-    driver.arm(2)  # depth reached: the oldest step completes first
-    assert driver.completed_steps == 1 and driver.in_flight == 2
-    driver.publish_host("t", [5, 6])
-    driver.settle(1)
-    assert driver.in_flight == 1 and driver.completed_steps == 2
-    driver.drain()
-    assert driver.in_flight == 0 and driver.completed_steps == 3
-    np.testing.assert_array_equal(p.staging("t", 2), table.gather([5, 6]))
-    got = driver.counters("t").since(base)
-    assert (got.armed, got.completed, got.fills) == (3, 3, 3)
+    s = _worker_steps(table)
+    assert s.deferred and s.timeout == 5.0 and s.depth == 2 and s.max_rows == 8
+    base = s.counters("t")
+    s.arm(2)
+    s.publish_host("t", [1, 2])
+    s.arm(2)
+    s.publish_host("t", [3, 4])
+    assert s.in_flight == 2 and s.counters().completed == 0
+    assert s.arm(2)[0] == 1  # depth reached: the oldest step completes first
+    assert s.in_flight == 2
+    s.publish_host("t", [5, 6])
+    assert s.settle(1) == 1 and s.in_flight == 1
+    assert s.drain() == 1 and s.in_flight == 0
+    np.testing.assert_array_equal(s.staging("t", 2), table.gather([5, 6]))
+    got = s.counters("t").since(base)
+    assert (got.armed, got.completed, got.fills, got.eager) == (3, 3, 3, 0)
     assert got.mean_fill_us is not None and got.mean_fill_us >= 0
     assert StepCounters().mean_fill_us is None
-    driver.shutdown()
-    driver.shutdown()  # idempotent
-    assert driver.closed and p.closed
+    s.shutdown()
+    s.shutdown()  # idempotent
+    assert s.closed and all(t.rows.phase == "closed" for t in s)
     with pytest.raises(pm.ClosedError):
-        driver.arm(1)
+        s.arm(1)
+    with pytest.raises(pm.ClosedError):
+        s.drain()
 
 
 def test_completions_that_wait_for_a_fill_are_counted_and_timed(table: Any) -> None:
-    p = _worker_plan(table)
-    driver = StepDriver(p)
-    base = driver.counters("t")
-    driver.arm(2)
-    driver.publish_host("t", [1, 2])
+    s = _worker_steps(table)
+    base = s.counters("t")
+    s.arm(2)
+    s.publish_host("t", [1, 2])
     deadline = time.monotonic() + 5
-    while driver.counters("t").since(base).fills < 1:
+    while s.counters("t").since(base).fills < 1:
         assert time.monotonic() < deadline, "the worker never filled"
         time.sleep(0.001)
-    driver.settle(0)  # filled already: no wait
-    assert driver.counters("t").since(base).completes_waited == 0
-    driver.arm(2)
-    later = threading.Timer(0.05, lambda: driver.publish_host("t", [3, 4]))
+    s.settle(0)  # filled already: no wait
+    assert s.counters("t").since(base).completes_waited == 0
+    s.arm(2)
+    later = threading.Timer(0.05, lambda: s.publish_host("t", [3, 4]))
     later.start()
-    driver.settle(0)  # before the ids: waits for the worker (GIL released)
+    s.settle(0)  # before the ids: waits for the worker (GIL released)
     later.join()
-    got = driver.counters("t").since(base)
+    got = s.counters("t").since(base)
     assert got.completes_waited == 1, got
     assert got.mean_complete_wait_us is not None and got.mean_complete_wait_us >= 20_000, got
-    np.testing.assert_array_equal(p.staging("t", 2), table.gather([3, 4]))
+    np.testing.assert_array_equal(s.staging("t", 2), table.gather([3, 4]))
     assert StepCounters().mean_complete_wait_us is None
-    driver.shutdown()
+    s.shutdown()
 
 
-def _two_table_plan(table: pm.MmapTable) -> RowsPlan:
-    layers = []
-    for name in ("a", "b"):
-        rows = pm.DeferredRows(8, table.row_bytes, device="cpu", watchdog=None)
-        layers.append(PlanLayer(name, table, rows, pm.GatherWorker(rows, table, depth=2)))
-    return RowsPlan(layers, "deferred", None, None, 5.0)
-
-
-class _Without:
-    """A plan without some of ``stepper`` and ``advance`` (any other PlanLike): the driver
-    steps it through what is left, down to call by call."""
-
-    def __init__(self, plan: RowsPlan, hidden: tuple[str, ...]) -> None:
-        self._plan, self._hidden = plan, hidden
-
-    def __getattr__(self, name: str) -> Any:
-        if name in self._hidden:
-            raise AttributeError(name)
-        return getattr(self._plan, name)
-
-
-@pytest.mark.parametrize(
-    "hidden",
-    [(), ("stepper",), ("stepper", "advance")],
-    ids=["stepper", "plan-advance", "call-by-call"],
-)
-def test_advance_completes_at_depth_then_arms_every_table_timed(
-    table: Any, hidden: tuple[str, ...]
-) -> None:
-    p = _two_table_plan(table)
-    driver = StepDriver(_Without(p, hidden) if hidden else p, depth=2)  # type: ignore[arg-type]
-    assert (driver.stepper is not None) == (not hidden)
-    base = {n: driver.counters(n) for n in ("a", "b")}
-    done = [driver.advance(2)]
+def test_arm_completes_at_depth_then_arms_every_table_timed(table: Any) -> None:
+    s = _worker_steps(table, ("a", "b"))
+    base = {n: s.counters(n) for n in ("a", "b")}
+    done = [s.arm(2)]
     for n in ("a", "b"):
-        driver.publish_host(n, [1, 2])
-    done.append(driver.advance(3))
+        s.publish_host(n, [1, 2])
+    done.append(s.arm(3))
     for n, ids in (("a", [3, 4, 5]), ("b", [6, 7, 8])):
-        driver.publish_host(n, ids)
-    done.append(driver.advance(1, eager=True))  # depth reached: the oldest completes first
+        s.publish_host(n, ids)
+    done.append(s.arm(1, True))  # an eager forward's step; depth reached: one completes
     assert [completed for completed, _, _ in done] == [0, 0, 1]
     assert all(wait_ns >= 0 and arm_ns > 0 for _, wait_ns, arm_ns in done)
-    assert driver.in_flight == 2 and (driver.armed_steps, driver.completed_steps) == (3, 1)
+    assert s.in_flight == 2
     for n in ("a", "b"):
-        driver.publish_host(n, [9])
-    driver.drain()
-    np.testing.assert_array_equal(p.staging("a", 1), table.gather([9]))
-    np.testing.assert_array_equal(p.staging("b", 1), table.gather([9]))
+        s.publish_host(n, [9])
+    s.drain()
+    np.testing.assert_array_equal(s.staging("a", 1), table.gather([9]))
+    np.testing.assert_array_equal(s.staging("b", 1), table.gather([9]))
     for n in ("a", "b"):
-        got = driver.counters(n).since(base[n])
-        assert (got.armed, got.completed, got.fills, got.eager_fills) == (3, 3, 3, 1)
-    # Bad arguments raise typed and lose nothing: the armed step stays, the plan usable.
-    driver.advance(2)
-    for rows in (0, -1, 9):
-        with pytest.raises(pm.RowShapeError, match=r"1\.\.=8 rows"):
-            p.advance(rows, 2)
-    with pytest.raises(pm.InvalidArgumentError, match="depth"):
-        p.advance(2, 0)
-    assert p.poison_cause is None and driver.in_flight == 1
-    for n in ("a", "b"):
-        driver.publish_host(n, [4, 5])
-    driver.drain()
-    np.testing.assert_array_equal(p.staging("a", 2), table.gather([4, 5]))
-    driver.shutdown()
-    with pytest.raises(pm.ClosedError):
-        driver.advance(1)
-    with pytest.raises(pm.ClosedError):
-        p.advance(1, 2)
-
-
-def test_advance_failure_aborts_the_plan_logged_and_typed(
-    table: Any, caplog: pytest.LogCaptureFixture
-) -> None:
-    p = _two_table_plan(table)
-    driver = StepDriver(p, depth=1, log=logging.getLogger("test-advance"))
-    driver.advance(2)
-    driver.publish_host("a", [1, ROWS + 3])  # the worker's fill fails: out of range
-    driver.publish_host("b", [1, 2])
-    with caplog.at_level(logging.ERROR, "test-advance"):
-        with pytest.raises(pm.RowIdError):
-            driver.advance(2)  # completing the failed step
-    assert "aborting deferred PLE rows" in caplog.text and "arming a step" in caplog.text
-    # Every table is released, nothing stays armed, later steps are refused.
-    assert all(layer.rows.phase == "poisoned" for layer in p)
-    with pytest.raises(pm.PoisonedError):
-        driver.advance(1)
-    driver.shutdown()
-    # A worker closed under an open plan: typed, and the plan aborts (all or none).
-    q = _two_table_plan(table)
-    q.layers["b"].worker.close()
-    with pytest.raises(pm.ClosedError):
-        q.advance(1, 2)
-    assert q.layers["a"].rows.phase == "poisoned"
-    q.close()
-
-
-def test_a_plans_stepper_is_advance_in_one_native_call(table: Any) -> None:
-    """``RowsPlan.stepper``: ``advance`` with depth and timeout bound, counting its steps;
-    bad arguments typed and harmless; a failure raised, the abort left to its caller; closed
-    with the plan."""
-    p = _two_table_plan(table)
-    step = p.stepper(2, timeout=3.0)
-    assert (step.depth, step.timeout, step.armed, step.completed) == (2, 3.0, 0, 0)
-    assert step(2)[0] == 0 and step(3, True)[0] == 0  # a replay's step, an eager one
-    for n, ids in (("a", [1, 2]), ("b", [3, 4])):
-        p.publish_host(n, ids)
-    completed, wait_ns, arm_ns = step(1)  # depth reached: the oldest completes first
-    assert completed == 1 and wait_ns >= 0 and arm_ns > 0
-    np.testing.assert_array_equal(p.staging("b", 2), table.gather([3, 4]))
-    assert (step.armed, step.completed, p.in_flight) == (3, 1, 2)
-    workers = {n: p.layers[n].worker.stats() for n in ("a", "b")}
-    assert all((w.fills, w.eager_fills) == (1, 0) for w in workers.values()), workers
-    # Bad arguments: typed, before anything is completed or armed.
+        got = s.counters(n).since(base[n])
+        assert (got.armed, got.completed, got.eager) == (3, 3, 1)
+        assert (got.fills, got.eager_fills) == (3, 1)
+    # Bad arguments raise typed and lose nothing: the armed step stays, nothing aborted.
+    s.arm(2)
     for rows in (0, -1, 9):
         with pytest.raises(pm.RowShapeError, match="rows"):
-            step(rows)
+            s.arm(rows)
     with pytest.raises(TypeError):
-        step(2.5)  # type: ignore[arg-type]
-    with pytest.raises(pm.InvalidArgumentError, match="depth"):
-        p.stepper(0)
-    assert (step.armed, p.in_flight, p.poison_cause) == (3, 2, None)
-    # A failed fill is raised; the stepper does not abort the plan (its caller does).
-    for n, ids in (("a", [1, ROWS + 5, 2]), ("b", [1, 2, 3])):
-        p.publish_host(n, ids)
+        s.arm(2.5)
+    assert s.poison_cause is None and s.in_flight == 1 and s.counters().armed == 4
+    for n in ("a", "b"):
+        s.publish_host(n, [4, 5])
+    s.drain()
+    np.testing.assert_array_equal(s.staging("a", 2), table.gather([4, 5]))
+    s.shutdown()
+    with pytest.raises(pm.ClosedError):
+        s.arm(1)
+
+
+def test_a_failure_aborts_every_table_in_the_native_step(table: Any) -> None:
+    """All or none, owned by the native step: a fill that failed in one table completes
+    every table's step, poisons all of them and raises the worker's typed error; no caller
+    aborts anything."""
+    s = _worker_steps(table, ("a", "b"), depth=1)
+    s.arm(2)
+    s.publish_host("a", [1, ROWS + 3])  # the worker's fill fails: out of range
+    s.publish_host("b", [1, 2])
     with pytest.raises(pm.RowIdError):
-        step(1)
-    assert p.layers["b"].rows.phase != "poisoned"
-    p.abort("the caller's abort")
-    assert all(layer.rows.phase == "poisoned" for layer in p)
-    p.close()
-    assert step.closed
+        s.arm(2)  # completing the failed step
+    assert _poisoned(s) and s.in_flight == 0
+    assert (s.poison_cause or "").startswith("a: ")
+    assert "arming a step of 2 rows" in (s.tables["b"].rows.poison_cause or "")
+    with pytest.raises(pm.PoisonedError):
+        s.arm(1)
+    s.shutdown()
+    # A worker closed under open steps: typed, and every table aborts.
+    q = _worker_steps(table, ("a", "b"))
+    q.tables["b"].worker.close()
     with pytest.raises(pm.ClosedError):
-        step(1)
-    with pytest.raises(pm.ClosedError):
-        p.stepper(2)
-    # A plan without workers has none.
-    with RowsPlan.build({"t": table}, max_rows=8, device="cpu", log_fallback=False) as host:
-        with pytest.raises(pm.StateError, match="deferred"):
-            host.stepper(2)
-        assert StepDriver(host).stepper is None
-
-
-def test_advance_waits_for_a_pending_host_publish(table: Any) -> None:
-    p = _worker_plan(table)
-    driver = StepDriver(p, depth=1)
-    known = threading.Event()
-    driver.advance(2)
-    driver.publish_host_later("t", lambda: (known.wait(5), [7, 8])[1])
-    known.set()
-    done = driver.advance(1)  # completes the step once its publish is in (call by call)
-    assert done[0] == 1 and driver.completed_steps == 1
-    np.testing.assert_array_equal(p.staging("t", 2), table.gather([7, 8]))
-    driver.publish_host("t", [4])
-    driver.drain()
-    driver.stop_publisher()
-    driver.shutdown()
+        q.arm(1)
+    assert q.tables["a"].rows.phase == "poisoned"
+    q.shutdown()
 
 
 def test_publish_host_later_publishes_from_the_publisher_thread(table: Any) -> None:
-    p = _worker_plan(table)
-    driver = StepDriver(p)
+    s = _worker_steps(table, depth=1)
     with pytest.raises(pm.StateError, match="arm"):
-        driver.publish_host_later("t", lambda: [1])
+        s.publish_host_later("t", lambda: [1])
     known = threading.Event()
-    driver.arm(2)
-    driver.publish_host_later("t", lambda: (known.wait(5), [7, 8])[1])
+    s.arm(2)
+    s.publish_host_later("t", lambda: (known.wait(5), [7, 8])[1])
     known.set()  # the ids become known after the "launch"
-    driver.settle(0)  # waits for the publish, then completes
-    np.testing.assert_array_equal(p.staging("t", 2), table.gather([7, 8]))
-    driver.stop_publisher()
-    driver.shutdown()
+    assert s.settle(0) == 1  # waits for the publish, then completes
+    np.testing.assert_array_equal(s.staging("t", 2), table.gather([7, 8]))
+    s.arm(1)
+    s.publish_host_later("t", lambda: [3])
+    s.drain()
+    np.testing.assert_array_equal(s.staging("t", 1), table.gather([3]))
+    s.stop_publisher()
+    s.shutdown()
 
 
-def test_a_failed_step_aborts_the_plan_and_raises_its_error(table: Any) -> None:
-    p = _worker_plan(table)
-    driver = StepDriver(p)
-    driver.arm(1)
-    driver.publish_host("t", [ROWS + 1])
+def test_a_failed_step_aborts_and_shutdown_never_raises(table: Any) -> None:
+    s = _worker_steps(table)
+    s.arm(1)
+    s.publish_host("t", [ROWS + 1])
     with pytest.raises(pm.RowIdError):
-        driver.drain()
+        s.drain()
     with pytest.raises(pm.PoisonedError):
-        driver.arm(1)
-    driver.drain_for_shutdown()  # never raises
-    driver.shutdown()
+        s.arm(1)
+    s.drain_for_shutdown()  # never raises
+    s.shutdown()
+    # A step whose ids never come: shutdown's drain is bounded by the timeout, aborts, and
+    # closes.
+    q = _worker_steps(table, timeout=0.05)
+    q.arm(1)
+    t0 = time.monotonic()
+    q.shutdown()
+    assert time.monotonic() - t0 < 5 and q.closed
 
 
 def test_raise_if_failed_stops_a_step_whose_rows_failed(table: Any) -> None:
     """Before an engine hands out a step's output: nothing while the rows are good; once
     a fill failed (its consumer read zeros), the worker's typed error comes out."""
-    p = _worker_plan(table)
-    driver = StepDriver(p)
-    driver.arm(1)
-    driver.publish_host("t", [2])
-    driver.drain()
-    driver.raise_if_failed()  # good rows: nothing
-    assert p.poison_cause is None
-    driver.arm(1)
-    driver.publish_host("t", [ROWS + 5])  # the fill fails in the worker
+    s = _worker_steps(table)
+    s.arm(1)
+    s.publish_host("t", [2])
+    s.drain()
+    s.raise_if_failed()  # good rows: nothing
+    assert s.poison_cause is None
+    s.arm(1)
+    s.publish_host("t", [ROWS + 5])  # the fill fails in the worker
     deadline = time.monotonic() + 5
-    while p.poison_cause is None and time.monotonic() < deadline:
+    while s.poison_cause is None and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert "out of range" in (p.poison_cause or "")
+    assert "out of range" in (s.poison_cause or "")
     with pytest.raises(pm.RowIdError):
-        driver.raise_if_failed()
+        s.raise_if_failed()
     with pytest.raises(pm.PoisonedError):
-        driver.raise_if_failed()  # and every later check
-    driver.shutdown()
+        s.raise_if_failed()  # and every later check
+    s.shutdown()
 
 
-def test_no_armed_step_is_typed_and_leaves_the_plan_usable(table: Any) -> None:
-    p = _worker_plan(table)
+def test_no_armed_step_is_typed_and_leaves_the_steps_usable(table: Any) -> None:
+    s = _worker_steps(table)
     with pytest.raises(pm.NoArmedStepError, match="no armed step") as info:
-        p.publish_host("t", [1])
-    assert isinstance(info.value, pm.StateError)
-    driver = StepDriver(p)
-    driver.arm(1)
-    driver.publish_host("t", np.array([[9]]))  # any shape, row-major
-    driver.drain()
-    np.testing.assert_array_equal(p.staging("t", 1), table.gather([9]))
-    driver.shutdown()
+        s.publish_host("t", [1])
+    assert isinstance(info.value, pm.StateError) and s.poison_cause is None
+    s.arm(1)
+    s.publish_host("t", np.array([[9]]))  # any shape, row-major
+    s.drain()
+    np.testing.assert_array_equal(s.staging("t", 1), table.gather([9]))
+    with pytest.raises(pm.InvalidArgumentError, match="no table"):
+        s.publish_host("x", [1])
+    s.shutdown()
 
 
-def test_guard_and_launch_abort_on_any_exception(table: Any) -> None:
-    p = _worker_plan(table)
-    driver = StepDriver(p)
-
-    def launch() -> None:
-        raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        driver.launch(1, launch)
-    assert p.layers["t"].rows.phase == "poisoned"
-    assert "launch" in (p.layers["t"].rows.poison_cause or "")
-    driver.shutdown()
-    q = _worker_plan(table)
-    d2 = StepDriver(q)
-    with pytest.raises(ValueError), d2.guard("a test"):
-        raise ValueError("boom")
-    assert "a test" in (q.layers["t"].rows.poison_cause or "")
-    d2.shutdown()
-    d2.abort_on("after shutdown", ValueError("late"))  # nothing once shut down
-    r = _worker_plan(table)
-    d3 = StepDriver(r)
-    d3.abort_on("a caught failure", RuntimeError("bad"))
-    assert "exception in a caught failure: RuntimeError('bad')" in (
-        r.layers["t"].rows.poison_cause or ""
-    )
-    d3.shutdown()
+def test_guard_and_abort_on_abort_every_table_logged(
+    table: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = _worker_steps(table, ("a", "b"))
+    s.arm(1)
+    with caplog.at_level(logging.DEBUG, "ple_memops"):
+        with pytest.raises(KeyboardInterrupt), s.guard("the launch"):
+            raise KeyboardInterrupt
+        s.abort_on("a second scope", ValueError("same failure"))
+    assert _poisoned(s)
+    assert "the launch" in (s.tables["b"].rows.poison_cause or "")
+    errors = [r for r in caplog.records if "aborting deferred PLE rows" in r.getMessage()]
+    assert [r.levelno for r in errors] == [logging.ERROR, logging.DEBUG]
+    s.shutdown()
+    s.abort_on("after shutdown", ValueError("late"))  # nothing once shut down
 
 
-def test_eager_steps_through_the_driver_on_a_host_plan(table: Any) -> None:
-    with RowsPlan.build({"t": table}, max_rows=8, device="cpu", log_fallback=False) as p:
-        driver = StepDriver(p)
-        assert driver.mode == "host" and not driver.deferred
-        got = driver.gather_now("t", torch.tensor([3, 4]), rows=4)
-        np.testing.assert_array_equal(got[:2].numpy(), table.gather([3, 4]))
-        assert not got[2:].any()
-        assert driver.dummy_now("t", 2).shape == (2, WIDTH)
-        driver.arm(2)  # no workers on the host: a no-op
-        driver.settle(0)
-        assert driver.staging("t", 3).shape == (3, WIDTH)
+@pytest.fixture
+def tables(random_tables: Any) -> Iterator[dict[str, pm.MmapTable]]:
+    with random_tables(500, {"layer2": 32, "layer5": 64}) as out:
+        yield out
 
 
-def test_bad_driver_arguments(table: Any) -> None:
-    with RowsPlan.build({"t": table}, max_rows=8, device="cpu", log_fallback=False) as p:
-        for kwargs in ({"depth": 0}, {"depth": True}, {"timeout": 0.0}):
-            with pytest.raises(pm.InvalidArgumentError):
-                StepDriver(p, **kwargs)  # type: ignore[arg-type]
+def test_host_steps_gather_the_tables_bytes(
+    tables: dict[str, pm.MmapTable], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="ple_memops"):
+        s = Steps.build(tables, max_rows=16, device="cpu")
+    assert s.mode == "host" and not s.deferred
+    assert "no CUDA device" in (s.reason or "")
+    assert sum("host path" in r.getMessage() for r in caplog.records) == 1
+    assert s.names == ["layer2", "layer5"]
+    with s:
+        rng = np.random.default_rng(1)
+        for _ in range(20):
+            for name, table in tables.items():
+                ids = rng.integers(0, 500, int(rng.integers(1, 17)))
+                got = s.gather_now(name, torch.from_numpy(ids), rows=16)
+                assert isinstance(got, torch.Tensor) and got.shape == (16, table.row_bytes)
+                np.testing.assert_array_equal(got[: len(ids)].numpy(), table.gather(ids))
+                assert not got[len(ids) :].any()
+        assert s.staging("layer5").shape == (16, 64)
+        assert s.dummy_now("layer2", 4).shape == (4, 32)
+        # No workers on the host: nothing to arm (typed), settling has nothing to do.
+        with pytest.raises(pm.StateError, match="deferred path"):
+            s.arm(4)
+        assert s.drain() == 0 and s.in_flight == 0
+        with pytest.raises(pm.StateError, match="deferred path"):
+            s.stage("layer2", torch.zeros(4, dtype=torch.int64), rows=4)
+        with pytest.raises(pm.StateError, match="gather_now"):
+            s.publish_host("layer2", [1, 2])
+        assert s.poison_cause is None
+    assert s.closed
+    with pytest.raises(pm.ClosedError):
+        s.gather_now("layer2", [1])
+
+
+def test_gather_many_now_gathers_every_table_at_once(tables: dict[str, pm.MmapTable]) -> None:
+    """Several tables from host ids, each gathered on a thread of its own: the tables'
+    bytes, padded with zeros to the extent; all or none on a bad id; never a device
+    synchronisation (ids in a CUDA tensor are refused, here a CPU run can only show the
+    host kinds it takes)."""
+    with Steps.build(tables, max_rows=16, device="cpu", log_fallback=False) as s:
+        rng = np.random.default_rng(4)
+        for _ in range(10):
+            ids = {name: rng.integers(0, 500, int(rng.integers(1, 17))) for name in tables}
+            got = s.gather_many_now(
+                {"layer2": torch.from_numpy(ids["layer2"]), "layer5": list(ids["layer5"])},
+                rows=16,
+            )
+            for name, table in tables.items():
+                n = len(ids[name])
+                np.testing.assert_array_equal(got[name][:n].numpy(), table.gather(ids[name]))
+                assert not got[name][n:].any()
+                assert got[name].data_ptr() == s.staging(name).data_ptr()
+        before = {name: s.staging(name).clone() for name in tables}
+        with pytest.raises(pm.RowIdError):
+            s.gather_many_now({"layer2": [1, 2], "layer5": [3, 500]})
+        for name in tables:  # nothing was written to either table
+            assert torch.equal(s.staging(name), before[name])
+        with pytest.raises(pm.InvalidArgumentError, match="ids for a step of 1 rows"):
+            s.gather_many_now({"layer2": [1, 2]}, rows=1)
+        one = s.gather_many_now({"layer5": [7]})  # one table: no thread
+        np.testing.assert_array_equal(one["layer5"].numpy(), tables["layer5"].gather([7]))
+
+
+def test_bad_ids_raise_before_anything_changes(tables: dict[str, pm.MmapTable]) -> None:
+    with Steps.build(tables, max_rows=8, device="cpu", log_fallback=False) as s:
+        before = s.gather_now("layer2", [1, 2], rows=4).clone()
+        with pytest.raises(pm.RowIdError):
+            s.gather_now("layer2", [3, 500], rows=4)
+        assert torch.equal(s.staging("layer2", 4), before)
+        # The table is still usable: the failed step never began.
+        np.testing.assert_array_equal(
+            s.gather_now("layer2", [4], rows=4)[:1].numpy(), tables["layer2"].gather([4])
+        )
+        with pytest.raises(pm.InvalidArgumentError, match="ids for a step"):
+            s.gather_now("layer2", [1, 2, 3], rows=2)
+        with pytest.raises(pm.InvalidArgumentError, match="no table"):
+            s.gather_now("layer9", [1])
+        assert s.in_flight == 0 and not s.closed
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_rows": 0},
+        {"max_rows": True},
+        {"max_rows": 4, "timeout": 0.0},
+        {"max_rows": 4, "depth": 0},
+        {"max_rows": 4, "depth": True},
+        {"max_rows": 4, "device": "gpu"},
+    ],
+)
+def test_bad_arguments(tables: dict[str, pm.MmapTable], kwargs: dict[str, object]) -> None:
+    with pytest.raises(pm.InvalidArgumentError):
+        Steps.build(tables, **kwargs)  # type: ignore[arg-type]
+
+
+def test_names_must_be_unique_and_present(tables: dict[str, pm.MmapTable]) -> None:
+    t = tables["layer2"]
+    with pytest.raises(pm.InvalidArgumentError, match="unique"):
+        Steps.build([("a", t), ("a", t)], max_rows=4, device="cpu")
+    with pytest.raises(pm.InvalidArgumentError, match="at least one"):
+        Steps.build({}, max_rows=4, device="cpu")
+
+
+def test_the_native_step_refuses_a_depth_its_workers_cannot_hold(table: Any) -> None:
+    with pytest.raises(pm.InvalidArgumentError, match="depth"):
+        _worker_steps(table, depth=3)  # the workers hold 2
 
 
 def test_settings_are_the_one_source_of_defaults() -> None:
     d = settings.DEFAULTS
-    assert (plan.DEFAULT_TIMEOUT, plan.DEFAULT_WATCHDOG) == (d.timeout, d.watchdog)
+    assert (settings.DEFAULT_TIMEOUT, settings.DEFAULT_WATCHDOG) == (d.timeout, d.watchdog)
     assert (settings.DEFAULT_TIMEOUT, settings.DEPTH) == (30.0, 2)
     assert d.replace(depth=3).depth == 3 and d.depth == 2
     for bad in ({"depth": 0}, {"timeout": -1.0}, {"copy": "dma"}, {"publish": "x"}):
@@ -425,9 +430,9 @@ def test_host_ids_policy_is_explicit() -> None:
 def test_the_stats_line_says_which_completions_waited(table: Any) -> None:
     from ple_memops.vllm.hooks import PleRunnerHooks
 
-    hk = PleRunnerHooks(_worker_plan(table), rows_per_token=1)
+    hk = PleRunnerHooks(_worker_steps(table), rows_per_token=1)
     try:
-        driver = hk.driver
+        driver = hk.steps
         hk.log_stats(force=True)
         driver.arm(2)
         driver.publish_host("t", [1, 2])

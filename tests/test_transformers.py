@@ -160,7 +160,7 @@ def test_bench_cpu_path_every_variant_identical(gemma_ckpt: Path) -> None:
         assert r.tokens.shape == (6, 3)
     fb = [r for r in results if r.variant == "fallback"]
     assert all(r.mode == "host" for r in fb)
-    assert served.server.plan is None  # each variant closes its plan
+    assert served.server.steps is None  # each variant closes its steps
     served.close()
 
 
@@ -263,8 +263,8 @@ def test_published_ids_live_until_the_consumer_joined(gemma_ckpt: Path) -> None:
         def join(self) -> None:
             seen["alive at join"] = seen["ids"]() is not None
 
-    class Plan:  # the deferred plan's stage(), as rows_for calls it
-        mode = "deferred"
+    class Plan:  # the deferred steps' stage(), as rows_for calls it
+        mode, deferred = "deferred", True
 
         def stage(self, name: str, ids: Any, rows: int) -> Staged:
             seen["ids"] = weakref.ref(ids)  # the worker keeps no reference either
@@ -274,7 +274,7 @@ def test_published_ids_live_until_the_consumer_joined(gemma_ckpt: Path) -> None:
             return torch.zeros((n, 4), dtype=torch.uint8)
 
     tickets: list[Any] = []
-    server.plan, server.source, server.graph_path = Plan(), "device", True
+    server.steps, server.source, server.graph_path = Plan(), "device", True
     server.consume_later(GEMMA3N_TABLE, tickets.append)
     try:
         server.rows_for(GEMMA3N_TABLE, torch.tensor([[5], [7]]))
@@ -283,7 +283,7 @@ def test_published_ids_live_until_the_consumer_joined(gemma_ckpt: Path) -> None:
         tickets.pop().consume()
         gc.collect()
     finally:
-        server.plan, server.source, server.graph_path = None, "device", False
+        server.steps, server.source, server.graph_path = None, "device", False
         server.consume_later(GEMMA3N_TABLE, None)
     assert seen["alive at join"]
     assert seen["ids"]() is None  # and released once joined

@@ -106,10 +106,10 @@ def _rows_stats(worker: Any) -> dict[str, Any]:
     hooks = getattr(worker.model_runner, "ple_rows", None)  # None: vLLM's own runner
     if hooks is None:
         return {"hooks": False}
-    stats = hooks.plan.stats()
+    stats = hooks.steps.stats()
     return {
         "hooks": True,
-        "mode": hooks.plan.mode,
+        "mode": hooks.steps.mode,
         "armed": hooks.armed_steps,
         "eager": hooks.eager_steps,
         "sync_replays": hooks.sync_replays,
@@ -123,8 +123,8 @@ def _rows_stats(worker: Any) -> dict[str, Any]:
         "eager_fills": sorted({int(w.eager_fills) for _, w in stats.values() if w is not None}),
         # Steps that kept a table's own gather threads awake while armed (per layer).
         "warmed": {n: int(w.warmed_steps) for n, (_, w) in stats.items() if w is not None},
-        "own_threads": {n: layer.table.gather_threads for n, layer in hooks.plan.layers.items()},
-        "copy": sorted({layer.rows.copy for layer in hooks.plan}),
+        "own_threads": {n: layer.table.gather_threads for n, layer in hooks.steps.tables.items()},
+        "copy": sorted({layer.rows.copy for layer in hooks.steps}),
     }
 
 

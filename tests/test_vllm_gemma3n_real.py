@@ -101,7 +101,7 @@ def test_the_model_loads_without_its_table_and_its_inputs_are_the_stock_models(
     ours, theirs = model.language_model.model.self_decoder, stock.language_model.model.self_decoder
     hooks = _attach(model, mmap_cfg)
     layers = mmap_cfg.compilation_config.static_forward_context
-    assert hooks.plan.mode == "host" and hooks.layer_names == [table.ple_memops_name]
+    assert hooks.steps.mode == "host" and hooks.layer_names == [table.ple_memops_name]
 
     def stock_inputs(ids: torch.Tensor, combine: Any) -> torch.Tensor:
         # vLLM's: the rows looked up eagerly into the buffer, the buffer's slice combined.

@@ -156,7 +156,7 @@ def test_the_model_loads_without_its_table_and_its_inputs_are_the_stock_models(
     stage = table.stage
     table.stage = lambda ids: (staged.append(ids.clone()), stage(ids))[1]
     try:
-        assert hooks.plan.mode == "host" and hooks.layer_names == [table.ple_memops_name]
+        assert hooks.steps.mode == "host" and hooks.layer_names == [table.ple_memops_name]
         for n, seed in ((1, 1), (9, 2), (40, 3)):
             ids = _ids(n, seed)
             with set_current_vllm_config(mmap_cfg), hooks.eager(dummy=False), ops.layers(layers):
@@ -290,9 +290,9 @@ def test_split_rows_layer_0s_slice_joins_at_its_gate_and_the_rest_at_layer_1s(
         hooks = _attach(model, mmap_cfg)
         try:
             assert hooks.layer_names == [first.ple_memops_name, rest.ple_memops_name]
-            threads = {n: layer.table.gather_threads for n, layer in hooks.plan.layers.items()}
+            threads = {n: layer.table.gather_threads for n, layer in hooks.steps.tables.items()}
             assert threads == {first.ple_memops_name: None, rest.ple_memops_name: want}
-            assert hooks.plan.layers[rest.ple_memops_name].table.columns == rest.columns
+            assert hooks.steps.tables[rest.ple_memops_name].table.columns == rest.columns
             # One mapping of the table's file serves both windows.
             assert _table_mappings() == before + 1
         finally:

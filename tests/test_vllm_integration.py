@@ -36,6 +36,7 @@ from qwen4exp_ngram import NGramHasher, NGramLayout, _is_prime  # noqa: E402
 from safetensors.torch import save_file as save_torch  # noqa: E402
 
 from ple_memops.step_costs import HOST_KINDS  # noqa: E402
+from ple_memops.steps import StepCounters, Steps, StepTable  # noqa: E402
 from ple_memops.vllm import hooks, ops, settings  # noqa: E402
 from ple_memops.vllm.__main__ import main as cli  # noqa: E402
 from ple_memops.vllm.hooks import PleRunnerHooks, deferrable  # noqa: E402
@@ -277,10 +278,8 @@ def _replay(hk: PleRunnerHooks, mgr: Manager, desc: Desc) -> Any:
 
 
 def _host_plan(root: Path) -> tuple[PleRunnerHooks, dict[str, Any], dict[str, Any]]:
-    """A host-mode plan, its tables, and the layers the ops find by name (what vLLM's
+    """Host-mode steps, their tables, and the layers the ops find by name (what vLLM's
     forward context holds: each carries the hooks)."""
-    from ple_memops.plan import RowsPlan
-
     names = checkpoint_tensor_names(root)
     tables = {
         f"model.layers.{i}.ple.ple_embedding.ngram_embedding": open_layer_table(
@@ -288,8 +287,8 @@ def _host_plan(root: Path) -> tuple[PleRunnerHooks, dict[str, Any], dict[str, An
         )
         for i in (1, 3)
     }
-    plan = RowsPlan.build(tables, max_rows=64 * H, device="cpu", log_fallback=False)
-    hk = PleRunnerHooks(plan, rows_per_token=H)
+    steps = Steps.build(tables, max_rows=64 * H, device="cpu", log_fallback=False)
+    hk = PleRunnerHooks(steps, rows_per_token=H)
     layers = {n: SimpleNamespace(ple_memops_hooks=hk) for n in tables}
     return hk, tables, layers
 
@@ -307,8 +306,8 @@ def _eager_ops_gather(
     hk: PleRunnerHooks, tables: dict[str, Any], layers: dict[str, Any], data: Any
 ) -> None:
     try:
-        assert hk.plan.mode == "host" and not hk.deferred
-        assert "no CUDA device" in str(hk.plan.reason)
+        assert hk.steps.mode == "host" and not hk.deferred
+        assert "no CUDA device" in str(hk.steps.reason)
         name = "model.layers.1.ple.ple_embedding.ngram_embedding"
         ids = torch.randint(0, 4096, (5, H), dtype=torch.int64)
         out = hk.output(name, 5)
@@ -440,23 +439,27 @@ class Staged:
 
 
 class RecordingPlan:
-    """The plan contract the hooks rely on (arming up to ``depth`` steps, completing the
-    oldest, abort poisoning), recording every call."""
+    """The tables' steps as the hooks use them (``ple_memops.steps.Steps``: arming up to
+    ``depth`` steps, completing the oldest first, settling, all-or-none aborts), recording
+    every call."""
 
     def __init__(self, names: list[str], depth: int = 2, mode: str = "deferred") -> None:
         self.log: list[str] = []
-        self._names, self.depth, self.mode = names, depth, mode
-        self.reason = None if mode == "deferred" else "probe said sync"
+        self.names, self.depth, self.mode = names, depth, mode
+        self.deferred = mode == "deferred"
+        self.reason = None if self.deferred else "probe said sync"
+        self.timeout = 5.0
         self.armed: list[int] = []
-        self.eager_begins: list[bool] = []  # begin()'s eager= for each step, in order
+        self.eager_begins: list[bool] = []  # arm()'s eager for each step, in order
         self.poisoned: str | None = None
         self.closed = False
         self.fail_complete: BaseException | None = None
         self.bufs = {n: torch.zeros((256, 8), dtype=torch.uint8) for n in names}
+        self.counts = {"armed": 0, "eager": 0, "completed": 0}
 
     @property
-    def layers(self) -> dict[str, None]:
-        return dict.fromkeys(self._names)
+    def tables(self) -> dict[str, None]:
+        return dict.fromkeys(self.names)
 
     @property
     def in_flight(self) -> int:
@@ -466,7 +469,15 @@ class RecordingPlan:
     def poison_cause(self) -> str | None:
         return self.poisoned
 
+    def counters(self, name: str | None = None) -> StepCounters:
+        return StepCounters(**self.counts)
+
+    def stall_samples(self) -> dict[str, Any]:
+        return {}
+
     def _live(self) -> None:
+        if self.closed:
+            raise ClosedError("closed")
         if self.poisoned is not None:
             raise PoisonedError(self.poisoned)
 
@@ -481,33 +492,67 @@ class RecordingPlan:
         self.log.append(f"eager {name} {rows}")
         return Staged(self.log, name)
 
-    def begin(self, rows: int, *, eager: bool = False, expected: Any = None) -> None:
+    def arm(self, rows: int, eager: bool = False) -> tuple[int, int, int]:
+        """As the native step: completes the oldest while ``depth`` are armed, then arms;
+        a failure aborts every table."""
         self._live()
-        if len(self.armed) >= self.depth:
-            raise StateError("depth")
+        done = 0
+        while len(self.armed) >= self.depth:
+            self._complete()
+            done += 1
         self.armed.append(rows)
         self.eager_begins.append(eager)
+        self.counts["armed"] += 1
+        self.counts["eager"] += int(eager)
         self.log.append(f"begin {rows}")
+        return done, 0, 0
 
-    def complete(self, timeout: float | None = None) -> None:
-        self._live()
+    def _complete(self) -> None:
         if self.fail_complete is not None:
+            self.abort(f"completing a step: {self.fail_complete}")
             raise self.fail_complete
         self.log.append(f"complete {self.armed.pop(0)}")
+        self.counts["completed"] += 1
+
+    def settle(self, limit: int = 0) -> int:
+        self._live()
+        done = 0
+        while len(self.armed) > limit:
+            self._complete()
+            done += 1
+        return done
+
+    def drain(self) -> int:
+        return self.settle(0)
+
+    def raise_if_failed(self) -> None:
+        if self.poisoned is not None:
+            raise PoisonedError(self.poisoned)
+
+    def guard(self, what: str) -> Any:
+        steps = self
+
+        class _G:
+            def __enter__(self) -> None:
+                return None
+
+            def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+                if exc is not None:
+                    steps.abort_on(what, exc)
+
+        return _G()
 
     def gather_now(
         self, name: str, ids: Any, rows: int | None = None, *, stream: Any = None
     ) -> Any:
-        self._live()
-        assert not self.armed, "eager gather with steps in flight"
+        self.drain()
         self.log.append(f"gather {name} {rows}")
         return self.bufs[name][:rows]
 
     def gather_many_now(
         self, ids: dict[str, Any], rows: int | None = None, *, stream: Any = None
     ) -> dict[str, Any]:
-        self._live()
-        assert not self.armed, "eager gather with steps in flight"
+        self.drain()
         out = {}
         for name, table_ids in ids.items():
             n = len(table_ids) if rows is None else rows
@@ -516,8 +561,7 @@ class RecordingPlan:
         return out
 
     def dummy_now(self, name: str, rows: int, *, stream: Any = None) -> Any:
-        self._live()
-        assert not self.armed
+        self.drain()
         self.log.append(f"dummy {name} {rows}")
         return self.bufs[name][:rows]
 
@@ -528,7 +572,22 @@ class RecordingPlan:
         self.log.append("abort")
         self.poisoned = self.poisoned or reason
 
-    def close(self) -> None:
+    def abort_on(self, what: str, exc: BaseException) -> None:
+        if not self.closed:
+            self.abort(f"exception in {what}: {exc!r}")
+
+    def drain_for_shutdown(self) -> None:
+        if self.closed:
+            return
+        try:
+            self.drain()
+        except BaseException as exc:
+            self.abort(f"shutdown: {exc!r}")
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.drain_for_shutdown()
         self.log.append("close")
         self.closed = True
 
@@ -831,7 +890,7 @@ def test_eager_forward_checks(capturing: list[bool]) -> None:
             hk.stage("b", ids[:2], hk.output("b", 2))
 
 
-def test_exceptions_abort(capturing: list[bool], caplog: pytest.LogCaptureFixture) -> None:
+def test_exceptions_abort(capturing: list[bool]) -> None:
     plan = RecordingPlan(["a"])
     hk = PleRunnerHooks(plan, rows_per_token=2)
     mgr = Manager()
@@ -841,10 +900,10 @@ def test_exceptions_abort(capturing: list[bool], caplog: pytest.LogCaptureFixtur
         raise KeyboardInterrupt
 
     mgr.run_fullgraph = boom  # type: ignore[method-assign]
-    with caplog.at_level(logging.ERROR, logger="ple_memops"), pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt):
         _replay(hk, mgr, Desc(FULL, 4))
     assert plan.log[-2:] == ["begin 8", "abort"]
-    assert "exception in the replay of Desc" in caplog.text
+    assert "exception in the replay of Desc" in (plan.poisoned or "")
     with pytest.raises(PoisonedError):
         hk.quiesce()
     with pytest.raises(PoisonedError):
@@ -893,31 +952,30 @@ def test_failed_completion_aborts_and_raises(capturing: list[bool]) -> None:
         _replay(hk, mgr, Desc(FULL, 4))
 
 
-def test_a_replay_arms_through_the_plans_stepper_and_its_failure_aborts(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_a_replay_arms_in_one_native_call_and_its_failure_aborts_every_table(
+    tmp_path: Path,
 ) -> None:
-    """Over a real plan of host-fed workers, a replay arms in the stepper's one native
-    call; a fill that failed comes out of the next replay's arming typed, and every
-    table is released then (the stepper leaves the abort to the hooks)."""
-    from ple_memops.plan import PlanLayer, RowsPlan
-
+    """Over real steps of host-fed workers, a replay arms in the steps' one native call; a
+    fill that failed comes out of the next replay's arming typed, and every table is
+    released then, by the native step itself (the hooks hold no abort policy of their
+    own for it)."""
     data = np.arange(64 * 16, dtype=np.uint32).astype(np.uint8).reshape(64, 16)
     save_torch({"t": torch.from_numpy(data).view(torch.float16)}, str(tmp_path / "t.st"))
     table = pm.MmapTable.open(tmp_path / "t.st", "t")
-    layers = []
+    made = []
     for name in ("a", "b"):
         rows = pm.DeferredRows(8, table.row_bytes, device="cpu", watchdog=None)
-        layers.append(PlanLayer(name, table, rows, pm.GatherWorker(rows, table, depth=2)))
-    plan = RowsPlan(layers, "deferred", None, None, 5.0)
-    hk = PleRunnerHooks(plan, rows_per_token=2)
-    assert hk._stepper is hk.driver.stepper is not None
+        made.append(StepTable(name, table, rows, pm.GatherWorker(rows, table, depth=2)))
+    steps = Steps(made, "deferred", None, None, 2, 5.0)
+    hk = PleRunnerHooks(steps, rows_per_token=2)
+    assert hk._arm is steps.arm and type(hk._arm).__module__ == "ple_memops._native"
     desc, mgr = Desc(FULL, 2), Manager()
     hk._wait_descs.add(desc)  # as a capture of this size would have
 
     def replay(ids: dict[str, list[int]], scoped: bool = True) -> None:
         def launch() -> None:  # the graph's publish of the step's ids
             for name, got in ids.items():
-                plan.publish_host(name, got)
+                steps.publish_host(name, got)
             mgr.run_fullgraph(desc)
 
         if not scoped:  # a replay outside a step: only the replay's own abort
@@ -928,21 +986,20 @@ def test_a_replay_arms_through_the_plans_stepper_and_its_failure_aborts(
 
     for k in range(3):
         replay({"a": [k, 1, 2, 3], "b": [k, 4, 5, 6]})
-    assert (hk.armed_steps, hk.driver.completed_steps, plan.in_flight) == (3, 1, 2)
+    assert (hk.armed_steps, steps.counters().completed, steps.in_flight) == (3, 1, 2)
     hk.quiesce()  # the last step's rows, complete
-    np.testing.assert_array_equal(plan.staging("b", 4), data[[2, 4, 5, 6]])
+    np.testing.assert_array_equal(steps.staging("b", 4), data[[2, 4, 5, 6]])
     replay({"a": [1, 64 + 9, 1, 1], "b": [1, 1, 1, 1]})  # table a's fill fails
-    with caplog.at_level(logging.ERROR, logger="ple_memops"), pytest.raises(pm.RowIdError):
+    with pytest.raises(pm.RowIdError):
         for _ in range(2):  # raised by the arming after it, at the latest by completing it
             replay({"a": [1, 1, 1, 1], "b": [1, 1, 1, 1]}, scoped=False)
-    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(errors) == 1 and "arming the replay of Desc" in errors[0], errors
-    assert all(layer.rows.phase == "poisoned" for layer in plan)
+    assert all(t.rows.phase == "poisoned" for t in steps)
+    assert "arming a step of 4 rows" in (steps.tables["b"].rows.poison_cause or "")
     with pytest.raises(PoisonedError):
         replay({})
     hk.shutdown()
-    with pytest.raises(ClosedError):  # closed with the plan
-        hk._stepper(2)
+    with pytest.raises(ClosedError):  # closed with the steps
+        hk._arm(2)
     table.close()
 
 
@@ -970,7 +1027,7 @@ def test_a_step_is_one_scope_at_a_time_timed_once_and_its_failures_abort() -> No
         hk.stage("a", torch.zeros((1, 2), dtype=torch.int64), hk.output("a", 1))
     assert plan.poisoned is not None and "never joined" in plan.poisoned
     with pytest.raises(PoisonedError), hk.step(dummy=False):
-        plan.begin(2)
+        plan.arm(2)
 
 
 def test_deferrable() -> None:
@@ -996,7 +1053,7 @@ def test_stand_in_eager_on_the_host(stand_in_ckpt: tuple[Path, dict[str, np.ndar
     path, tables = stand_in_ckpt
     r = stand_in.boot(path, "cpu")
     try:
-        assert r.hooks.plan.mode == "host"
+        assert r.hooks.steps.mode == "host"
         r.profile_run()
         r.warm_up()
         r.eager_step([[5, 6, 7, 8], [stand_in.EOS, 9, 10]])
@@ -1065,7 +1122,7 @@ def test_stats_lines_every_interval(
     lines = [m for m in caplog.messages if m.startswith("ple-memops stats")]
     assert len(lines) == 3, lines  # the last interval's, at shutdown
     with pytest.raises(pm.InvalidArgumentError, match="stats_every must be > 0"):
-        PleRunnerHooks(r.hooks.plan, rows_per_token=stand_in.H, stats_every=0)
+        PleRunnerHooks(r.hooks.steps, rows_per_token=stand_in.H, stats_every=0)
 
 
 # -- settings ------------------------------------------------------------------------------

@@ -730,14 +730,14 @@ def test_model_loads_without_its_tables_and_rows_match_the_device_table(
     finally:
         ours.removeHandler(caplog.handler)
         monkeypatch.delenv("PLE_MEMOPS_FIRST_LAYER_THREADS")
-    assert hooks is not None and hooks.plan.mode == "host"
+    assert hooks is not None and hooks.steps.mode == "host"
     by_layer = sorted(
         (
             int(name.split("layers.")[1].split(".")[0]),
             layer.table.gather_threads,
             layer.table.parallel_min_bytes,
         )
-        for name, layer in hooks.plan.layers.items()
+        for name, layer in hooks.steps.tables.items()
     )
     # The first PLE layer's table (the one every step waits for) got threads of its own;
     # every table keeps the core's parallel threshold (measured: 128 rows inline beat

@@ -84,7 +84,7 @@ def test_mrv2_sequence_every_step_checked(ckpt: tuple[Path, dict[str, np.ndarray
     path, tables = ckpt
     r = boot(path, "cuda", time_stalls=True)
     try:
-        assert r.hooks.deferred, r.hooks.plan.reason
+        assert r.hooks.deferred, r.hooks.steps.reason
         pool = torch.cuda.graph_pool_handle()
         r.profile_run()
         r.profile_cudagraph_memory()
@@ -102,7 +102,7 @@ def test_mrv2_sequence_every_step_checked(ckpt: tuple[Path, dict[str, np.ndarray
         # Every mixed eager step went through the workers too (the warm-up one, the
         # prefill and the phases that add requests).
         assert r.hooks.eager_steps >= 4, r.hooks.eager_steps
-        stats = r.hooks.plan.stats()
+        stats = r.hooks.steps.stats()
         for _name, (_rows, worker) in stats.items():
             assert worker is not None and worker.failures == 0 and worker.unarmed_replays == 0
         # The stats line over the whole run: every armed step, each layer's fills and
@@ -110,7 +110,7 @@ def test_mrv2_sequence_every_step_checked(ckpt: tuple[Path, dict[str, np.ndarray
         line = r.hooks.log_stats(force=True)
         assert line is not None
         print(line)
-        armed = r.hooks.driver.armed_steps
+        armed = r.hooks.steps.counters().armed
         eager = r.hooks.eager_steps
         assert f"{armed} deferred steps ({armed - eager} replays, {eager} eager)" in line
         for name, (_rows, worker) in stats.items():
@@ -146,7 +146,7 @@ def test_mrv2_sequence_with_a_sync_plan_keeps_graphs(
     path, tables = ckpt
     r = boot(path, "cuda", deferred=False)
     try:
-        assert r.hooks.plan.mode == "sync" and not r.hooks.deferred
+        assert r.hooks.steps.mode == "sync" and not r.hooks.deferred
         pool = torch.cuda.graph_pool_handle()
         r.profile_run()
         r.profile_cudagraph_memory()

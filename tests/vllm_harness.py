@@ -709,13 +709,13 @@ def gemma_rows_stats(worker: Any) -> dict[str, Any]:
     hooks = getattr(worker.model_runner, "ple_rows", None)  # None: vLLM's own runner
     if hooks is None:
         return {"hooks": False}
-    stats = hooks.plan.stats()
+    stats = hooks.steps.stats()
     return {
         "hooks": True,
-        "mode": hooks.plan.mode,
+        "mode": hooks.steps.mode,
         "layers": hooks.layer_names,
         # Each table's gather threads of its own (None: the shared pool).
-        "threads": [hooks.plan.layers[n].table.gather_threads for n in hooks.layer_names],
+        "threads": [hooks.steps.tables[n].table.gather_threads for n in hooks.layer_names],
         "armed": hooks.armed_steps,
         "eager": hooks.eager_steps,
         "graphs": len(hooks.wait_descs),

@@ -70,12 +70,12 @@ def rows_stats(worker: Any) -> dict[str, Any]:
     return {
         "hooks": True,
         "rank": dist.get_rank() if dist.is_initialized() else 0,
-        "mode": hooks.plan.mode,
+        "mode": hooks.steps.mode,
         "armed": hooks.armed_steps,
         "eager": hooks.eager_steps,
         "sync_replays": hooks.sync_replays,
         "graphs": len(hooks.wait_descs),
-        "aborts": sum(int(r.aborts) for r, _ in hooks.plan.stats().values()),
+        "aborts": sum(int(r.aborts) for r, _ in hooks.steps.stats().values()),
     }
 
 

@@ -131,7 +131,7 @@ def qwen4exp(r: Rank) -> dict[str, Any]:
             "device_reduces": device_reduces["n"],
             "mmap_reduces": mmap_reduces["n"],
         }
-    report["plan_mode"] = hooks.plan.mode
+    report["plan_mode"] = hooks.steps.mode
     hooks.shutdown()
     return report
 
@@ -181,7 +181,7 @@ def gemma4(r: Rank) -> dict[str, Any]:
         )
     report["stock_rows"] = int(stock.model.embed_tokens_per_layer.weight.shape[0])
     report["mmap_rows"] = int(model.model.embed_tokens_per_layer.weight.shape[0])
-    report["plan_mode"] = hooks.plan.mode
+    report["plan_mode"] = hooks.steps.mode
     hooks.shutdown()
     return report
 

@@ -79,9 +79,9 @@ def row_count(value: object, max_rows: int, name: str = "rows") -> int:
 
 
 def plan_device(device: Any) -> Any:
-    """An engine's device as a plan takes it: a ``torch.device`` becomes ``"cpu"`` or a
+    """An engine's device as ``Steps.build`` takes it: a ``torch.device`` becomes ``"cpu"`` or a
     CUDA ordinal (index ``None`` is 0); ``None`` becomes 0 where CUDA is available, else
-    ``"cpu"``; anything else passes (the plan parses it)."""
+    ``"cpu"``; anything else passes (``Steps.build`` parses it)."""
     if device is None:
         return 0 if cuda_available() else "cpu"
     if hasattr(device, "type"):
@@ -114,10 +114,10 @@ def host_ids(
     array passes without a copy; a CPU tensor is viewed.
 
     ``allow_device_sync``: what a CUDA tensor does. ``False`` (every hot path: a table's
-    gather, a worker's host publish, ``RowsPlan.publish_host``): it is refused with
+    gather, a worker's host publish, ``Steps.publish_host``): it is refused with
     ``error`` (default :class:`~ple_memops.InvalidArgumentError`; the worker raises
     :class:`~ple_memops.RowShapeError`), because reading it would synchronise the host
-    with the device. ``True`` (the eager path, ``RowsPlan.gather_now``): it is copied to
+    with the device. ``True`` (the eager path, ``Steps.gather_now``): it is copied to
     the host, which waits for the device, on purpose.
 
     ``dtype``: ``None`` keeps int64/int32 ids as they are and converts other integer

@@ -353,7 +353,7 @@ class DeferredRows:
         the current one). Eagerly: ``None``, the caller issues inline on ``stream``: a
         fork here would have to keep the caller's tensors alive until the side stream is
         done with them (``record_stream``, or holding them). An engine's eager step that
-        wants the overlap forks itself: ``RowsPlan.stage_eager`` issues on
+        wants the overlap forks itself: ``Steps.stage_eager`` issues on
         :meth:`_own_stream` and holds the ids until its join."""
         torch = optional_torch()
         if torch is None:

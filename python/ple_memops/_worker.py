@@ -239,7 +239,7 @@ class GatherWorker:
         between this call and :meth:`StagedRows.join` run while the host gathers; neither
         the publish nor the wait sits on their path. Eagerly both are issued inline on
         ``stream`` (and ``join`` does nothing); ``consumer_joins=True`` says the consumer
-        runs on another stream that joins ``stream`` later (as :meth:`RowsPlan.stage_eager`
+        runs on another stream that joins ``stream`` later (as :meth:`Steps.stage_eager`
         does), so stall timing stamps its arrival there
         (:func:`~ple_memops._deferred.stamp_arrival`), not before the wait."""
         torch = optional_torch()
@@ -337,6 +337,6 @@ class GatherWorker:
 
 
 def native_worker(worker: GatherWorker) -> _native.GatherWorkerCore:
-    """The worker's native half (for a plan's one-call step: ``_native.advance_workers``);
+    """The worker's native half (for the tables' native ``_native.Steps``);
     raises :class:`~ple_memops.ClosedError` once the worker is closed."""
     return worker._live()

@@ -59,7 +59,7 @@ class UnarmedReplayError(StateError):
 
 class NoArmedStepError(StateError):
     """Host ids given to a :class:`~ple_memops.GatherWorker` (``publish_from_host``,
-    ``RowsPlan.publish_host``) with no armed step waiting for ids: misuse, nothing was
+    ``Steps.publish_host``) with no armed step waiting for ids: misuse, nothing was
     written and no step is left waiting for them (so nothing needs releasing)."""
 
 

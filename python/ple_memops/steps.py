@@ -1,122 +1,93 @@
-"""The engine-neutral step driver: :class:`StepDriver` runs the steps of a
-:class:`~ple_memops.plan.RowsPlan` for any engine.
+"""One device's PLE tables driven as one: :class:`Steps`, the object every engine
+integration runs its steps through.
 
-An engine integration keeps only what is specific to its engine (finding the tables and
-layers, where the PLE op sits, the engine's capture and replay calls) and drives every
-step through one driver::
+A :class:`Steps` is built once at load time, outside any graph capture: one
+:class:`~ple_memops.DeferredRows` per table (a stable staging buffer that captured
+kernels read) and, where the device runs the deferred protocol, one
+:class:`~ple_memops.GatherWorker` each. Every table gets the same mode: a graph never mixes
+a deferred consumer with one that needs its rows before the launch. When the tables cannot
+defer (no capability, ``deferred=False``, a worker that cannot start), :attr:`Steps.reason`
+says why (and the ``ple_memops`` logger, once).
 
-    driver = StepDriver(plan)                    # load time, outside any capture
+The step policy is native (``_native.Steps``): arming a step on every table (completing
+the oldest while ``depth`` are armed), settling and draining, all-or-none failure (any
+failure aborts every table, so no captured consumer waits for rows that will not come,
+and no step's rows are silently wrong), bounded waits, shutdown and the counts. This
+module is its thin face: building the tables, the stream-side calls (staging under
+capture and in eager forwards), the synchronous path, statistics::
 
-    # capture (deferred mode): inside the engine's PLE op
-    staged = driver.stage(name, ids, rows=n)     # graph-computed ids: publish + wait/copy
-    staged = driver.stage_host_fed(name, rows=n) # host-fed steps: the wait/copy only
-    ...; staged.join()                           # right before the consumer
+    steps = Steps.build({"layer2": t2, "layer7": t7}, max_rows=n_max, device=0)
+
+    # capture (deferred mode): ids computed by the graph itself
+    staged = steps.stage("layer2", ids, rows=n)     # publish + wait/copy on a side stream
+    ...                                             # layers before the consumer
+    staged.join()                                   # the consumer's edge
+    rows = steps.staging("layer2", n)               # uint8 [n, row_bytes]
 
     # replay
-    driver.launch(n, graph.replay)               # arm (completing the oldest step first
-                                                 # when `depth` are armed), then launch;
-                                                 # any exception aborts the plan
-    driver.arm(n); graph.replay()                # the same in two calls
-    done = driver.advance(n); graph.replay()     # arm(n), timed: (completed, wait_ns, arm_ns)
-    done = driver.stepper(n)                     # the same as one native call (the plan's
-                                                 # stepper); on a failure: abort_on, raise
-    driver.publish_host(name, ids)               # host-known ids, before the launch
-    driver.publish_host_later(name, ids_of)      # ... or from the driver's publisher
-                                                 # thread once ids_of() returns them
-    driver.settle(limit)                         # after the launch: complete the oldest
-                                                 # steps until at most `limit` are armed
-    driver.drain()                               # complete every armed step
+    steps.arm(n); graph.replay()       # one native call: arm every table, completing the
+                                       # oldest step first while `depth` are armed
+    steps.publish_host(name, ids)      # host-known ids, before the launch
+    steps.settle(limit); steps.drain() # complete the oldest steps
 
-    # eager forwards with data, deferred mode: one more step, nothing waits on the host
-    driver.arm(n)
-    staged = driver.stage_eager(name, ids, rows=n)   # side stream per table; join() later
+    # eager forwards: deferred too, or synchronous
+    steps.arm(n, eager=True)
+    staged = steps.stage_eager(name, ids, rows=n)   # a side stream per table; join later
+    rows = steps.gather_now(name, ids)              # drains first; may synchronise
+    rows = steps.dummy_now(name, n)                 # drains first; no data
 
-    # eager steps (warm-up, profiling, the synchronous fallback)
-    rows = driver.gather_now(name, ids)          # drains first; may synchronise (eager)
-    rows = driver.gather_many_now({name: host_ids, ...})  # every table at once, in parallel
-    rows = driver.dummy_now(name, n)             # drains first; no data
-
-    # failures, statistics, shutdown
-    with driver.guard("engine step"): ...        # any exception aborts the plan
-    driver.abort_on("engine step", exc)          # the same, for an exception caught
-    driver.counters(name).since(base)            # StepCounters: armed, completed, fills,
-                                                 # mean fill time, GPU waits
-    driver.drain_for_shutdown()                  # bounded, never raises (aborts instead)
-    driver.shutdown()                            # drain, then close the plan
-
-Every completion waits at most :attr:`StepDriver.timeout` seconds; a failed completion
-aborts the plan (the GPU is released for good, later calls raise
-:class:`~ple_memops.PoisonedError`) and raises the first error. Like the plan, a driver
-is driven from one thread; its publisher thread only calls the plan's thread-safe
-``publish_host``.
-
-Porting an engine's runner hooks (``vllm/hooks.py``'s ``PleRunnerHooks``) onto it:
-``replay(desc, launch)`` is ``driver.launch(rows, launch)`` for a graph that waits for
-rows; ``quiesce()`` and ``release_graphs()`` call ``driver.drain()``; the PLE op's eager
-branch calls ``driver.gather_now`` / ``driver.dummy_now`` (which drain first) and its
-capture branch ``driver.stage``; ``step()``'s abort-on-exception is ``driver.guard``;
-``abort``, ``drain_for_shutdown`` and ``shutdown`` map one to one (``StepDriver(plan,
-log=logger)`` logs aborts as the hooks do); ``armed_steps`` is the driver's.
+    steps.raise_if_failed()            # before an engine hands out a step's results
+    steps.shutdown()                   # drain (bounded, never raises), close
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
-from .errors import ClosedError, StateError
+import numpy as np
+
+from . import _native
+from ._common import host_ids, optional_torch, parse_device
+from ._deferred import (
+    DeferredRows,
+    StagedRows,
+    StallSamples,
+    native_rows,
+    own_stream,
+    probe,
+    stamp_arrival,
+)
+from ._worker import GatherWorker, WorkerStats, native_worker
+from .errors import (
+    InvalidArgumentError,
+    PleMemopsError,
+    PoisonedError,
+    RowShapeError,
+    StateError,
+)
 from .settings import DEFAULTS
+from .table import MmapTable
 
-__all__ = ["PlanLike", "StagedLike", "StepCounters", "StepDriver"]
+__all__ = ["EagerStaged", "StepCounters", "StepTable", "Steps"]
 
+log = logging.getLogger("ple_memops")
 
-class StagedLike(Protocol):
-    """A staged table's rows for one step (:class:`~ple_memops.StagedRows`)."""
-
-    def join(self, stream: Any = None) -> Any: ...
-
-
-class PlanLike(Protocol):
-    """What :class:`StepDriver` and the engines' hooks use of a rows plan
-    (:class:`~ple_memops.plan.RowsPlan`)."""
-
-    @property
-    def mode(self) -> str: ...
-    @property
-    def reason(self) -> str | None: ...
-    @property
-    def in_flight(self) -> int: ...
-    @property
-    def layers(self) -> Mapping[str, Any]: ...
-    @property
-    def timeout(self) -> float: ...
-    @property
-    def poison_cause(self) -> str | None: ...
-    def stage(self, name: str, ids: Any, *, rows: int) -> StagedLike: ...
-    def stage_eager(self, name: str, ids: Any, *, rows: int) -> StagedLike: ...
-    def begin(
-        self, rows: int, *, eager: bool = False, expected: Mapping[str, Any] | None = None
-    ) -> Any: ...
-    def publish_host(self, name: str, ids: Any, timeout: float | None = None) -> None: ...
-    def complete(self, timeout: float | None = None) -> None: ...
-    def gather_now(
-        self, name: str, ids: Any, rows: int | None = None, *, stream: Any = None
-    ) -> Any: ...
-    def gather_many_now(
-        self, ids: Mapping[str, Any], rows: int | None = None, *, stream: Any = None
-    ) -> dict[str, Any]: ...
-    def dummy_now(self, name: str, rows: int, *, stream: Any = None) -> Any: ...
-    def staging(self, name: str, n: int | None = None) -> Any: ...
-    def stats(self) -> Mapping[str, Any]: ...
-    def abort(self, reason: str) -> None: ...
-    def close(self) -> None: ...
+Heads = tuple[Sequence[int], Sequence[int]]
 
 
-T = TypeVar("T")
+@dataclass(frozen=True)
+class StepTable:
+    """One table of a :class:`Steps` and the objects that serve it."""
+
+    name: str
+    table: MmapTable
+    rows: DeferredRows
+    worker: GatherWorker | None
+    """``None`` unless the tables run in ``deferred`` mode."""
 
 
 def _mean_us(total_ns: int, n: int) -> float | None:
@@ -125,36 +96,31 @@ def _mean_us(total_ns: int, n: int) -> float | None:
 
 @dataclass(frozen=True)
 class StepCounters:
-    """What a driver counted (and its plan's objects), totals or differences."""
+    """What a :class:`Steps` counted (and its tables' workers), totals or differences."""
 
     armed: int = 0
-    """Steps the driver armed."""
+    """Steps armed (every table at once), eager forwards' included."""
     completed: int = 0
-    """Steps the driver completed."""
+    """Steps completed."""
+    eager: int = 0
+    """Of ``armed``, eager forwards' steps (``arm(n, eager=True)``)."""
     fills: int = 0
     """Fills of the gather workers (deferred mode)."""
     fill_ns_total: int = 0
     """The workers' time from seeing a step's ids to its FILLED store, summed."""
     eager_fills: int = 0
-    """Of ``fills``, those of eager forwards' steps (:meth:`StepDriver.arm` with
-    ``eager=True``); the rest are replays."""
+    """Of ``fills``, those of eager forwards' steps; the rest are replays."""
     eager_fill_ns_total: int = 0
     """Of ``fill_ns_total``, the eager forwards' fills."""
     gpu_waited: int = 0
-    """Fills that found the GPU already waiting (plans built with ``track_arrival``)."""
+    """Fills that found the GPU already waiting (tables built with ``track_arrival``)."""
     completes_waited: int = 0
     """Completions that found a worker's step not yet filled and waited for it."""
     complete_wait_ns_total: int = 0
     """How long those completions waited, summed."""
-    expected_steps: int = 0
-    """Steps armed with the ids the host expected (``arm(expected=...)``)."""
-    expected_rows_early: int = 0
-    """Their rows gathered before the step's ids were published."""
-    expected_rows_wrong: int = 0
-    """Their rows expected with another id than the published one (gathered again)."""
 
     def since(self, base: StepCounters) -> StepCounters:
-        """What was counted after ``base`` (an earlier :meth:`StepDriver.counters`)."""
+        """What was counted after ``base`` (an earlier :meth:`Steps.counters`)."""
         return StepCounters(
             **{f.name: getattr(self, f.name) - getattr(base, f.name) for f in fields(self)}
         )
@@ -185,14 +151,37 @@ class StepCounters:
         return _mean_us(self.eager_fill_ns_total, self.eager_fills)
 
 
+class EagerStaged:
+    """One table's rows of an eager step, staged on a side stream by
+    :meth:`Steps.stage_eager`; :meth:`join` before the consumer."""
+
+    def __init__(self, side: Any, ids: Any, staged: StagedRows, rows: DeferredRows) -> None:
+        self._side, self._ids, self._staged, self._rows = side, ids, staged, rows
+
+    @property
+    def stream(self) -> Any:
+        """The stream the rows were staged on: the table's own (created by the native core,
+        never one of torch's pooled streams, which other code in the process shares)."""
+        return self._side
+
+    def join(self, stream: Any = None) -> Any:
+        """Make ``stream`` (default: the current stream) wait for the side stream's copy;
+        returns ``staging[:rows]``. After it, freeing the ids is ordered after their read."""
+        torch = optional_torch()
+        cur = torch.cuda.current_stream(self._side.device) if stream is None else stream
+        stamp_arrival(self._rows, cur)
+        cur.wait_stream(self._side)
+        self._ids = None
+        return self._staged.join(cur)
+
+
 class _Guard:
-    """:meth:`StepDriver.guard`'s context (a class: entered on every step, it must cost
-    less than a generator-based context manager)."""
+    """:meth:`Steps.guard`'s context (a class: cheaper to enter than a generator's)."""
 
-    __slots__ = ("_driver", "_what")
+    __slots__ = ("_steps", "_what")
 
-    def __init__(self, driver: StepDriver, what: str | Callable[[], str]) -> None:
-        self._driver, self._what = driver, what
+    def __init__(self, steps: Steps, what: str | Callable[[], str]) -> None:
+        self._steps, self._what = steps, what
 
     def __enter__(self) -> None:
         return None
@@ -200,271 +189,378 @@ class _Guard:
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         if exc is not None:
             what = self._what() if callable(self._what) else self._what
-            self._driver.abort_on(what, exc)
-        # None: the exception, if any, propagates.
+            self._steps.abort_on(what, exc)
 
 
-class StepDriver:
-    """Runs the steps of one rows plan (see the module docs).
+class Steps:
+    """See the module docs. Build with :meth:`build`. Driven from one thread (an engine's
+    step loop); the objects inside are thread-safe.
 
-    Args:
-        plan: a :class:`~ple_memops.plan.RowsPlan` (or any :class:`PlanLike`).
-        depth: steps armed at once (default :data:`~ple_memops.settings.DEFAULTS`'s;
-            the plan's workers must allow as many).
-        timeout: seconds each completion waits for a step's fill (default: the plan's
-            ``timeout``; :attr:`stepper` binds the value it has when the driver is made).
-        log: a logger that reports every abort (an engine's own words), or ``None``.
+    :attr:`arm` is the native call itself (no Python frame between the engine and the
+    step's bookkeeping: a cold call between two engine steps pays for every line it
+    touches): ``arm(rows, eager=False)`` returns ``(steps completed, ns completing, ns
+    arming)``. A row count out of ``1..=max_rows`` raises
+    :class:`~ple_memops.RowShapeError` and changes nothing; any other failure aborts every
+    table, then raises. Synchronous tables have nothing to arm
+    (:class:`~ple_memops.StateError`).
     """
+
+    arm: Callable[..., tuple[int, int, int]]
 
     def __init__(
         self,
-        plan: PlanLike,
-        *,
-        depth: int | None = None,
-        timeout: float | None = None,
-        log: logging.Logger | None = None,
+        tables: Sequence[StepTable],
+        mode: str,
+        reason: str | None,
+        device: int | None,
+        depth: int,
+        timeout: float,
     ) -> None:
-        # Checked by the settings' own rules (the one place they are written).
-        depth = DEFAULTS.depth if depth is None else depth
-        DEFAULTS.replace(depth=depth, **({} if timeout is None else {"timeout": timeout}))
-        self.plan = plan
-        self.depth = depth
-        self._timeout = None if timeout is None else float(timeout)
-        self._log = log
-        self._closed = False
+        self._tables = {t.name: t for t in tables}
+        self._index = {t.name: i for i, t in enumerate(tables)}
+        workers = tuple(native_worker(t.worker) for t in tables if t.worker is not None)
+        self._native = _native.Steps(
+            tuple(native_rows(t.rows) for t in tables), workers, depth, timeout
+        )
+        self.arm = self._native
+        self._mode = mode
+        self._reason = reason
+        self._device = device
         self._aborted = False
-        # Steps armed and completed here, besides the stepper's (its own counts).
-        self._armed = 0
-        self._completed = 0
+        self._closed = False
+        self._gather_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
         self._publishes: dict[int, concurrent.futures.Future[None]] = {}
-        # The plan's one-call step (RowsPlan.advance), if it has one.
-        self._advance: Callable[..., tuple[int, int, int]] | None = getattr(plan, "advance", None)
-        # ... and the same as one native callable, depth and timeout bound
-        # (RowsPlan.stepper: deferred plans).
-        make = getattr(plan, "stepper", None)
-        self.stepper: Callable[..., tuple[int, int, int]] | None = (
-            make(depth, self.timeout) if make is not None and plan.mode == "deferred" else None
+
+    # -- construction -----------------------------------------------------------------
+
+    @classmethod
+    def build(
+        cls,
+        tables: Mapping[str, MmapTable] | Sequence[tuple[str, MmapTable]],
+        *,
+        max_rows: int,
+        device: object = None,
+        depth: int = DEFAULTS.depth,
+        timeout: float = DEFAULTS.timeout,
+        id_dtype: str = "int64",
+        heads: Heads | Mapping[str, Heads] | None = None,
+        deferred: bool = True,
+        watchdog: float | None = DEFAULTS.watchdog,
+        copy: str = DEFAULTS.copy,
+        publish: str = DEFAULTS.publish,
+        spin: float | None = DEFAULTS.spin,
+        predict_ready: bool = False,
+        track_arrival: bool = False,
+        time_stalls: bool = False,
+        skip_gather: bool = False,
+        log_fallback: bool = True,
+    ) -> Steps:
+        """One staging buffer of ``max_rows`` rows per table on ``device`` (``"cpu"``,
+        ``"cuda:N"``, an ordinal, or ``None`` for CUDA if available), and a worker per
+        table where the device defers. ``deferred=False`` forces the synchronous path.
+        ``depth``: steps armed at once; ``timeout``: seconds a completion waits for a
+        step's fill (both checked by :data:`~ple_memops.settings.DEFAULTS`' rules).
+        ``heads``: the per-head map of :class:`~ple_memops.GatherWorker`, one for all
+        tables or one per table name. ``track_arrival`` counts fills the GPU had to wait
+        for; ``time_stalls`` times each step's consumer stall on the GPU
+        (:meth:`stall_samples`); ``skip_gather`` (diagnostics only: wrong rows) fills
+        without reading the tables, and ``predict_ready`` places each worker's hot window
+        where READY is expected, see :class:`~ple_memops.GatherWorker`. Raises only for
+        bad arguments; a device that cannot defer gives ``sync`` tables with
+        :attr:`reason`, logged once unless ``log_fallback=False`` (for a caller that says
+        it in its own words)."""
+        items = list(tables.items()) if isinstance(tables, Mapping) else list(tables)
+        if not items:
+            raise InvalidArgumentError("Steps need at least one table")
+        names = [name for name, _ in items]
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError(f"table names must be unique, got {names}")
+        if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows <= 0:
+            raise InvalidArgumentError(f"max_rows must be a positive int, got {max_rows!r}")
+        DEFAULTS.replace(timeout=timeout, depth=depth)  # checked by the settings' rules
+        torch = optional_torch()
+        if torch is None:
+            raise InvalidArgumentError("Steps need torch (their staging buffers are tensors)")
+        ordinal = parse_device(device)
+        reason: str | None = None
+        force_sync = not deferred
+        if ordinal is not None and deferred:
+            cap = probe(ordinal)
+            if not cap.supported:
+                force_sync, reason = True, cap.reason
+        elif ordinal is not None:
+            reason = "deferral turned off (deferred=False)"
+        else:
+            reason = "no CUDA device: rows are gathered on the host"
+        made = _make_tables(
+            torch, items, max_rows, ordinal, watchdog, force_sync, copy, track_arrival, time_stalls
         )
-        """The driver's step as one native call, for a serving loop that makes it every
-        step: ``stepper(rows, eager=False)`` arms as :meth:`advance` does (completing the
-        oldest steps while :attr:`depth` are armed) and returns the same ``(steps
-        completed, ns completing, ns arming)``, counted in :attr:`armed_steps` and
-        :attr:`completed_steps`; ``None`` for a plan without one (synchronous plans). It
-        does not abort the plan on a failure: catch the exception and call
-        :meth:`abort_on`. It does not wait for :meth:`publish_host_later`'s publishes
-        (a caller that uses those arms through :meth:`advance`). The plan closes it at
-        :meth:`shutdown` (later calls raise :class:`~ple_memops.ClosedError`)."""
+        mode = made[0].rows.mode
+        if mode == "deferred":
+            try:
+                made = [
+                    StepTable(
+                        t.name,
+                        t.table,
+                        t.rows,
+                        GatherWorker(
+                            t.rows,
+                            t.table,
+                            id_dtype=id_dtype,
+                            heads=_heads_for(heads, t.name),
+                            publish=publish,
+                            depth=depth,
+                            spin=spin,
+                            predict_ready=predict_ready,
+                            skip_gather=skip_gather,
+                        ),
+                    )
+                    for t in made
+                ]
+            except InvalidArgumentError:
+                _close_tables(made)
+                raise
+            except PleMemopsError as exc:
+                # All or none: a worker that cannot start makes every table synchronous.
+                _close_tables(made)
+                reason = f"a gather worker could not start ({exc})"
+                made = _make_tables(
+                    torch, items, max_rows, ordinal, watchdog, True, copy, track_arrival, False
+                )
+                mode = made[0].rows.mode
+        if reason is not None and log_fallback:
+            log.warning(
+                "ple_memops: PLE rows of %d table(s) use the %s path: %s", len(made), mode, reason
+            )
+        try:
+            return cls(made, mode, reason if mode != "deferred" else None, ordinal, depth, timeout)
+        except BaseException:
+            _close_tables(made)
+            raise
 
-    # -- state ----------------------------------------------------------------------------
-
-    @property
-    def armed_steps(self) -> int:
-        """Steps armed (through :attr:`stepper` too)."""
-        step: Any = self.stepper
-        return self._armed + (step.armed if step is not None else 0)
-
-    @property
-    def completed_steps(self) -> int:
-        """Steps completed (through :attr:`stepper` too)."""
-        step: Any = self.stepper
-        return self._completed + (step.completed if step is not None else 0)
-
-    @property
-    def timeout(self) -> float:
-        """Seconds each completion waits for a step's fill."""
-        if self._timeout is not None:
-            return self._timeout
-        return float(self.plan.timeout)
+    # -- state ------------------------------------------------------------------------
 
     @property
     def mode(self) -> str:
-        """The plan's mode: ``"deferred"``, ``"sync"`` or ``"host"``."""
-        return str(self.plan.mode)
+        """``"deferred"``, ``"sync"`` or ``"host"``: the same for every table."""
+        return self._mode
 
     @property
     def deferred(self) -> bool:
-        return self.mode == "deferred"
+        return self._mode == "deferred"
+
+    @property
+    def reason(self) -> str | None:
+        """Why the tables do not defer (``None`` when they do)."""
+        return self._reason
+
+    @property
+    def device(self) -> int | None:
+        return self._device
+
+    @property
+    def tables(self) -> dict[str, StepTable]:
+        return dict(self._tables)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._tables)
+
+    @property
+    def depth(self) -> int:
+        return int(self._native.depth)
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a completion waits for a step's fill."""
+        return float(self._native.timeout)
+
+    @property
+    def max_rows(self) -> int:
+        return int(self._native.max_rows)
 
     @property
     def in_flight(self) -> int:
         """Steps armed and not yet completed."""
-        return int(self.plan.in_flight)
+        return int(self._native.in_flight)
 
     @property
     def closed(self) -> bool:
         return self._closed
 
-    def staging(self, name: str, n: int) -> Any:
-        """The stable ``uint8 [n, row_bytes]`` view the consumers of ``name`` read."""
-        return self.plan.staging(name, n)
+    def staging(self, name: str, n: int | None = None) -> Any:
+        """The stable ``uint8 [n, row_bytes]`` view that consumers of ``name`` read."""
+        rows = self._table(name).rows
+        return rows.staging if n is None else rows.staging[:n]
 
-    # -- captured steps ---------------------------------------------------------------------
+    # -- captured steps ---------------------------------------------------------------
 
-    def stage(self, name: str, ids: Any, *, rows: int) -> Any:
+    def stage(
+        self, name: str, ids: Any, *, rows: int | None = None, count: Any = None
+    ) -> StagedRows:
         """Under capture (or an eager pass of the captured path): publish ``ids`` (a
         graph-static CUDA tensor) and fork the consumer's wait and copy onto a side
-        stream. Returns the :class:`~ple_memops.StagedRows` to join before the consumer."""
-        return self.plan.stage(name, ids, rows=rows)
+        stream; join the returned :class:`~ple_memops.StagedRows` before the consumer.
+        Deferred mode only."""
+        return self._worker(name, "stage()").stage(ids, rows, count)
 
-    def stage_eager(self, name: str, ids: Any, *, rows: int) -> Any:
-        """An eager forward's rows in deferred mode, after :meth:`arm`: the publish and
-        the wait/copy on a side stream of the table's (``RowsPlan.stage_eager``), so the
-        host's gathers of every table run in parallel with the GPU work before the
-        consumer. Returns what to join before the consumer."""
-        return self.plan.stage_eager(name, ids, rows=rows)
-
-    def stage_host_fed(self, name: str, *, rows: int) -> Any:
+    def stage_host_fed(self, name: str, *, rows: int) -> StagedRows:
         """The consumer's wait and copy only, for steps whose ids the host publishes
         (:meth:`publish_host`): the graph publishes nothing of its own."""
-        return self.plan.layers[name].rows.stage(rows=rows)
+        return self._table(name).rows.stage(rows=rows)
 
-    # -- replayed steps ---------------------------------------------------------------------
-
-    def arm(
-        self, rows: int, *, eager: bool = False, expected: Mapping[str, Any] | None = None
-    ) -> None:
-        """Arm every table for a step of ``rows`` rows, completing the oldest steps first
-        while :attr:`depth` are armed (so under asynchronous scheduling the host waits for
-        a fill only when it is ``depth`` steps ahead). ``eager``: the step of an eager
-        forward, not a replay (its fills are counted apart). ``expected``: per table, the
-        ids the host expects the step to publish (``RowsPlan.begin``). A failure aborts
-        the plan."""
-        self._check_open()
-        one_call = self.stepper is not None or self._advance is not None
-        if not expected and one_call and not self._publishes:
-            self.advance(rows, eager=eager)
-        else:
-            self._arm_call_by_call(rows, eager, expected)
-
-    def _arm_call_by_call(self, rows: int, eager: bool, expected: Mapping[str, Any] | None) -> None:
-        """:meth:`arm` through the plan's ``complete`` and ``begin`` (expected ids, a
-        pending host publish, a plan without ``advance``)."""
-        with self.guard(lambda: f"arming a step of {rows} rows"):
-            armed = self.in_flight
-            while armed >= self.depth:
-                self._complete_one(armed)
-                armed -= 1
-            if expected:
-                self.plan.begin(int(rows), eager=eager, expected=expected)
-            else:
-                self.plan.begin(int(rows), eager=eager)
-            self._armed += 1
-
-    def advance(self, rows: int, *, eager: bool = False) -> tuple[int, int, int]:
-        """:meth:`arm` (without expected ids), timed in two parts: returns ``(steps
-        completed, ns completing them, ns arming)``. A deferred
-        :class:`~ple_memops.plan.RowsPlan` does both in one native call for every table
-        (:attr:`stepper`), which times them itself (unless a publish of
-        :meth:`publish_host_later` is pending); any other plan through :meth:`settle` and
-        :meth:`arm`, timed around them. A failure aborts the plan. (A plain tuple: a
-        serving loop calls this every step, and building a named tuple cold costs
-        microseconds; a caller that wants its own Python in the arming times the call
-        itself, as the vLLM hooks do.)"""
-        if self._closed:
-            raise ClosedError("the step driver is shut down")
-        step = self.stepper
-        if step is not None and not self._publishes:
-            # A serving loop's every step: no guard object, no closure; the stepper counts
-            # the step.
-            try:
-                return step(rows, eager)
-            except BaseException as exc:
-                self.abort_on(f"arming a step of {rows} rows", exc)
-                raise
-        fast = self._advance
-        if fast is None or self._publishes:
-            t0 = time.perf_counter_ns()
-            before = self.completed_steps
-            self.settle(self.depth - 1)
-            t1 = time.perf_counter_ns()
-            self._arm_call_by_call(rows, eager, None)  # nothing left to complete
-            return (self.completed_steps - before, t1 - t0, time.perf_counter_ns() - t1)
-        try:
-            done = fast(rows, self.depth, eager=eager, timeout=self._timeout)
-        except BaseException as exc:
-            self.abort_on(f"arming a step of {rows} rows", exc)  # the plan aborted itself
-            raise
-        self._completed += done[0]
-        self._armed += 1
-        return done
-
-    def launch(self, rows: int, launch: Callable[[], T], *, what: str = "") -> T:
-        """:meth:`arm`, then ``launch()`` (the engine's replay); any exception between
-        the two, or in the launch, aborts the plan (``what`` names the launch in the
-        abort's reason)."""
-        self.arm(rows)
-        with self.guard(what or "the launch of an armed step"):
-            return launch()
+    # -- replayed steps ---------------------------------------------------------------
 
     def publish_host(self, name: str, ids: Any) -> None:
-        """Host-known ids of the oldest armed step that has none yet, for ``name``'s
-        worker (``RowsPlan.publish_host``): call after :meth:`arm`, before the launch or
-        from another thread, never as a fill on the launching thread after it."""
-        self.plan.publish_host(name, ids, timeout=self.timeout)
+        """Host-known ids of table ``name``'s oldest armed step that has none yet: call
+        after :meth:`arm`, before the launch (the gather overlaps it) or from any thread
+        after it, never as a fill on the launching thread after it. A failure aborts every
+        table, except :class:`~ple_memops.NoArmedStepError` (nothing was written)."""
+        self._worker(name, "publish_host()")
+        # Host ids only: reading a CUDA tensor here would synchronise with the device.
+        host = host_ids(
+            ids, allow_device_sync=False, dtype=np.int64, flatten=True, error=RowShapeError
+        )
+        self._native.publish_host(self._index[name], np.ascontiguousarray(host))
 
     def publish_host_later(self, name: str, ids_of: Callable[[], Any]) -> None:
-        """Publish the ids of the step armed last from the driver's publisher thread,
-        once ``ids_of()`` returns them (it may block, e.g. until the previous step's
-        tokens reach the host). Completing that step first waits (bounded) for the
-        publish; :meth:`stop_publisher` ends the thread."""
+        """Publish the ids of the step armed last from a publisher thread, once
+        ``ids_of()`` returns them (it may block, e.g. until the previous step's tokens
+        reach the host). Settling that step first waits (bounded) for the publish;
+        :meth:`stop_publisher` ends the thread."""
         self._check_open()
-        if self.armed_steps == 0 or self.in_flight == 0:
+        armed = int(self._native.armed)
+        if armed == 0 or self.in_flight == 0:
             raise StateError("publish_host_later() needs an armed step: arm() first")
         if self._publisher is None:
             self._publisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ple-ids")
-        step = self.armed_steps - 1
-        self._publishes[step] = self._publisher.submit(lambda: self.publish_host(name, ids_of()))
+        self._publishes[armed - 1] = self._publisher.submit(
+            lambda: self.publish_host(name, ids_of())
+        )
 
-    def complete_oldest(self) -> None:
-        """Complete the oldest armed step (waiting at most :attr:`timeout`); a failure
-        aborts the plan and is raised."""
-        self._check_open()
-        self._complete_one()
-
-    def settle(self, limit: int = 0) -> None:
+    def settle(self, limit: int = 0) -> int:
         """Complete the oldest steps until at most ``limit`` are armed (after a launch:
-        ``0`` under synchronous scheduling, ``depth - 1`` under asynchronous)."""
+        ``0`` under synchronous scheduling, ``depth - 1`` under asynchronous). Returns the
+        steps completed; a failure aborts every table and is raised."""
         self._check_open()
-        # One count, then one completion a step: each completes the oldest step of every
-        # table or raises (asking the plan again each time costs a serving loop's step).
-        armed = self.in_flight
-        while armed > limit:
-            self._complete_one(armed)
-            armed -= 1
+        if self._publishes:
+            done = int(self._native.completed)
+            for step in range(done, done + max(0, self.in_flight - limit)):
+                self._published(step)
+        return int(self._native.settle(limit))
 
-    def drain(self) -> None:
-        """Complete every armed step (before eager work, captures, dropping graphs); a
-        failure aborts the plan and is raised."""
-        self.settle(0)
+    def drain(self) -> int:
+        """Complete every armed step (before eager work, captures, dropping graphs)."""
+        return self.settle(0)
 
-    # -- eager steps ------------------------------------------------------------------------
+    # -- eager steps ------------------------------------------------------------------
+
+    def stage_eager(self, name: str, ids: Any, *, rows: int | None = None) -> EagerStaged:
+        """An eager forward's rows in deferred mode, after ``arm(n, eager=True)``: the
+        publish of ``ids`` and the consumer's wait/copy on a side stream of the table's,
+        made to wait for the current stream, so the GPU work queued before the consumer's
+        :meth:`EagerStaged.join` overlaps the host's gather (every table on its own
+        worker, in parallel). ``ids`` is held until the join."""
+        worker = self._worker(name, "stage_eager()")
+        torch = optional_torch()
+        if torch is None or not isinstance(ids, torch.Tensor) or ids.device.type != "cuda":
+            raise InvalidArgumentError("stage_eager() needs the ids as a CUDA tensor")
+        if torch.cuda.is_current_stream_capturing():
+            raise StateError("stage_eager() is for eager forwards; under capture use stage()")
+        table = self._tables[name]
+        # The rows' own stream, not a pooled one: vLLM computes on a pooled stream, and a
+        # pooled side stream that turned out to be it would hold the forward at the wait.
+        side = own_stream(table.rows)
+        if side.device != ids.device:
+            raise InvalidArgumentError(
+                f"stage_eager(): the ids are on {ids.device}, table {name!r} on {side.device}"
+            )
+        side.wait_stream(torch.cuda.current_stream(ids.device))  # the ids are computed
+        with torch.cuda.stream(side):
+            staged = worker.stage(ids, rows, consumer_joins=True)
+        return EagerStaged(side, ids, staged, table.rows)
 
     def gather_now(
         self, name: str, ids: Any, rows: int | None = None, *, stream: Any = None
     ) -> Any:
-        """An eager step with data: :meth:`drain`, then ``RowsPlan.gather_now`` (ids to
-        the host, which may synchronise with the device: the eager path allows it).
-        Returns ``staging[:n]``."""
+        """The synchronous path (eager steps, the ``sync`` fallback): :meth:`drain`, copy
+        ``ids`` to the host (a CUDA tensor's copy synchronises with the device: the eager
+        path allows that), gather straight into the pinned slot, copy to the staging
+        buffer on ``stream``; returns ``staging[:n]`` (``n = rows`` or ``len(ids)``; rows
+        past ``len(ids)`` are zero). The same bytes as a deferred step."""
         self.drain()
-        return self.plan.gather_now(name, ids, rows, stream=stream)
+        table = self._table(name)
+        host, n = self._checked_ids(table, ids, rows, allow_device_sync=True)
+        return self._fill_host(table, host, n, stream, "gather_now")
 
     def gather_many_now(
-        self, ids: Any, rows: int | None = None, *, stream: Any = None
+        self, ids: Mapping[str, Any], rows: int | None = None, *, stream: Any = None
     ) -> dict[str, Any]:
-        """Several tables' eager rows from ids already on the host: :meth:`drain`, then
-        ``RowsPlan.gather_many_now`` (the gathers in parallel, no device synchronisation).
-        Returns ``{name: staging[:n]}``."""
+        """:meth:`gather_now` for several tables at once, from ids already on the host
+        (never a device synchronisation: a CUDA tensor is refused): every table's gather
+        on a thread of its own (the native gather releases the GIL), each copy to staging
+        issued on ``stream`` (default: the caller's current stream). All or none: every id
+        is checked before anything is written, and any failure aborts every table before
+        the first error is raised. Returns ``{name: staging[:n]}``."""
         self.drain()
-        return dict(self.plan.gather_many_now(ids, rows, stream=stream))
+        work = []
+        for name, table_ids in ids.items():
+            table = self._table(name)
+            host, n = self._checked_ids(table, table_ids, rows, allow_device_sync=False)
+            work.append((table, host, n))
+        if stream is None and self._device is not None:
+            torch = optional_torch()
+            # Resolved here: a gather thread's current stream is not the caller's.
+            stream = torch.cuda.current_stream(self._device)
+        out: dict[str, Any] = {}
+        first: BaseException | None = None
+        if len(work) == 1:  # no thread for one table
+            table, host, n = work[0]
+            try:
+                out[table.name] = self._fill_host(table, host, n, stream)
+            except BaseException as exc:
+                first = exc
+        else:
+            if self._gather_pool is None:
+                self._gather_pool = concurrent.futures.ThreadPoolExecutor(
+                    min(8, len(self._tables)), thread_name_prefix="ple-gather"
+                )
+            futures = [
+                (t.name, self._gather_pool.submit(self._fill_host, t, host, n, stream))
+                for t, host, n in work
+            ]
+            for name, fut in futures:
+                try:
+                    out[name] = fut.result()
+                except BaseException as exc:
+                    first = first or exc
+        if first is not None:
+            self.abort(f"gather_many_now() failed: {first!r}")
+            raise first
+        return out
 
     def dummy_now(self, name: str, rows: int, *, stream: Any = None) -> Any:
-        """An eager step without data (profile, warm-up, dummy runs): :meth:`drain`, then
-        ``RowsPlan.dummy_now``. Returns ``staging[:rows]``."""
+        """An eager step without data (warm-up, profiling, capture passes): :meth:`drain`,
+        then the consumer reads whatever the staging buffer holds. Returns
+        ``staging[:rows]``."""
         self.drain()
-        return self.plan.dummy_now(name, rows, stream=stream)
+        table = self._table(name)
+        return self._eager_step(
+            table, rows, "dummy_now", lambda r: r.prepare_dummy(stream=stream), stream
+        )
 
-    # -- failures and lifecycle ---------------------------------------------------------------
+    # -- failures and lifecycle -------------------------------------------------------
+
+    @property
+    def poison_cause(self) -> str | None:
+        """Why a table's rows were poisoned (a failed fill, an abort, the watchdog), or
+        ``None`` while every table is usable (or once closed). One native read."""
+        got = None if self._closed else self._native.poison_cause
+        if got is None:
+            return None
+        index, cause = got
+        return f"{self.names[index]}: {cause}"
 
     def raise_if_failed(self) -> None:
         """Raise now if any table's rows failed (a fill that failed, an abort): the armed
@@ -472,35 +568,31 @@ class StepDriver:
         :class:`~ple_memops.PoisonedError`). An engine calls it before it hands out a
         step's results, once the GPU finished the step: a step whose rows failed read
         zeros, and its output must not reach anyone."""
-        cause = self.plan.poison_cause
+        cause = self.poison_cause
         if cause is None:
             return
-        self.drain()  # raises the first failure (the plan is aborted)
-        from .errors import PoisonedError
-
+        self.drain()  # raises the first failure
         raise PoisonedError(cause)
 
     def guard(self, what: str | Callable[[], str]) -> _Guard:
-        """A context in which any exception (``KeyboardInterrupt`` included) aborts the
-        plan, so no GPU wait outlives a failed step, and is re-raised. ``what`` names the
-        work in the abort's reason; a callable is called only then (a serving loop's
-        guards cost no formatting)."""
+        """A context in which any exception (``KeyboardInterrupt`` included) aborts every
+        table, so no GPU wait outlives a failed step, and is re-raised (for the engine's
+        own work between arming and launching: its launch). ``what`` names the work in the
+        abort's reason; a callable is called only then."""
         return _Guard(self, what)
 
     def abort(self, reason: str) -> None:
-        """Release every GPU wait for good (idempotent); later calls raise
-        :class:`~ple_memops.PoisonedError`. The log has the first abort as an error, the
-        later ones (the same failure reaching each scope around it) at debug level."""
-        if self._log is not None:
-            level = logging.DEBUG if self._aborted else logging.ERROR
-            self._log.log(level, "ple-memops: aborting deferred PLE rows: %s", reason)
+        """Release every GPU wait for good and poison every table (idempotent); later calls
+        raise :class:`~ple_memops.PoisonedError`. The log has the first abort as an error,
+        later ones at debug level."""
+        level = logging.DEBUG if self._aborted else logging.ERROR
+        log.log(level, "ple-memops: aborting deferred PLE rows: %s", reason)
         self._aborted = True
-        self.plan.abort(reason)
+        if not self._closed:
+            self._native.abort(reason)
 
     def abort_on(self, what: str, exc: BaseException) -> None:
-        """:meth:`abort` for an exception in ``what`` (the reason names both); nothing once
-        the driver is shut down. What :meth:`guard` does, for a caller on a serving loop's
-        every step that catches the exception itself rather than build a guard."""
+        """:meth:`abort` for an exception in ``what`` (the reason names both)."""
         if not self._closed:
             self.abort(f"exception in {what}: {exc!r}")
 
@@ -513,75 +605,123 @@ class StepDriver:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def drain_for_shutdown(self) -> None:
-        """Complete the armed steps, bounded; a failure is logged and aborts the plan
-        instead of raising, so no captured wait can hold the device. Idempotent; the plan
-        stays open until :meth:`shutdown`."""
+        """Complete the armed steps, bounded; a failure is logged and aborts every table
+        instead of raising, so no captured wait can hold the device. Idempotent; the
+        tables stay open until :meth:`shutdown`."""
         if self._closed:
             return
         try:
             self.drain()
         except BaseException as exc:
-            if self._log is not None:
-                self._log.error("ple-memops: pending PLE rows failed at shutdown: %r", exc)
-            self.plan.abort(f"shutdown: {exc!r}")
+            log.error("ple-memops: pending PLE rows failed at shutdown: %r", exc)
+            self._native.abort(f"shutdown: {exc!r}")
         finally:
             self.stop_publisher()
 
     def shutdown(self) -> None:
-        """:meth:`drain_for_shutdown`, then close the plan (idempotent). A caller that
-        synchronises the device drains first, synchronises, then calls this, so nothing
-        the GPU may still read is freed."""
+        """:meth:`drain_for_shutdown`, then stop the workers and close every table
+        (idempotent). A caller that synchronises the device drains first, synchronises,
+        then calls this, so nothing the GPU may still read is freed."""
         if self._closed:
             return
         self.drain_for_shutdown()
         self._closed = True
-        self.plan.close()
+        failed = self._native.shutdown()  # nothing left to drain: closes
+        if failed is not None:  # pragma: no cover - drained just above
+            log.error("ple-memops: pending PLE rows failed at shutdown: %s", failed)
+        pool, self._gather_pool = self._gather_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)  # a gather in progress ends (its reads are bounded)
+        _close_tables(list(self._tables.values()))
 
-    # -- statistics -------------------------------------------------------------------------
+    close = shutdown
+
+    # -- statistics -------------------------------------------------------------------
 
     def counters(self, name: str | None = None) -> StepCounters:
-        """The driver's step counts and the fill counters of table ``name`` (default:
-        every table summed). Subtract an earlier value with :meth:`StepCounters.since`."""
-        fills = fill_ns = waited = eager = eager_ns = late = late_ns = 0
-        expected = early = wrong = 0
-        for table, (rows, worker) in self.plan.stats().items():
+        """The step counts and the fill counters of table ``name`` (default: every table
+        summed). Subtract an earlier value with :meth:`StepCounters.since`."""
+        sums = dict.fromkeys(
+            ("fills", "fill_ns", "waited", "eager", "eager_ns", "late", "late_ns"), 0
+        )
+        for table, (rows, worker) in self.stats().items():
             if name is not None and table != name:
                 continue
-            waited += rows.gpu_waited
+            sums["waited"] += rows.gpu_waited
             if worker is not None:
-                fills += worker.fills
-                fill_ns += worker.ready_to_filled_ns_total
-                eager += worker.eager_fills
-                eager_ns += worker.eager_fill_ns_total
-                late += worker.completes_waited
-                late_ns += worker.complete_wait_ns_total
-                expected += worker.expected_steps
-                early += worker.expected_rows_early
-                wrong += worker.expected_rows_wrong
+                sums["fills"] += worker.fills
+                sums["fill_ns"] += worker.ready_to_filled_ns_total
+                sums["eager"] += worker.eager_fills
+                sums["eager_ns"] += worker.eager_fill_ns_total
+                sums["late"] += worker.completes_waited
+                sums["late_ns"] += worker.complete_wait_ns_total
+        native = self._native
         return StepCounters(
-            armed=self.armed_steps,
-            completed=self.completed_steps,
-            fills=fills,
-            fill_ns_total=fill_ns,
-            gpu_waited=waited,
-            eager_fills=eager,
-            eager_fill_ns_total=eager_ns,
-            completes_waited=late,
-            complete_wait_ns_total=late_ns,
-            expected_steps=expected,
-            expected_rows_early=early,
-            expected_rows_wrong=wrong,
+            armed=int(native.armed),
+            completed=int(native.completed),
+            eager=int(native.eager),
+            fills=sums["fills"],
+            fill_ns_total=sums["fill_ns"],
+            gpu_waited=sums["waited"],
+            eager_fills=sums["eager"],
+            eager_fill_ns_total=sums["eager_ns"],
+            completes_waited=sums["late"],
+            complete_wait_ns_total=sums["late_ns"],
         )
 
-    # -- helpers ----------------------------------------------------------------------------
+    def stall_samples(self) -> dict[str, StallSamples]:
+        """Per table: the consumer stalls of every step timed since the last call (tables
+        built with ``time_stalls``; empty otherwise), from the GPU's clock."""
+        return {n: t.rows.stall_samples() for n, t in self._tables.items()}
 
-    def _complete_one(self, armed: int | None = None) -> None:
-        """Complete the oldest armed step (``armed``: the steps armed now, if known)."""
-        oldest = self.armed_steps - (self.in_flight if armed is None else armed)
-        if self._publishes:
-            self._published(oldest)
-        self.plan.complete(timeout=self.timeout)  # aborts the plan itself on a failure
-        self._completed += 1
+    def stats(self) -> dict[str, tuple[Any, WorkerStats | None]]:
+        """Per table: the rows' :class:`~ple_memops.Stats` and the worker's, if any."""
+        return {
+            n: (t.rows.stats(), None if t.worker is None else t.worker.stats())
+            for n, t in self._tables.items()
+        }
+
+    def __enter__(self) -> Steps:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __iter__(self) -> Iterator[StepTable]:
+        return iter(self._tables.values())
+
+    def __repr__(self) -> str:
+        return (
+            f"Steps({len(self._tables)} tables, mode={self._mode!r}, device={self._device}, "
+            f"depth={self.depth}, in_flight={0 if self._closed else self.in_flight}, "
+            f"reason={self._reason!r})"
+        )
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            from .errors import ClosedError
+
+            raise ClosedError("the steps are shut down")
+
+    def _table(self, name: str) -> StepTable:
+        self._check_open()
+        try:
+            return self._tables[name]
+        except KeyError:
+            raise InvalidArgumentError(
+                f"no table {name!r} here (tables: {list(self._tables)})"
+            ) from None
+
+    def _worker(self, name: str, what: str) -> GatherWorker:
+        worker = self._table(name).worker
+        if worker is None:
+            raise StateError(
+                f"{what} needs the deferred path; these tables are {self._mode!r} "
+                f"({self._reason}): gather_now() instead"
+            )
+        return worker
 
     def _published(self, step: int) -> None:
         """Wait (bounded: the worker's own waits are) for the publisher thread's publish
@@ -599,12 +739,92 @@ class StepDriver:
                 "(the GPU was released)"
             ) from None
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("the step driver is shut down")
+    def _checked_ids(
+        self, table: StepTable, ids: Any, rows: int | None, *, allow_device_sync: bool
+    ) -> tuple[Any, int]:
+        """``ids`` on the host and the step's extent; a bad id raises before any step
+        begins."""
+        host = host_ids(ids, allow_device_sync=allow_device_sync, dtype=np.int64, flatten=True)
+        n = len(host) if rows is None else int(rows)
+        if len(host) > n:
+            raise InvalidArgumentError(
+                f"{len(host)} ids for a step of {n} rows (table {table.name!r})"
+            )
+        table.table.check_ids(host)
+        return host, n
 
-    def __repr__(self) -> str:
-        return (
-            f"StepDriver(mode={self.mode!r}, depth={self.depth}, in_flight={self.in_flight}, "
-            f"armed={self.armed_steps}, closed={self._closed})"
+    def _fill_host(
+        self, table: StepTable, host: Any, n: int, stream: Any, what: str = "gather_many_now"
+    ) -> Any:
+        return self._eager_step(
+            table, n, what, lambda r: r.fill_from(table.table, host, stream=stream), stream
         )
+
+    @staticmethod
+    def _eager_step(
+        table: StepTable, n: int, what: str, publish: Callable[[DeferredRows], None], stream: Any
+    ) -> Any:
+        """One eager step of ``table``'s rows: begin, ``publish`` (fill or dummy), the
+        consumer inline on ``stream``, complete; any failure aborts the rows."""
+        r = table.rows
+        r.begin(n)
+        try:
+            publish(r)
+            r.enqueue(stream=stream, rows=n)
+            r.complete()
+        except BaseException as exc:
+            r.abort(f"{what}({table.name!r}) failed: {exc!r}")
+            raise
+        return r.staging[:n]
+
+
+def _heads_for(heads: Heads | Mapping[str, Heads] | None, name: str) -> Heads | None:
+    if heads is None:
+        return None
+    if isinstance(heads, Mapping):
+        return heads.get(name)
+    return heads
+
+
+def _make_tables(
+    torch: Any,
+    items: list[tuple[str, MmapTable]],
+    max_rows: int,
+    ordinal: int | None,
+    watchdog: float | None,
+    force_sync: bool,
+    copy: str,
+    track_arrival: bool,
+    time_stalls: bool,
+) -> list[StepTable]:
+    made: list[StepTable] = []
+    dev = "cpu" if ordinal is None else f"cuda:{ordinal}"
+    try:
+        for name, table in items:
+            staging = torch.zeros((max_rows, table.row_bytes), dtype=torch.uint8, device=dev)
+            rows = DeferredRows(
+                max_rows,
+                table.row_bytes,
+                staging=staging,
+                watchdog=watchdog,
+                force_sync=force_sync,
+                copy=copy,
+                track_arrival=track_arrival,
+                time_stalls=time_stalls,
+            )
+            made.append(StepTable(name, table, rows, None))
+    except BaseException:
+        _close_tables(made)
+        raise
+    modes = {t.rows.mode for t in made}
+    if len(modes) > 1:  # pragma: no cover - the probe is cached per device
+        _close_tables(made)
+        raise StateError(f"tables ended up in mixed modes {sorted(modes)}")
+    return made
+
+
+def _close_tables(tables: Sequence[StepTable]) -> None:
+    for t in tables:
+        if t.worker is not None:
+            t.worker.close()
+        t.rows.close()

@@ -68,5 +68,6 @@ pub use error::{Error, ErrorKind, Result};
 pub use probe::{probe, Capability, Check};
 pub use table::{MmapTable, RowIds, Selector, TableOptions};
 pub use worker::{
-    advance, Advanced, GatherWorker, PublishPath, RowMap, RowSource, WorkerOptions, WorkerStats,
+    Advanced, GatherWorker, PublishPath, RowMap, RowSource, StepCounts, StepTable, Steps,
+    WorkerOptions, WorkerStats,
 };

@@ -126,7 +126,7 @@ def qwen_check(
             try:
                 rep.capture = _try_capture(model, prompt, dev)
             finally:
-                served.server.close_plan()
+                served.server.close_steps()
         rep.notes.append(
             "decode steps ran eagerly, except (where it ran) each PLE layer's n-gram "
             "hashing + deferred row lookup, replayed from a CUDA graph"
@@ -147,10 +147,10 @@ def _deferred_eager(
     per_token = max(s.ids_per_token for s in server.specs.values())
     plan = served.prepare(batch, deferred=True, source="device")
     if plan.mode != "deferred":
-        served.server.close_plan()
+        served.server.close_steps()
         return {}
 
-    driver = server.driver
+    driver = server.live_steps()
 
     def on_step(k: int, when: str) -> None:
         if when == "begin":
@@ -158,13 +158,13 @@ def _deferred_eager(
             driver.arm(batch * per_token)
         else:
             server.graph_path = False
-            driver.complete_oldest()
+            driver.settle(driver.in_flight - 1)
 
     try:
         got = _decode(model, prompt, steps, on_step)
     finally:
         server.graph_path = False
-        server.close_plan()
+        server.close_steps()
     return {"deferred-device (eager steps)": _same(want, got)}
 
 
@@ -216,7 +216,7 @@ def _piece_captured(
     per_token = max(s.ids_per_token for s in server.specs.values())
     plan = served.prepare(batch, deferred=True, source="device")
     if plan.mode != "deferred":
-        server.close_plan()
+        server.close_steps()
         return {}
     pieces = []
     for parent, _attr in served.owners.values():
@@ -224,20 +224,20 @@ def _piece_captured(
         parent.forward = piece
         pieces.append(piece)
 
-    driver = server.driver
+    driver = server.live_steps()
 
     def on_step(k: int, when: str) -> None:
         if when == "begin":
             driver.arm(batch * per_token)
         else:
-            driver.complete_oldest()
+            driver.settle(driver.in_flight - 1)
 
     try:
         got = _decode(model, prompt, steps, on_step)
     finally:
         for piece in pieces:
             piece.remove()
-        server.close_plan()
+        server.close_steps()
     if not all(p.captured == 1 for p in pieces):
         return {}
     return {"deferred-device (n-gram PLE piece captured, rest eager)": _same(want, got)}

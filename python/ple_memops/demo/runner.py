@@ -31,8 +31,8 @@ memoised constants and the weights (exact integer checksums; ``RunResult.state_d
 what differs), so a run that differs says whether it started from a different state.
 
 Host-known ids (``deferred-host``) go to the table's gather worker through the server's
-step driver (:meth:`~ple_memops.steps.StepDriver.publish_host`): before the launch under
-``sync`` scheduling, from the driver's publisher thread under ``async``. The launching
+steps (:meth:`~ple_memops.steps.Steps.publish_host`): before the launch under
+``sync`` scheduling, from their publisher thread under ``async``. The launching
 thread never fills: at E2B shapes a launch does not return before the GPU has passed the
 rows' wait (measured; BENCHMARKS.md), so a fill it had to make after ``graph.replay()``
 would come too late.
@@ -389,7 +389,7 @@ class GemmaBench:
                     track_arrival=self.track_arrival and self.cuda,
                     log_fallback=False,
                 )
-                stack.callback(server.close_plan)
+                stack.callback(server.close_steps)
                 mode = plan.mode
                 self._say_fallback(plan)
                 pinned = n * self.table.row_bytes

@@ -95,7 +95,7 @@ def loop(
         ops.finish()
     except BaseException:
         with contextlib.suppress(PleMemopsError):
-            bench.served.server.close_plan()
+            bench.served.server.close_steps()
         raise
     finally:
         ops.close()

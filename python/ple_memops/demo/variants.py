@@ -2,7 +2,7 @@
 and what it does around each step's launch (:class:`Ops`, built per scheduling style).
 
 The deferred variants run their steps through the server's
-:class:`~ple_memops.steps.StepDriver` (arm, publish, complete the oldest beyond the
+:class:`~ple_memops.steps.Steps` (arm, publish, complete the oldest beyond the
 scheduling depth, drain, counters); the synchronous ones fill before the launch.
 """
 
@@ -135,18 +135,18 @@ def fallback_ops(bench: Any, dec: Decoder) -> Callable[[str], Ops]:
 
 
 def deferred_ops(bench: Any, dec: Decoder, *, host: bool) -> Callable[[str], Ops]:
-    """The deferred variants, through the server's step driver. ``deferred-device``
+    """The deferred variants, through the server's steps. ``deferred-device``
     (``host=False``): the graph publishes the ids it computed, a native worker fills.
     ``deferred-host`` (``host=True``): host-known ids go to the table's worker
-    (:meth:`~ple_memops.steps.StepDriver.publish_host`), which gathers and fills; the
+    (:meth:`~ple_memops.steps.Steps.publish_host`), which gathers and fills; the
     launching thread never fills. Under ``sync`` scheduling the ids are known before the
     launch and published then, so the gather overlaps the launch. Under ``async`` the ids
     of step k are step k-1's tokens, which reach the host only after step k was launched:
-    the driver's publisher thread waits for them and publishes. (Filling on the launching
+    the steps' publisher thread waits for them and publishes. (Filling on the launching
     thread after ``graph.replay()`` stalls at E2B shapes: with the copy-engine consumer
     and thousands of nodes behind its wait, the launch itself does not return before the
     wait was passed.)"""
-    driver = bench.served.server.driver
+    driver = bench.served.server.live_steps()
     n = dec.batch
 
     def ops_for(style: str) -> Ops:
@@ -174,7 +174,7 @@ def deferred_ops(bench: Any, dec: Decoder, *, host: bool) -> Callable[[str], Ops
 
         ops.arm, ops.after_launch, ops.stats = arm, after_launch, stats
         # After a failure a publish still under way ends within its bounded wait (the
-        # plan is aborted by then).
+        # tables are aborted by then).
         ops.finish, ops.close = driver.drain, driver.stop_publisher
         if host and style == "async":
             ops.launching = launching

@@ -8,7 +8,7 @@ from ple_memops.transformers import serve
 model = transformers.Gemma3nForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)  # CPU
 served = serve(model, ckpt)          # the PLE table's Parameter is dropped, rows come from
 model.to("cuda")                     #   the memory-mapped checkpoint: never on the GPU
-served.prepare(max_tokens=64)        # the rows plan for captured steps (outside capture)
+served.prepare(max_tokens=64)        # the steps of captured decode (outside capture)
 ```
 
 Importing this package does not import transformers or torch; :func:`serve` does. The

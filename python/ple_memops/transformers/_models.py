@@ -48,7 +48,7 @@ class ServedModel:
         return self.server.tables
 
     def prepare(self, max_tokens: int, **kwargs: Any) -> Any:
-        """Build the rows plan for captured steps of up to ``max_tokens`` tokens; see
+        """Build the tables' steps for captured steps of up to ``max_tokens`` tokens; see
         :meth:`PleServer.prepare`."""
         return self.server.prepare(max_tokens, **kwargs)
 
@@ -143,7 +143,7 @@ def serve(
 
     Eager forwards then gather synchronously; a decode step captured with
     ``torch.cuda.graph`` publishes the ids the model computes on the GPU and consumes the
-    rows deferred, after :meth:`ServedModel.prepare` built the rows plan.
+    rows deferred, after :meth:`ServedModel.prepare` built the steps.
 
     Raises:
         UnsupportedModelError: not a Gemma 3n / Qwen4Exp model (or no PLE layer).

@@ -2,14 +2,14 @@
 model's embedding table.
 
 A :class:`PleServer` owns one :class:`~ple_memops.MmapTable` per PLE table and, once
-:meth:`PleServer.prepare` was called (outside any capture), a
-:class:`~ple_memops.plan.RowsPlan` with one staging buffer per table. The replacement
+:meth:`PleServer.prepare` was called (outside any capture), the tables'
+:class:`~ple_memops.steps.Steps` with one staging buffer per table. The replacement
 module (:class:`ServedTable`) has no parameter: its forward gathers rows by id.
 
 - Eager calls (prefill, warm-up, no graph): the ids go to the host, the rows are gathered
   from the memory map and copied to the model's device, synchronously. No pinned memory.
-- Under ``torch.cuda.graph`` capture, the step's rows come through the plan: the ids the
-  model computed on the GPU are published (``plan.stage``) and the rows consumed from the
+- Under ``torch.cuda.graph`` capture, the step's rows come through the steps: the ids the
+  model computed on the GPU are published (``steps.stage``) and the rows consumed from the
   staging buffer after the join, so the host fills them after the graph was launched. How
   the rows reach the staging buffer in a captured step is the server's ``source``:
   ``"device"`` (the published ids, a native worker; the default), ``"host"`` (the runner
@@ -29,7 +29,7 @@ import numpy as np
 from .._common import capturing, plan_device
 from ..errors import InvalidArgumentError, StateError
 from ..settings import DEFAULTS
-from ..steps import StepDriver
+from ..steps import Steps
 from ..table import MmapTable
 from ._errors import TableMismatchError
 
@@ -93,10 +93,7 @@ class PleServer:
         self.checkpoint = checkpoint
         self.specs = {s.name: s for s in specs}
         self.tables = tables
-        self.plan: Any = None
-        self._driver: StepDriver | None = None
-        self._depth: int = DEFAULTS.depth
-        self._timeout: float | None = None
+        self.steps: Steps | None = None
         self.source = "device"
         self.graph_path = False
         """Take the captured-step path in eager calls too (CPU tests of that path)."""
@@ -144,23 +141,22 @@ class PleServer:
         track_arrival: bool = False,
         log_fallback: bool = True,
     ) -> Any:
-        """Build the rows plan for captured steps of up to ``max_tokens`` tokens (call
-        outside any capture: it allocates pinned memory and runs the probe). ``deferred=False``
-        forces the synchronous fallback; ``source`` says how captured steps get their rows
-        (module docs); ``track_arrival`` counts fills the GPU waited for; ``timeout``: the
-        seconds :attr:`driver` waits for a step's fill (default: the plan's);
-        ``log_fallback=False``: a plan that does not defer is not logged (its
-        ``plan.reason`` says why, for a caller that says it in its own words). Returns the
-        plan (``plan.mode`` tells which); :attr:`driver` runs its steps."""
-        from ..plan import RowsPlan
-
+        """Build the tables' :class:`~ple_memops.steps.Steps` for captured steps of up to
+        ``max_tokens`` tokens (call outside any capture: it allocates pinned memory and runs
+        the probe), closing the previous ones. ``deferred=False`` forces the synchronous
+        fallback; ``source`` says how captured steps get their rows (module docs);
+        ``track_arrival`` counts fills the GPU waited for; ``depth`` and ``timeout`` (the
+        seconds a completion waits for a step's fill) as ``Steps.build``'s;
+        ``log_fallback=False``: tables that do not defer are not logged (``steps.reason``
+        says why, for a caller that says it in its own words). Returns the steps
+        (``steps.mode`` tells which), also :attr:`steps`."""
         if source not in SOURCES:
             raise InvalidArgumentError(f"source must be one of {SOURCES}, got {source!r}")
         if capturing():
             raise StateError("prepare() allocates pinned memory: call it outside graph capture")
-        self.close_plan()
+        self.close_steps()
         max_rows = max(s.ids_per_token for s in self.specs.values()) * int(max_tokens)
-        self.plan = RowsPlan.build(
+        self.steps = Steps.build(
             dict(self.tables),
             max_rows=max_rows,
             device=plan_device(device),
@@ -168,33 +164,28 @@ class PleServer:
             deferred=deferred,
             watchdog=watchdog,
             depth=depth,
+            timeout=DEFAULTS.timeout if timeout is None else timeout,
             track_arrival=track_arrival,
             log_fallback=log_fallback,
         )
         self.source = source
-        self._depth, self._timeout = depth, timeout
-        return self.plan
+        return self.steps
 
-    @property
-    def driver(self) -> StepDriver:
-        """The step driver of the current plan (arm, publish, complete, drain, stats)."""
-        if self.plan is None:
-            raise StateError("no rows plan: call prepare() first")
-        if self._driver is None or self._driver.plan is not self.plan:
-            self._driver = StepDriver(self.plan, depth=self._depth, timeout=self._timeout)
-        return self._driver
+    def live_steps(self) -> Steps:
+        """:attr:`steps`, or :class:`~ple_memops.StateError` before :meth:`prepare`."""
+        if self.steps is None:
+            raise StateError("no steps: call prepare() first")
+        return self.steps
 
-    def close_plan(self) -> None:
-        if self._driver is not None:
-            self._driver.stop_publisher()
-            self._driver = None
-        if self.plan is not None:
-            self.plan.close()
-            self.plan = None
+    def close_steps(self) -> None:
+        """Shut the current steps down (idempotent)."""
+        steps, self.steps = self.steps, None
+        if steps is not None:
+            steps.shutdown()
 
     def close(self) -> None:
-        """Close the plan and the tables (idempotent)."""
-        self.close_plan()
+        """Close the steps and the tables (idempotent)."""
+        self.close_steps()
         for t in self.tables.values():
             t.close()
 
@@ -208,15 +199,13 @@ class PleServer:
         """The rows a captured step reads: ``uint8 [n, row_bytes]``."""
         if name in self._staging_override:
             return self._staging_override[name][:n]
-        if self.plan is None:
-            raise StateError("no rows plan: call prepare() before capturing a step")
-        out: torch.Tensor = self.plan.staging(name, n)
+        out: torch.Tensor = self.live_steps().staging(name, n)
         return out
 
     @contextlib.contextmanager
     def staging_buffers(self, buffers: dict[str, torch.Tensor]) -> Iterator[None]:
         """Within the block, captured steps read ``buffers`` (the runner fills them before
-        the launch) instead of the plan's staging: the vLLM-PR-style synchronous path."""
+        the launch) instead of the steps' staging: the vLLM-PR-style synchronous path."""
         old = dict(self._staging_override)
         self._staging_override.update(buffers)
         try:
@@ -236,18 +225,17 @@ class PleServer:
         n = int(flat.numel())
         staged = None
         published = None
-        uses_plan = name not in self._staging_override
-        if uses_plan:
-            if self.plan is None:
-                raise StateError("no rows plan: call prepare() before capturing a step")
-            driver = self.driver
-            if driver.deferred and self.source == "device":
+        if name not in self._staging_override:
+            if self.steps is None:
+                raise StateError("no steps: call prepare() before capturing a step")
+            steps = self.steps
+            if steps.deferred and self.source == "device":
                 # Publish the ids the graph computed; the worker gathers after the launch.
-                staged = driver.stage(name, flat, rows=n)
+                staged = steps.stage(name, flat, rows=n)
                 published = flat
-            elif driver.deferred and self.source == "host":
+            elif steps.deferred and self.source == "host":
                 # The runner publishes ids it knows (to the worker), around the launch.
-                staged = driver.stage_host_fed(name, rows=n)
+                staged = steps.stage_host_fed(name, rows=n)
         ticket = _Ticket(self, name, n, staged, published)
         hook = self._deferred_consume.get(name)
         if hook is not None:
@@ -278,9 +266,9 @@ class PleServer:
     # -- the runner's side of a captured step ------------------------------------------
 
     def fill_staging_from_host(self, ids: np.ndarray[Any, Any], name: str) -> None:
-        """The synchronous fallback through the plan: gather ``ids`` into the plan's
-        staging buffer on the current stream before the launch."""
-        self.driver.gather_now(name, ids)
+        """The synchronous fallback through the steps: gather ``ids`` into the staging
+        buffer on the current stream before the launch."""
+        self.live_steps().gather_now(name, ids)
 
 
 def _make_served_table() -> type:

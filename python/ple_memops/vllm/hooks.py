@@ -2,14 +2,16 @@
 replays and eager steps so every graph that consumes deferred rows is armed exactly once
 per replay, and nothing else ever waits for a fill.
 
-Pure Python against a small protocol (a rows plan, see :class:`PlanLike`), so the same
-code runs in the plugin's Model Runner V2 (:mod:`ple_memops.vllm.runner`) and in the
-stand-in runner of ``tests/vllm_stand_in.py``. The hooks keep the set of graphs
-that wait for rows themselves (nothing is stored on the engine's graph manager).
+Pure Python over the tables' :class:`~ple_memops.steps.Steps` (which own the step
+policy: depth, bounded waits, all-or-none aborts, counts), so the same code runs in the
+plugin's Model Runner V2 (:mod:`ple_memops.vllm.runner`) and in the stand-in runner of
+``tests/vllm_stand_in.py``. What stays here is vLLM's: scopes, graphs, the op. The hooks
+keep the set of graphs that wait for rows themselves (nothing is stored on the engine's
+graph manager).
 
 The runner calls, in the order Model Runner V2 reaches them::
 
-    hooks = PleRunnerHooks(plan, rows_per_token=H)     # load time, outside any capture
+    hooks = PleRunnerHooks(steps, rows_per_token=H)    # load time, outside any capture
     with hooks.step(dummy=True): model(...)             # profile run, dummy runs
     hooks.quiesce()                                     # before capturing
     for desc in descs:                                  # capture loop
@@ -21,12 +23,12 @@ The runner calls, in the order Model Runner V2 reaches them::
     hooks.shutdown()
 
 An engine step that may be a FULL replay or an eager forward opens ``step`` around
-both. Neither waits for pending steps (beyond ``depth`` in flight): with a deferring plan
+both. Neither waits for pending steps (beyond ``depth`` in flight): with a deferring steps
 an eager forward (a prefill, a mixed batch: this model has FULL graphs for uniform decode
 batches only) is one more deferred step, armed at its first PLE op, each layer's ids
 published and its rows waited for and copied on a side stream of its own, so every
 layer's host gather runs on its worker in parallel with the GPU work before its consumer.
-A synchronous plan's eager forward, and a dummy one, first complete pending steps.
+A synchronous tables' steps's eager forward, and a dummy one, first complete pending steps.
 
 The model's PLE op calls :meth:`PleRunnerHooks.stage` and :meth:`PleRunnerHooks.join`
 (through the custom ops in :mod:`ple_memops.vllm.ops`); what they do depends on the scope
@@ -38,16 +40,16 @@ context cannot tell them apart):
 scope, stream                         stage / join
 ====================================  ====================================================
 ``capture`` of a deferrable graph,    record publish + wait/copy/reset on a side stream
-capturing                             (``plan.stage``) / join it before the consumer
+capturing                             (``steps.stage``) / join it before the consumer
 ``capture`` of a FULL graph, sync     nothing recorded: the graph-static ids and the
-plan with ``sync_graphs``, capturing  model's ids source are kept; each replay runs the
+steps with ``sync_graphs``, capturing model's ids source are kept; each replay runs the
                                       ids graph, gathers, copies, then launches
 any other capture                     :class:`~ple_memops.StateError`: a host gather
                                       cannot be captured
-``step(dummy=True)``, ``warmup``      ``plan.dummy_now``: no data, no host sync
-``step(dummy=False)``, deferring plan ``plan.begin`` at the first op, then
-                                      ``plan.stage_eager`` / join it before the consumer
-``step(dummy=False)`` of a sync plan, ``plan.gather_now``: ids to the host, gather, copy
+``step(dummy=True)``, ``warmup``      ``steps.dummy_now``: no data, no host sync
+``step(dummy=False)``, deferring steps ``steps.arm`` at the first op, then
+                                      ``steps.stage_eager`` / join it before the consumer
+``step(dummy=False)`` of sync steps, ``steps.gather_now``: ids to the host, gather, copy
 or no scope
 ====================================  ====================================================
 """
@@ -65,17 +67,10 @@ from typing import Any, TypeVar
 from .._common import capturing as _capturing
 from ..errors import ClosedError, InvalidArgumentError, StateError
 from ..step_costs import HostTime, StallSummary
-from ..steps import PlanLike, StagedLike, StepDriver
+from ..steps import Steps
 from .settings import DEFAULT_TIMEOUT, DEPTH
 
-__all__ = [
-    "DEPTH",
-    "PlanLike",
-    "PleRunnerHooks",
-    "StagedLike",
-    "build_hooks",
-    "deferrable",
-]
+__all__ = ["DEPTH", "PleRunnerHooks", "build_hooks", "deferrable"]
 
 logger = logging.getLogger("ple_memops")
 
@@ -93,7 +88,7 @@ def deferrable(desc: Any) -> str | None:
     graph is FULL (replayed whole with ``run_fullgraph``, so the runner arms it right
     before) and runs as one batch. Uniform decode graphs of every captured size qualify;
     so do FULL graphs of mixed batches (``cudagraph_mode=FULL``): their ids are computed
-    in the graph too, and the rows fit the plan (``max_rows`` covers the largest step).
+    in the graph too, and the rows fit the steps (``max_rows`` covers the largest step).
     """
     mode = _mode_name(desc.cg_mode)
     if mode != "FULL":
@@ -107,13 +102,13 @@ def deferrable(desc: Any) -> str | None:
 class _Capture:
     desc: Any
     rows: int
-    staged: dict[str, StagedLike] = field(default_factory=dict)
+    staged: dict[str, Any] = field(default_factory=dict)
     joined: set[str] = field(default_factory=set)
 
 
 @dataclass
 class _SyncCapture:
-    """A FULL graph of a synchronous plan: its consumers read the staging buffer, which
+    """A FULL graph of a synchronous tables' steps: its consumers read the staging buffer, which
     the host fills before each replay, from ids an ids graph computes first."""
 
     desc: Any
@@ -151,30 +146,28 @@ class _Step:
 
     def __init__(self, dummy: bool) -> None:
         self.dummy = dummy
-        # A synchronous plan's eager forward: the layers staged and not yet gathered (ids,
+        # A synchronous tables' steps's eager forward: the layers staged and not yet gathered (ids,
         # the op's output), all gathered at once, in parallel, when the first consumer
         # needs rows; then the layers gathered and not yet joined (the op's output, rows).
         self.pending: dict[str, tuple[Any, Any]] = {}
         self.ready: dict[str, tuple[Any, int]] = {}
-        # An eager forward of a deferring plan: the step's extent once begun, and per
+        # An eager forward of a deferring steps: the step's extent once begun, and per
         # layer the side stream its wait/copy runs on (with the ids it publishes, held
         # until join).
         self.rows: int | None = None
         self.staged: set[str] = set()
-        self.forks: dict[str, StagedLike] = {}
+        self.forks: dict[str, Any] = {}
 
 
 class PleRunnerHooks:
-    """Drives a rows plan through a model runner's captures, replays and eager steps.
+    """Drives the tables' steps through a model runner's captures, replays and eager steps.
 
     Args:
-        plan: the per-model plan (all PLE layers deferred, or all synchronous).
+        steps: the model's :class:`~ple_memops.steps.Steps` (every PLE layer deferred, or
+            every one synchronous; its depth and timeout are the step's).
         rows_per_token: row ids per token (Qwen4Exp: ``(ngram_size - 1) *
             heads_per_ngram``); a graph of ``T`` tokens consumes ``T * rows_per_token``
             rows per layer.
-        timeout: seconds to wait for a pending step's fill when it must be completed
-            (above the longest step that can be queued ahead of it).
-        depth: steps armed at once (the plan must allow as many).
         stats_every: seconds between ``ple-memops stats`` log lines (steps armed,
             replays, eager steps, each layer's fills, mean READY -> FILLED time and share
             of rows read cold over the interval), checked at each step; ``None``: none.
@@ -182,11 +175,9 @@ class PleRunnerHooks:
 
     def __init__(
         self,
-        plan: PlanLike,
+        steps: Steps,
         *,
         rows_per_token: int,
-        timeout: float = DEFAULT_TIMEOUT,
-        depth: int = DEPTH,
         sync_graphs: bool = False,
         stats_every: float | None = None,
     ) -> None:
@@ -194,11 +185,8 @@ class PleRunnerHooks:
             raise InvalidArgumentError(f"rows_per_token must be >= 1, got {rows_per_token}")
         if stats_every is not None and not stats_every > 0:
             raise InvalidArgumentError(f"stats_every must be > 0 seconds, got {stats_every!r}")
-        self.plan = plan
-        # Every step (arm, complete, drain, abort, shutdown) goes through the
-        # engine-neutral driver; what stays here is vLLM's: scopes, graphs, the op.
-        self.driver = StepDriver(plan, depth=int(depth), timeout=float(timeout), log=logger)
-        self._stepper = self.driver.stepper  # a replay's arming (None: a synchronous plan)
+        self.steps = steps
+        self._arm = steps.arm  # a replay's arming: the native call itself
         self.rows_per_token = int(rows_per_token)
         self._scope: _Capture | _SyncCapture | _NoDefer | _Step | None = None
         self._wait_descs: set[Any] = set()
@@ -209,7 +197,6 @@ class PleRunnerHooks:
         self.sync_graphs = bool(sync_graphs)
         self._ids_graphs: dict[Any, _IdsGraph] = {}
         self._ids_buffers: dict[str, Any] = {}
-        self.eager_steps = 0
         self.sync_replays = 0
         self.recorded_graphs = 0
         self.stats_every = stats_every
@@ -224,25 +211,31 @@ class PleRunnerHooks:
 
     @property
     def deferred(self) -> bool:
-        """Whether captured graphs defer their rows (the plan's mode is ``deferred``)."""
-        return self.driver.deferred
+        """Whether captured graphs defer their rows (the steps' mode is ``deferred``)."""
+        return self.steps.deferred
 
     @property
     def timeout(self) -> float:
-        return self.driver.timeout
+        return self.steps.timeout
 
     @property
     def depth(self) -> int:
-        return self.driver.depth
+        return self.steps.depth
 
     @property
     def armed_steps(self) -> int:
-        """Replays armed (the driver's steps less the eager forwards')."""
-        return self.driver.armed_steps - self.eager_steps
+        """Replays armed (the steps armed less the eager forwards')."""
+        counts = self.steps.counters()
+        return counts.armed - counts.eager
+
+    @property
+    def eager_steps(self) -> int:
+        """Eager forwards armed as deferred steps."""
+        return self.steps.counters().eager
 
     @property
     def layer_names(self) -> list[str]:
-        return list(self.plan.layers)
+        return self.steps.names
 
     @property
     def wait_descs(self) -> frozenset[Any]:
@@ -255,8 +248,8 @@ class PleRunnerHooks:
 
     def output(self, name: str, tokens: int) -> Any:
         """The buffer the consumer of ``name`` reads for a step of ``tokens`` tokens:
-        ``uint8 [tokens * rows_per_token, row_bytes]`` (the plan's stable staging)."""
-        return self.plan.staging(name, int(tokens) * self.rows_per_token)
+        ``uint8 [tokens * rows_per_token, row_bytes]`` (the steps' stable staging)."""
+        return self.steps.staging(name, int(tokens) * self.rows_per_token)
 
     # -- runner hooks -----------------------------------------------------------------
 
@@ -272,7 +265,7 @@ class PleRunnerHooks:
         if why is None and not self.deferred and self.sync_graphs:
             scope = _SyncCapture(desc, rows)
         elif why is None and not self.deferred:
-            scope = _NoDefer(desc, f"PLE rows are synchronous here ({self.plan.reason})")
+            scope = _NoDefer(desc, f"PLE rows are synchronous here ({self.steps.reason})")
         else:
             scope = _Capture(desc, rows) if why is None else _NoDefer(desc, str(why))
         with self._scoped(scope):
@@ -280,12 +273,12 @@ class PleRunnerHooks:
         if isinstance(scope, _SyncCapture) and scope.ids:
             self._record_sync_graph(scope)
         if isinstance(scope, _Capture) and scope.staged:
-            missing = sorted(set(self.plan.layers) - set(scope.staged))
+            missing = sorted(set(self.steps.names) - set(scope.staged))
             if missing:
                 raise StateError(
                     f"ple-memops: the graph for {desc} staged rows for "
                     f"{sorted(scope.staged)} but not for {missing}; every PLE layer of "
-                    "the plan must run in each FULL graph"
+                    "the steps must run in each FULL graph"
                 )
             unjoined = sorted(set(scope.staged) - scope.joined)
             if unjoined:
@@ -306,7 +299,7 @@ class PleRunnerHooks:
         gather reuses the rows objects), then each PLE op gathers on the host before its
         consumer (``dummy=False``) or publishes no data (``dummy=True``: profile, warm-up
         and dummy runs). A replay inside it is armed as :meth:`replay` says. Any
-        exception aborts the plan, so no GPU wait outlives a failed step."""
+        exception aborts every table, so no GPU wait outlives a failed step."""
         return _StepContext(self, bool(dummy), time.perf_counter_ns())
 
     @contextlib.contextmanager
@@ -319,40 +312,30 @@ class PleRunnerHooks:
     def replay(self, desc: Any, launch: Callable[[], T]) -> T:
         """Launch the FULL graph of ``desc`` (``launch()``), armed first when it consumes
         deferred rows. Completes the oldest pending step only when ``depth`` are armed
-        (so under async scheduling the host never waits for a fill here). Any exception
-        between arming and the launch aborts the plan (the GPU is released, later calls
-        raise :class:`~ple_memops.PoisonedError`)."""
+        (so under async scheduling the host never waits for a fill here). A failure to arm
+        aborts every table (the steps' policy), and so does an exception in the launch
+        (the GPU is released, later calls raise :class:`~ple_memops.PoisonedError`)."""
         t0 = time.perf_counter_ns()
         if desc is not self._last_wait_desc:
             if desc not in self._wait_descs:
                 return launch()
             self._last_wait_desc = desc
-        # Only a synchronous plan records ids graphs: no second hash of vLLM's
-        # descriptor (a Python __hash__) on a deferred plan's every replay.
+        # Only synchronous tables record ids graphs: no second hash of vLLM's
+        # descriptor (a Python __hash__) on a deferred replay.
         entry = self._ids_graphs.get(desc) if self._ids_graphs else None
         if entry is not None:
             self._check_usable()
             return self._replay_sync(desc, entry, launch)
-        # Arm: one native call when the plan has a stepper (the driver's counts, no
-        # Python frame between; its failure aborts the plan here, as the driver
-        # would). Closed hooks: it raises ClosedError.
-        rows = int(desc.num_tokens) * self.rows_per_token
-        step = self._stepper
-        if step is None:
-            _, wait_ns, _ = self.driver.advance(rows)
-        else:
-            try:
-                wait_ns = step(rows)[1]
-            except BaseException as exc:
-                self.driver.abort_on(f"arming the replay of {desc}", exc)
-                raise
-        # The launch, timed; an exception in it aborts the plan (as the driver's guard,
+        # Arm: one native call, no Python frame between (it counts the step; a failure
+        # aborts every table in it; closed steps raise ClosedError).
+        wait_ns = self._arm(int(desc.num_tokens) * self.rows_per_token)[1]
+        # The launch, timed; an exception in it aborts every table (as the steps' guard,
         # without building one).
         t1 = time.perf_counter_ns()
         try:
             out = launch()
         except BaseException as exc:
-            self.driver.abort_on(f"the replay of {desc}", exc)
+            self.steps.abort_on(f"the replay of {desc}", exc)
             raise
         # Ours from the replay's first line (its checks, the arming call) less the wait
         # for the oldest step's fill: a cold call pays its first misses before a timer
@@ -370,7 +353,7 @@ class PleRunnerHooks:
         now = time.monotonic()
         if not force and (self.stats_every is None or now - self._stats_at < self.stats_every):
             return None
-        if self.driver.closed:
+        if self.steps.closed:
             return None
         current = self._stats_now()
         base = self._stats_base or (0, 0, 0, {})
@@ -413,12 +396,10 @@ class PleRunnerHooks:
         return line
 
     def stall_summaries(self) -> dict[str, StallSummary]:
-        """Each layer's consumer stalls since the last call (plans built with
+        """Each layer's consumer stalls since the last call (steps built with
         ``time_stalls``; empty otherwise)."""
-        samples = getattr(self.plan, "stall_samples", None)
-        if samples is None:
-            return {}
-        return {name: StallSummary.of(s.ns, s.dropped) for name, s in samples().items() if s.ns}
+        samples = self.steps.stall_samples()
+        return {name: StallSummary.of(s.ns, s.dropped) for name, s in samples.items() if s.ns}
 
     def _stall_text(self) -> str:
         return "; ".join(
@@ -427,19 +408,19 @@ class PleRunnerHooks:
 
     def _stats_now(self) -> tuple[int, int, int, dict[str, Any]]:
         per_layer = {}
-        for name, layer in self.plan.layers.items():
-            table = getattr(layer, "table", None)
-            pages = table.page_stats() if table is not None else {}
+        for name, layer in self.steps.tables.items():
+            pages = layer.table.page_stats()
             # Rows copied straight from the mapping, and rows read cold (not yet known
             # to be in the page cache: see MmapTable's cold_reads and adopt_resident).
             rows = (int(pages.get("row_hits", 0)), int(pages.get("row_misses", 0)))
-            per_layer[name] = (self.driver.counters(name), rows)
-        return (self.driver.armed_steps, self.eager_steps, self.sync_replays, per_layer)
+            per_layer[name] = (self.steps.counters(name), rows)
+        counts = self.steps.counters()
+        return (counts.armed, counts.eager, self.sync_replays, per_layer)
 
     def note_ids_source(self, source: Callable[[], None]) -> None:
         """The model's glue, inside a capture: ``source()`` recomputes every PLE layer's
         ids into the graph-static tensors its PLE ops stage (the same inputs, the same
-        outputs). A synchronous plan's graphs then stay FULL: before each replay an ids
+        outputs). A synchronous tables' steps's graphs then stay FULL: before each replay an ids
         graph of ``source`` runs, the ids come to the host in one copy, the rows are
         gathered in parallel and copied to staging, then the graph replays. Ignored
         outside a synchronous capture."""
@@ -459,33 +440,33 @@ class PleRunnerHooks:
         return built
 
     def _record_sync_graph(self, scope: _SyncCapture) -> None:
-        missing = sorted(set(self.plan.layers) - set(scope.ids))
+        missing = sorted(set(self.steps.names) - set(scope.ids))
         if missing:
             raise StateError(
                 f"ple-memops: the graph for {scope.desc} staged rows for {sorted(scope.ids)} "
-                f"but not for {missing}; every PLE layer of the plan must run in each FULL graph"
+                f"but not for {missing}; every PLE layer of the steps must run in each FULL graph"
             )
         if scope.source is None:
             raise StateError(
                 f"ple-memops: the graph for {scope.desc} reads synchronous PLE rows, but the "
                 "model gave no ids source (note_ids_source) to compute its ids before a replay"
             )
-        names = list(self.plan.layers)
+        names = self.steps.names
         self._ids_graphs[scope.desc] = _IdsGraph(scope.rows, names, scope.source, scope.ids)
         self._wait_descs.add(scope.desc)
         self.recorded_graphs += 1
 
     def _replay_sync(self, desc: Any, entry: _IdsGraph, launch: Callable[[], T]) -> T:
-        """A synchronous plan's FULL replay: the ids graph, one wait for its copy of the
+        """A synchronous tables' steps's FULL replay: the ids graph, one wait for its copy of the
         ids to the host, every layer's gather in parallel (their copies to staging on the
         current stream), then the graph."""
-        with self.driver.guard(lambda: f"the synchronous replay of {desc}"):
+        with self.steps.guard(lambda: f"the synchronous replay of {desc}"):
             if entry.graph is None:
                 _capture_ids_graph(entry)
             entry.graph.replay()
             entry.done.record()
             entry.done.synchronize()  # the step's one host wait: its ids
-            self.driver.gather_many_now(
+            self.steps.gather_many_now(
                 {name: entry.host[i] for i, name in enumerate(entry.names)}, entry.rows
             )
             self.sync_replays += 1
@@ -505,17 +486,17 @@ class PleRunnerHooks:
     def quiesce(self) -> None:
         """Complete every pending step (before captures, eager passes that must not
         overlap them, and graph release). A failed fill raises its typed error after
-        aborting the plan; an aborted plan raises :class:`~ple_memops.PoisonedError` even
+        aborting every table; aborted steps raises :class:`~ple_memops.PoisonedError` even
         with nothing in flight (a worker that saw its step released has dropped it)."""
         self._check_usable()
-        if self.driver.in_flight:
-            with self.driver.guard("completing pending steps"):
-                self.driver.drain()
-        self.driver.raise_if_failed()
+        if self.steps.in_flight:
+            with self.steps.guard("completing pending steps"):
+                self.steps.drain()
+        self.steps.raise_if_failed()
 
     def abort(self, reason: str) -> None:
         """Release every GPU wait for good; later calls raise ``PoisonedError``."""
-        self.driver.abort(reason)
+        self.steps.abort(reason)
 
     def raise_if_failed(self) -> None:
         """Before the engine hands out a step's output (the GPU finished the step): raise
@@ -523,7 +504,7 @@ class PleRunnerHooks:
         released consumer read is ever returned."""
         t0 = time.perf_counter_ns()
         try:
-            self.driver.raise_if_failed()
+            self.steps.raise_if_failed()
         finally:
             self.host.add("check", time.perf_counter_ns() - t0)
 
@@ -538,26 +519,26 @@ class PleRunnerHooks:
         host = self.host
         host.add("results", t1 - t0)
         try:
-            self.driver.raise_if_failed()
+            self.steps.raise_if_failed()
         finally:
             host.add("check", time.perf_counter_ns() - t1)
         return result
 
     def drain_for_shutdown(self) -> None:
-        """Complete pending steps (bounded; a failure is logged and aborts the plan, so
+        """Complete pending steps (bounded; a failure is logged and aborts every table, so
         no captured wait can hold the device): before the engine synchronises the device
-        at shutdown. Idempotent; the plan stays open until :meth:`shutdown`."""
-        self.driver.drain_for_shutdown()
+        at shutdown. Idempotent; the steps stay open until :meth:`shutdown`."""
+        self.steps.drain_for_shutdown()
 
     def shutdown(self) -> None:
-        """:meth:`drain_for_shutdown`, then close the plan. Idempotent. A caller that
+        """:meth:`drain_for_shutdown`, then close the steps. Idempotent. A caller that
         synchronises the device drains first, synchronises, then calls this, so nothing
         the GPU may still read is freed. With :attr:`stats_every` set, the last
         interval's stats line is logged first."""
         if self.stats_every is not None:
-            with contextlib.suppress(Exception):  # a poisoned plan still shuts down
+            with contextlib.suppress(Exception):  # poisoned steps still shuts down
                 self.log_stats(force=True)
-        self.driver.shutdown()
+        self.steps.shutdown()
         self._wait_descs.clear()
         self._last_wait_desc = None
         self._ids_graphs.clear()
@@ -587,7 +568,7 @@ class PleRunnerHooks:
                 # before each replay from these graph-static ids.
                 scope.ids[name] = ids.reshape(-1)
                 return
-            scope.staged[name] = self.driver.stage(name, ids.reshape(-1), rows=n)
+            scope.staged[name] = self.steps.stage(name, ids.reshape(-1), rows=n)
             return
         if isinstance(scope, _Capture | _SyncCapture):
             raise StateError(
@@ -598,19 +579,19 @@ class PleRunnerHooks:
             self._stage_eager(scope, name, ids, output, n)
             return
         if isinstance(scope, _Step) and not scope.dummy:
-            # A synchronous plan: gathered with every other staged layer at the first
+            # A synchronous tables' steps: gathered with every other staged layer at the first
             # consumer (one copy of all their ids to the host, the gathers in parallel).
             if name in scope.pending or name in scope.ready:
                 self._end_eager(scope)  # a second forward inside one engine step
             self._check_output_shape(name, output, n)
             scope.pending[name] = (ids.reshape(-1), output)
             return
-        # A dummy pass, a synchronous plan, or a forward outside any step (a runner
+        # A dummy pass, a synchronous tables' steps, or a forward outside any step (a runner
         # calling the model directly): complete pending steps, then no data or real rows.
         if isinstance(scope, _NoDefer) or (isinstance(scope, _Step) and scope.dummy):
-            self.driver.dummy_now(name, n)
+            self.steps.dummy_now(name, n)
             return
-        rows = self.driver.gather_now(name, ids.reshape(-1), rows=n)
+        rows = self.steps.gather_now(name, ids.reshape(-1), rows=n)
         if int(rows.data_ptr()) != int(output.data_ptr()):
             output.copy_(rows)
 
@@ -622,7 +603,7 @@ class PleRunnerHooks:
         if buf is None:
             import torch
 
-            staging = self.plan.staging(name)
+            staging = self.steps.staging(name)
             if staging.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise StateError(
                     f"ple-memops: the ids buffer of {name} is first needed inside a capture; "
@@ -635,7 +616,7 @@ class PleRunnerHooks:
     def stage_ids(self, name: str, ids: Any) -> Any:
         """The compiled models' first op: ``ids`` copied into :meth:`ids_buffer` on the
         current stream (their memory may be reused by the graph as soon as this returns,
-        while the rows are gathered from them later), then :meth:`stage` into the plan's
+        while the rows are gathered from them later), then :meth:`stage` into the steps'
         staging view. Returns an empty ``[rows, 0]`` token for :meth:`read_rows`."""
         flat = ids.reshape(-1)
         n = int(flat.numel())
@@ -669,7 +650,7 @@ class PleRunnerHooks:
                 _, n = scope.ready.pop(name)
                 # The consumer's own tensor (under torch.compile's functionalization the
                 # op's output may be a copy): the rows are in the staging buffer.
-                _copy_unless_same(self.plan.staging(name, n), output)
+                _copy_unless_same(self.steps.staging(name, n), output)
             return  # other eager paths: the rows are already in place
         if isinstance(scope, _SyncCapture):
             return  # the staging buffer is filled before the replay
@@ -682,7 +663,7 @@ class PleRunnerHooks:
         scope.joined.add(name)
 
     def _stage_eager(self, scope: _Step, name: str, ids: Any, output: Any, n: int) -> None:
-        """An eager forward of a deferring plan (a prefill, a mixed batch) runs the deferred
+        """An eager forward of a deferring steps (a prefill, a mixed batch) runs the deferred
         protocol too, as one step: its first PLE op arms every layer's worker (completing
         the oldest pending step only when ``depth`` are armed), and each layer's ids are
         published, waited for and copied on a side stream of its own. So no PLE op waits on
@@ -693,20 +674,19 @@ class PleRunnerHooks:
             # The forward's first PLE op (or a second forward inside one engine step).
             if scope.rows is not None:
                 self._end_eager(scope)
-            self.driver.arm(n, eager=True)
+            self.steps.arm(n, True)
             scope.rows = n
             scope.staged = set()
-            self.eager_steps += 1
         elif n != scope.rows:
             raise StateError(
                 f"ple-memops: {name} produced {n} row ids in an eager step of {scope.rows}"
             )
         self._check_output(name, output, n)
-        scope.forks[name] = self.driver.stage_eager(name, ids.reshape(-1), rows=n)
+        scope.forks[name] = self.steps.stage_eager(name, ids.reshape(-1), rows=n)
         scope.staged.add(name)
 
     def _gather_pending(self, scope: _Step) -> None:
-        """A synchronous plan's eager forward: every staged layer's ids to the host in one
+        """A synchronous tables' steps's eager forward: every staged layer's ids to the host in one
         copy (one device synchronisation for all of them), then the gathers in parallel,
         each layer's rows copied to its staging buffer."""
         pending, scope.pending = scope.pending, {}
@@ -720,18 +700,18 @@ class PleRunnerHooks:
             size = int(f.numel())
             host[name] = joined[at : at + size]
             at += size
-        self.driver.gather_many_now(host)
+        self.steps.gather_many_now(host)
         for name, f in zip(names, flat, strict=True):
             scope.ready[name] = (pending[name][1], int(f.numel()))
 
     def _end_eager(self, scope: _Step) -> None:
-        """The end of an eager forward: a synchronous plan's layers never joined are
+        """The end of an eager forward: a synchronous tables' steps's layers never joined are
         gathered (their errors raised); a forward that staged deferred rows must have
-        staged every layer of the plan (each worker was armed for the step) and joined."""
+        staged every layer (each worker was armed for the step) and joined."""
         if scope.pending:
             self._gather_pending(scope)
         for name, (output, n) in scope.ready.items():  # never joined: the op's output
-            _copy_unless_same(self.plan.staging(name, n), output)
+            _copy_unless_same(self.steps.staging(name, n), output)
         scope.ready.clear()
         if scope.rows is None:
             return
@@ -741,11 +721,11 @@ class PleRunnerHooks:
                 staged.join()  # nothing after the step may race the copy
             scope.forks.clear()
             raise StateError(f"ple-memops: staged rows of {unjoined} were never joined")
-        missing = sorted(set(self.plan.layers) - scope.staged)
+        missing = sorted(set(self.steps.names) - scope.staged)
         if missing:
             raise StateError(
                 f"ple-memops: an eager forward staged rows for {sorted(scope.staged)} but "
-                f"not for {missing}; every PLE layer of the plan must run in each forward"
+                f"not for {missing}; every PLE layer of the steps must run in each forward"
             )
 
     # -- helpers ----------------------------------------------------------------------
@@ -765,7 +745,7 @@ class PleRunnerHooks:
         )
 
     def _check_output_shape(self, name: str, output: Any, n: int) -> None:
-        staging = self.plan.staging(name, n)
+        staging = self.steps.staging(name, n)
         if tuple(output.shape) != tuple(staging.shape):
             raise StateError(
                 f"ple-memops: the output of {name} has shape {tuple(output.shape)}, its rows "
@@ -773,17 +753,17 @@ class PleRunnerHooks:
             )
 
     def _check_output(self, name: str, output: Any, n: int) -> None:
-        staging = self.plan.staging(name, n)
+        staging = self.steps.staging(name, n)
         if int(output.data_ptr()) != int(staging.data_ptr()) or tuple(output.shape) != tuple(
             staging.shape
         ):
             raise StateError(
-                f"ple-memops: the output of {name} must be the plan's staging view "
+                f"ple-memops: the output of {name} must be the steps' staging view "
                 f"(hooks.output(name, tokens)); a captured consumer reads that buffer"
             )
 
     def _check_usable(self) -> None:
-        if self.driver.closed:
+        if self.steps.closed:
             raise ClosedError("ple-memops runner hooks are shut down")
 
     def _scoped(self, scope: _Capture | _SyncCapture | _NoDefer | _Step) -> _Scoped:
@@ -836,10 +816,10 @@ class _StepContext:
         host.end_step("step", self._ns + t2 - t1)
 
     def _failed(self, exc: BaseException) -> None:
-        """As the driver's guard: no GPU wait outlives a failed step."""
+        """As the steps' guard: no GPU wait outlives a failed step."""
         hooks = self._hooks
         hooks._scope = None
-        hooks.driver.abort_on("an engine step", exc)
+        hooks.steps.abort_on("an engine step", exc)
 
 
 class _Scoped:
@@ -910,26 +890,24 @@ def build_hooks(
     time_stalls: bool = False,
     skip_gather: bool = False,
 ) -> PleRunnerHooks:
-    """Build the all-or-none rows plan for ``tables`` (name -> :class:`~ple_memops.MmapTable`,
-    outside any capture) and the runner hooks around it. ``timeout`` bounds both the
-    watchdog of a waiting graph and the completion of a pending step. ``sync_graphs``: a
-    synchronous plan keeps FULL graphs (the model gives an ids source while captured).
-    ``spin``: the workers' hot window (``None``: the core's default), ``predict_ready``:
-    placed where READY is expected (:class:`~ple_memops.GatherWorker`); ``stats_every``:
-    see :class:`PleRunnerHooks`; ``time_stalls``: time each layer's consumer stall on
-    the GPU (in the stats line); ``skip_gather``: diagnostics only (wrong rows), see
-    :class:`~ple_memops.GatherWorker`."""
-    from ..plan import RowsPlan
-
-    plan = RowsPlan.build(
+    """Build the tables' :class:`~ple_memops.steps.Steps` (name ->
+    :class:`~ple_memops.MmapTable`, outside any capture) and the runner hooks around them.
+    ``timeout`` bounds both the watchdog of a waiting graph and the completion of a
+    pending step. ``sync_graphs``: synchronous tables keep FULL graphs (the model gives an
+    ids source while captured). ``spin``: the workers' hot window (``None``: the core's
+    default), ``predict_ready``: placed where READY is expected
+    (:class:`~ple_memops.GatherWorker`); ``stats_every``: see :class:`PleRunnerHooks`;
+    ``time_stalls``: time each layer's consumer stall on the GPU (in the stats line);
+    ``skip_gather``: diagnostics only (wrong rows), see :class:`~ple_memops.GatherWorker`."""
+    steps = Steps.build(
         dict(tables),
         max_rows=max_rows,
         device=device,
+        depth=DEPTH,
+        timeout=timeout,
         id_dtype="int64",
         deferred=deferred,
         watchdog=timeout,
-        timeout=timeout,
-        depth=DEPTH,
         copy=copy,
         spin=spin,
         predict_ready=predict_ready,
@@ -939,13 +917,8 @@ def build_hooks(
     )
     try:
         return PleRunnerHooks(
-            plan,
-            rows_per_token=rows_per_token,
-            timeout=timeout,
-            depth=DEPTH,
-            sync_graphs=sync_graphs,
-            stats_every=stats_every,
+            steps, rows_per_token=rows_per_token, sync_graphs=sync_graphs, stats_every=stats_every
         )
     except BaseException:
-        plan.close()
+        steps.shutdown()
         raise

@@ -221,7 +221,7 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
         if forced:
             reason = f"{FORCE_SYNC_ENV}={raw} on this rank"
         else:
-            reason = hooks.plan.reason
+            reason = hooks.steps.reason
         if not agree_on_deferral(hooks.deferred) and hooks.deferred:
             hooks.shutdown()
             reason = "another rank of this engine cannot defer (its log says why)"
@@ -251,7 +251,7 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
         )
     else:
         mode = compilation.cudagraph_mode
-        if hooks.plan.mode == "host" and mode is not None and mode != CUDAGraphMode.NONE:
+        if hooks.steps.mode == "host" and mode is not None and mode != CUDAGraphMode.NONE:
             # No CUDA device: no graph to keep.
             compilation.cudagraph_mode = CUDAGraphMode.NONE
             graphs = f"CUDA graphs are turned off (cudagraph_mode {mode.name} -> NONE)"

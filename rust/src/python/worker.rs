@@ -1,8 +1,7 @@
 //! `ple_memops._native.GatherWorkerCore`: the native half of `ple_memops.GatherWorker`; and
-//! `Stepper` and `advance_workers`, a plan's step over all its workers in one call.
+//! `Steps`, a device's tables driven as one (the step policy of every engine integration).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use numpy::PyReadonlyArray1;
@@ -13,13 +12,13 @@ use super::table::PyMmapTable;
 use super::{counters, secs, stream_of, to_pyerr, IntoPy, PyDeferredRows};
 use crate::error::Error;
 use crate::worker::{
-    advance, GatherWorker, PublishPath, RowMap, RowSource, WorkerOptions, DEFAULT_SPIN,
+    GatherWorker, PublishPath, RowMap, RowSource, StepTable, Steps, WorkerOptions, DEFAULT_SPIN,
 };
 
 /// The native half of `ple_memops.GatherWorker` (use that class, not this one).
 #[pyclass(name = "GatherWorkerCore", module = "ple_memops._native", frozen)]
 pub struct PyGatherWorker {
-    inner: GatherWorker,
+    inner: Arc<GatherWorker>,
 }
 
 #[pymethods]
@@ -82,7 +81,9 @@ impl PyGatherWorker {
         let inner = py
             .detach(|| GatherWorker::new(rows, source, map, opts))
             .py(py)?;
-        Ok(Self { inner })
+        Ok(Self {
+            inner: Arc::new(inner),
+        })
     }
 
     #[getter]
@@ -214,106 +215,67 @@ impl PyGatherWorker {
     }
 }
 
-/// [`advance`] over `workers` from Python: the GIL is kept unless a fill must be waited
-/// for (as `complete`).
-fn advance_py(
-    py: Python<'_>,
-    workers: &[&GatherWorker],
-    rows: usize,
-    eager: bool,
-    depth: usize,
-    timeout: Duration,
-) -> PyResult<(usize, u64, u64)> {
-    let done = advance(workers, rows, eager, depth, |w| {
-        py.detach(|| w.wait_and_complete(timeout))
-    })
-    .py(py)?;
-    Ok((
-        done.completed,
-        done.wait.as_nanos() as u64,
-        done.arm.as_nanos() as u64,
-    ))
+/// `ple_memops._native.Steps`: [`Steps`] from Python, the one native object an
+/// engine integration drives a device's tables through (`ple_memops.steps.Steps` is its
+/// Python face). The GIL is kept unless a fill must be waited for (as `complete`): a
+/// serving loop completes steps its workers filled long ago, and releasing and retaking
+/// a contended interpreter lock costs more than the completion.
+#[pyclass(name = "Steps", module = "ple_memops._native", frozen)]
+pub struct PySteps {
+    inner: Steps,
 }
 
-/// One engine step for every worker of a plan (`crate::worker::advance`): complete the
-/// oldest steps while `depth` are armed, then arm each for `rows` rows. Returns `(steps
-/// completed, ns completing, ns arming)`. The GIL is kept unless a fill must be waited
-/// for (as `complete`).
-#[pyfunction]
-#[pyo3(signature = (workers, rows, eager, depth, timeout_s))]
-fn advance_workers(
-    py: Python<'_>,
-    workers: &Bound<'_, PyTuple>,
-    rows: usize,
-    eager: bool,
-    depth: usize,
-    timeout_s: f64,
-) -> PyResult<(usize, u64, u64)> {
-    let t: Duration = secs(timeout_s, "timeout").py(py)?;
-    let bound = workers
-        .iter()
-        .map(|w| w.cast_into::<PyGatherWorker>().map_err(PyErr::from))
-        .collect::<PyResult<Vec<_>>>()?;
-    let inner: Vec<&GatherWorker> = bound.iter().map(|w| &w.get().inner).collect();
-    advance_py(py, &inner, rows, eager, depth, t)
-}
-
-/// `ple_memops._native.Stepper`: [`advance`] over a plan's workers with the depth and
-/// timeout bound once, for the one call a serving loop makes every step
-/// (`RowsPlan.stepper`). Each call checks less than `advance_workers` (nothing to cast,
-/// no timeout to parse: a cold call between two engine steps pays for every line it
-/// touches) and counts the steps it armed and completed. `close` drops the workers (the
-/// plan's close): later calls raise `ClosedError`.
-#[pyclass(name = "Stepper", module = "ple_memops._native", frozen)]
-pub struct PyStepper {
-    /// `None` once closed. Cloned out of the lock before a call, so a wait for a fill
-    /// never holds it.
-    workers: Mutex<Option<Arc<[Py<PyGatherWorker>]>>>,
-    depth: usize,
-    timeout: Duration,
-    armed: AtomicUsize,
-    completed: AtomicUsize,
+fn waiting(py: Python<'_>) -> impl FnMut(&GatherWorker, Duration) -> crate::error::Result<()> + '_ {
+    move |w, t| py.detach(|| w.wait_and_complete(t))
 }
 
 #[pymethods]
-impl PyStepper {
+impl PySteps {
+    /// `rows`: every table's rows object; `workers`: each table's worker in the same
+    /// order, or empty (the tables gather synchronously).
     #[new]
     fn new(
         py: Python<'_>,
+        rows: &Bound<'_, PyTuple>,
         workers: &Bound<'_, PyTuple>,
         depth: usize,
         timeout_s: f64,
     ) -> PyResult<Self> {
-        if depth == 0 {
-            return Err(to_pyerr(
-                py,
-                Error::invalid("depth must be at least 1 step"),
-            ));
-        }
         let timeout = secs(timeout_s, "timeout").py(py)?;
+        let rows = rows
+            .iter()
+            .map(|r| Ok(r.cast_into::<PyDeferredRows>()?.get().rows().clone()))
+            .collect::<PyResult<Vec<_>>>()?;
         let workers = workers
             .iter()
-            .map(|w| Ok(w.cast_into::<PyGatherWorker>()?.unbind()))
+            .map(|w| Ok(w.cast_into::<PyGatherWorker>()?.get().inner.clone()))
             .collect::<PyResult<Vec<_>>>()?;
-        if workers.is_empty() {
+        if !workers.is_empty() && workers.len() != rows.len() {
             return Err(to_pyerr(
                 py,
-                Error::invalid("a stepper needs at least one worker"),
+                Error::invalid(format!(
+                    "{} workers for {} tables: one each, or none",
+                    workers.len(),
+                    rows.len()
+                )),
             ));
         }
-        Ok(Self {
-            workers: Mutex::new(Some(workers.into())),
-            depth,
-            timeout,
-            armed: AtomicUsize::new(0),
-            completed: AtomicUsize::new(0),
-        })
+        let mut workers = workers.into_iter();
+        let tables = rows
+            .into_iter()
+            .map(|rows| StepTable {
+                rows,
+                worker: workers.next(),
+            })
+            .collect();
+        let inner = Steps::new(tables, depth, timeout).py(py)?;
+        Ok(Self { inner })
     }
 
-    /// Complete the oldest steps while `depth` are armed, then arm every worker for
-    /// `rows` rows (`eager`: an eager forward's step). Returns `(steps completed, ns
-    /// completing, ns arming)`. A row count below 1 or above a worker's `max_rows` is
-    /// refused (`RowShapeError`) before anything is completed or armed.
+    /// Arm a step of `rows` rows on every table, completing the oldest steps first while
+    /// `depth` are armed. Returns `(steps completed, ns completing, ns arming)`. A row
+    /// count out of `1..=max_rows` raises `RowShapeError` and changes nothing; any other
+    /// failure aborts every table, then raises.
     #[pyo3(signature = (rows, eager=false))]
     fn __call__(&self, py: Python<'_>, rows: i64, eager: bool) -> PyResult<(usize, u64, u64)> {
         let Ok(n) = usize::try_from(rows) else {
@@ -322,62 +284,108 @@ impl PyStepper {
                 Error::rows(format!("a step has at least 1 row, got {rows}")),
             ));
         };
-        let workers = self
-            .workers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-            .ok_or_else(|| to_pyerr(py, Error::Closed))?;
-        let inner: Vec<&GatherWorker> = workers.iter().map(|w| &w.get().inner).collect();
-        let done = advance_py(py, &inner, n, eager, self.depth, self.timeout)?;
-        self.completed.fetch_add(done.0, Ordering::Relaxed);
-        self.armed.fetch_add(1, Ordering::Relaxed);
-        Ok(done)
+        let done = self.inner.advance(n, eager, waiting(py)).py(py)?;
+        Ok((
+            done.completed,
+            done.wait.as_nanos() as u64,
+            done.arm.as_nanos() as u64,
+        ))
     }
 
-    /// Steps armed through this stepper.
+    /// Complete the oldest steps until at most `limit` are armed (`0`: drain). Returns the
+    /// steps completed; a failure aborts every table, then raises.
+    #[pyo3(signature = (limit=0))]
+    fn settle(&self, py: Python<'_>, limit: usize) -> PyResult<usize> {
+        self.inner.settle(limit, waiting(py)).py(py)
+    }
+
+    /// Host-known ids of table `index`'s oldest armed step that has none yet.
+    fn publish_host(
+        &self,
+        py: Python<'_>,
+        index: usize,
+        ids: PyReadonlyArray1<'_, i64>,
+    ) -> PyResult<()> {
+        let v = ids
+            .as_slice()
+            .map_err(|_| to_pyerr(py, Error::rows("ids must be contiguous")))?
+            .to_vec();
+        let inner = &self.inner;
+        py.detach(|| inner.publish_host(index, &v)).py(py)
+    }
+
+    /// Release every GPU wait for good and poison every table (idempotent).
+    fn abort(&self, reason: &str) {
+        self.inner.abort(reason);
+    }
+
+    /// `(table index, cause)` of the first poisoned table, or `None`.
+    #[getter]
+    fn poison_cause(&self) -> Option<(usize, String)> {
+        self.inner.poison_cause()
+    }
+
+    /// Drain (bounded; a failure aborts instead of raising), then close. Returns the
+    /// failure's text, or `None`.
+    fn shutdown(&self, py: Python<'_>) -> Option<String> {
+        self.inner.shutdown(waiting(py)).map(|e| e.to_string())
+    }
+
+    /// Stop the workers and close every table (idempotent).
+    fn close(&self, py: Python<'_>) {
+        let inner = &self.inner;
+        py.detach(|| inner.close());
+    }
+
+    #[getter]
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight()
+    }
+
+    /// Steps armed (every table at once), eager forwards' included.
     #[getter]
     fn armed(&self) -> usize {
-        self.armed.load(Ordering::Relaxed)
+        self.inner.counts().armed
     }
 
-    /// Steps completed through this stepper.
+    /// Of `armed`, eager forwards' steps.
+    #[getter]
+    fn eager(&self) -> usize {
+        self.inner.counts().eager
+    }
+
     #[getter]
     fn completed(&self) -> usize {
-        self.completed.load(Ordering::Relaxed)
+        self.inner.counts().completed
     }
 
     #[getter]
     fn depth(&self) -> usize {
-        self.depth
+        self.inner.depth()
     }
 
     #[getter]
     fn timeout(&self) -> f64 {
-        self.timeout.as_secs_f64()
+        self.inner.timeout().as_secs_f64()
+    }
+
+    #[getter]
+    fn max_rows(&self) -> usize {
+        self.inner.max_rows()
+    }
+
+    #[getter]
+    fn deferred(&self) -> bool {
+        self.inner.deferred()
     }
 
     #[getter]
     fn closed(&self) -> bool {
-        self.workers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_none()
-    }
-
-    /// Drop the workers (idempotent); later calls raise `ClosedError`.
-    fn close(&self) {
-        let gone = self
-            .workers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        drop(gone);
+        self.inner.is_closed()
     }
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyGatherWorker>()?;
-    m.add_class::<PyStepper>()?;
-    m.add_function(wrap_pyfunction!(advance_workers, m)?)
+    m.add_class::<PySteps>()
 }

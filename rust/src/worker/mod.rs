@@ -17,7 +17,8 @@
 //! * `options.rs`: [`WorkerOptions`], [`PublishPath`] and [`WorkerStats`].
 //! * `gather_worker.rs`: [`GatherWorker`], the handle: construction, `begin`, `complete`,
 //!   `close`.
-//! * `group.rs`: [`advance`], one engine step for several tables' workers in one call.
+//! * `steps.rs`: [`Steps`], a device's tables driven as one: arming a step, completing,
+//!   abort and poison, shutdown, counts (the policy every engine integration shares).
 //! * `mailbox.rs`: putting a step's ids into the mailbox, from the GPU (`publish`) or the
 //!   host (`publish_from_host`).
 //! * `shared.rs`: the state the handle and the thread share, and its lock order.
@@ -31,13 +32,13 @@
 //! [`DeferredRows`]: crate::DeferredRows
 
 mod gather_worker;
-mod group;
 mod mailbox;
 mod options;
 mod pace;
 mod row_map;
 mod shared;
 mod source;
+mod steps;
 mod thread;
 mod warm;
 
@@ -45,11 +46,11 @@ mod warm;
 mod tests;
 
 pub use gather_worker::GatherWorker;
-pub use group::{advance, Advanced};
 pub use options::{
     PublishPath, WorkerOptions, WorkerStats, DEFAULT_IDLE_NAPS, DEFAULT_IDLE_POLL, DEFAULT_SPIN,
     IDLE_NAP,
 };
 pub use row_map::RowMap;
 pub use source::RowSource;
+pub use steps::{Advanced, StepCounts, StepTable, Steps};
 pub use warm::{WarmThreads, WARM_MAX};

@@ -928,94 +928,184 @@ fn a_step_with_expected_ids_released_before_ready_never_hangs() {
     assert!(rows.is_released());
 }
 
-/// Two tables' workers, each over its own host rows (staging `4 x 4` bytes each).
-fn two_workers(
-    staging: &mut [Vec<u8>; 2],
-    src: Arc<dyn RowSource>,
-) -> (Vec<DeferredRows>, Vec<GatherWorker>) {
-    let rows: Vec<DeferredRows> = staging.iter_mut().map(|s| host_rows(4, 4, s)).collect();
-    let workers = rows
-        .iter()
-        .map(|r| GatherWorker::new(r.clone(), src.clone(), RowMap::Identity, opts(4, 8)).unwrap())
-        .collect();
-    (rows, workers)
+/// Two tables, each with its own host rows (staging `4 x 4` bytes each) and worker.
+fn two_tables(staging: &mut [Vec<u8>; 2], src: Arc<dyn RowSource>) -> Vec<StepTable> {
+    staging
+        .iter_mut()
+        .map(|s| {
+            let rows = host_rows(4, 4, s);
+            let w = GatherWorker::new(rows.clone(), src.clone(), RowMap::Identity, opts(4, 8));
+            StepTable {
+                rows,
+                worker: Some(Arc::new(w.unwrap())),
+            }
+        })
+        .collect()
+}
+
+fn workers_of(tables: &[StepTable]) -> Vec<Arc<GatherWorker>> {
+    tables.iter().map(|t| t.worker.clone().unwrap()).collect()
+}
+
+fn never(_: &GatherWorker, _: Duration) -> Result<()> {
+    panic!("nothing should wait")
+}
+
+fn waits(w: &GatherWorker, t: Duration) -> Result<()> {
+    w.wait_and_complete(t)
 }
 
 #[test]
-fn advance_completes_the_oldest_step_of_every_worker_at_depth_then_arms_all() {
+fn steps_complete_the_oldest_step_of_every_table_at_depth_then_arm_all() {
     let mut staging = [vec![0u8; 16], vec![0u8; 16]];
-    let (_rows, workers) = two_workers(&mut staging, Arc::new(Counting { rows: 10, width: 4 }));
-    let ws: Vec<&GatherWorker> = workers.iter().collect();
-    let never = |_: &GatherWorker| -> Result<()> { panic!("nothing should wait") };
+    let tables = two_tables(&mut staging, Arc::new(Counting { rows: 10, width: 4 }));
+    let ws = workers_of(&tables);
+    let steps = Steps::new(tables.clone(), 2, T).unwrap();
     // Below depth: arms only.
-    let a = advance(&ws, 2, false, 2, never).unwrap();
+    let a = steps.advance(2, false, never).unwrap();
     assert_eq!(
         (a.completed, ws[0].in_flight(), ws[1].in_flight()),
         (0, 1, 1)
     );
-    for w in &ws {
-        w.publish_from_host(&[1, 2], T).unwrap();
+    for (i, ids) in [[1i64, 2], [1, 2]].iter().enumerate() {
+        steps.publish_host(i, ids).unwrap();
     }
-    let a = advance(&ws, 3, false, 2, never).unwrap();
-    assert_eq!((a.completed, ws[0].in_flight()), (0, 2));
-    for w in &ws {
-        w.publish_from_host(&[3, 4, 5], T).unwrap();
+    let a = steps.advance(3, false, never).unwrap();
+    assert_eq!((a.completed, steps.in_flight()), (0, 2));
+    for i in 0..2 {
+        steps.publish_host(i, &[3, 4, 5]).unwrap();
     }
     // At depth: the first step of each is completed (filled: no wait), then both armed.
     wait_for("both fills", || ws.iter().all(|w| w.stats().fills == 2));
-    let a = advance(&ws, 1, true, 2, never).unwrap();
+    let a = steps.advance(1, true, never).unwrap();
     assert_eq!(a.completed, 1);
     assert_eq!((ws[0].in_flight(), ws[1].in_flight()), (2, 2));
     assert_eq!((ws[0].stats().steps, ws[1].stats().steps), (1, 1));
-    // depth 1 completes both remaining filled steps... only once the third has its ids.
-    for w in &ws {
-        w.publish_from_host(&[6], T).unwrap();
+    // Settling to 0 completes both remaining steps... once the third has its ids.
+    for i in 0..2 {
+        steps.publish_host(i, &[6]).unwrap();
     }
-    let mut waited = 0;
-    let a = advance(&ws, 1, false, 1, |w| {
-        waited += 1;
-        w.wait_and_complete(T)
-    })
-    .unwrap();
-    assert_eq!(a.completed, 2);
-    assert!(waited <= 2, "at most the eager step's fill was waited for");
-    assert_eq!((ws[0].in_flight(), ws[1].in_flight()), (1, 1));
+    assert_eq!(steps.settle(0, waits).unwrap(), 2);
+    assert_eq!(steps.in_flight(), 0);
     assert_eq!(ws[0].stats().eager_fills, 1);
-    assert!(a.wait >= Duration::ZERO && a.arm > Duration::ZERO);
     assert_eq!(
-        advance(&ws, 1, false, 0, never).unwrap_err().kind(),
-        ErrorKind::InvalidArgument
+        steps.counts(),
+        StepCounts {
+            armed: 3,
+            eager: 1,
+            completed: 3
+        }
     );
-    // A row count out of range changes nothing, even at depth (nothing completed).
+    assert!(a.wait >= Duration::ZERO && a.arm > Duration::ZERO);
+    // A row count out of range changes nothing and aborts nothing.
+    steps.advance(1, false, never).unwrap();
     for rows in [0, 5] {
-        let e = advance(&ws, rows, false, 1, never).unwrap_err();
+        let e = steps.advance(rows, false, never).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::RowShape, "{e}");
     }
-    assert_eq!((ws[0].in_flight(), ws[0].stats().steps), (1, 3));
-    for w in &workers {
-        w.close();
-    }
+    assert_eq!((steps.in_flight(), steps.counts().armed), (1, 4));
+    assert!(steps.poison_cause().is_none());
+    // Shutdown drains (bounded: the step's ids never come, so it times out), aborts
+    // instead of raising, and closes: later calls are refused, typed.
+    let steps = Steps::new(tables.clone(), 2, Duration::from_millis(50)).unwrap();
+    let failed = steps
+        .shutdown(waits)
+        .expect("the unpublished step times out");
+    assert_eq!(failed.kind(), ErrorKind::State, "{failed}");
+    assert!(steps.is_closed() && ws.iter().all(|w| w.is_closed()));
+    assert_eq!(
+        steps.advance(1, false, never).unwrap_err().kind(),
+        ErrorKind::Closed
+    );
+    assert!(steps.shutdown(waits).is_none(), "idempotent");
 }
 
 #[test]
-fn advance_completes_every_worker_and_returns_the_first_error() {
+fn a_failure_in_one_table_completes_every_table_then_aborts_all() {
     let mut staging = [vec![0u8; 16], vec![0u8; 16]];
-    let (rows, workers) = two_workers(&mut staging, Arc::new(Counting { rows: 10, width: 4 }));
-    let ws: Vec<&GatherWorker> = workers.iter().collect();
-    advance(&ws, 2, false, 1, |_| unreachable!()).unwrap();
-    ws[0].publish_from_host(&[1, 99], T).unwrap(); // 99: out of range
-    ws[1].publish_from_host(&[1, 2], T).unwrap();
-    let e = advance(&ws, 2, false, 1, |w| w.wait_and_complete(T)).unwrap_err();
+    let tables = two_tables(&mut staging, Arc::new(Counting { rows: 10, width: 4 }));
+    let ws = workers_of(&tables);
+    let steps = Steps::new(tables.clone(), 1, T).unwrap();
+    steps.advance(2, false, never).unwrap();
+    steps.publish_host(0, &[1, 99]).unwrap(); // 99: out of range
+    steps.publish_host(1, &[1, 2]).unwrap();
+    let e = steps.advance(2, false, waits).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::RowId, "{e}");
-    // The second worker's step was completed too, and nothing new was armed.
+    // The second table's step was completed too, nothing new was armed, and every
+    // table is poisoned (all or none): the second one's cause names the first failure.
     assert_eq!((ws[1].in_flight(), ws[1].stats().steps), (0, 1));
-    assert!(rows[0].poison_cause().unwrap().contains("out of range"));
-    // A closed worker: typed, nothing armed on the others.
-    ws[1].close();
-    let e = advance(&ws[1..], 2, false, 1, |_| unreachable!()).unwrap_err();
-    assert_eq!(e.kind(), ErrorKind::Closed);
-    assert_eq!(ws[1].in_flight(), 0);
-    ws[0].close();
+    let (first, cause) = steps.poison_cause().unwrap();
+    assert_eq!(first, 0);
+    assert!(cause.contains("out of range"), "{cause}");
+    let second = tables[1].rows.poison_cause().unwrap();
+    assert!(second.contains("arming a step of 2 rows"), "{second}");
+    assert_eq!(
+        steps.advance(1, false, never).unwrap_err().kind(),
+        ErrorKind::Poisoned
+    );
+    steps.close();
+}
+
+#[test]
+fn steps_refuse_bad_construction_and_misuse_typed() {
+    let mut staging = [vec![0u8; 16], vec![0u8; 16]];
+    let tables = two_tables(&mut staging, Arc::new(Counting { rows: 10, width: 4 }));
+    let kind = |r: Result<Steps>| r.err().map(|e| e.kind());
+    assert_eq!(
+        kind(Steps::new(vec![], 1, T)),
+        Some(ErrorKind::InvalidArgument)
+    );
+    assert_eq!(
+        kind(Steps::new(tables.clone(), 0, T)),
+        Some(ErrorKind::InvalidArgument)
+    );
+    // opts(4, 8): the workers allow 2 steps in flight.
+    assert_eq!(
+        kind(Steps::new(tables.clone(), 3, T)),
+        Some(ErrorKind::InvalidArgument)
+    );
+    assert_eq!(
+        kind(Steps::new(tables.clone(), 1, Duration::ZERO)),
+        Some(ErrorKind::InvalidArgument)
+    );
+    let mixed = vec![
+        tables[0].clone(),
+        StepTable {
+            rows: tables[1].rows.clone(),
+            worker: None,
+        },
+    ];
+    assert_eq!(
+        kind(Steps::new(mixed, 1, T)),
+        Some(ErrorKind::InvalidArgument)
+    );
+    // Synchronous tables: no step to arm (typed), settling is a no-op, abort poisons.
+    let sync: Vec<StepTable> = tables
+        .iter()
+        .map(|t| StepTable {
+            rows: t.rows.clone(),
+            worker: None,
+        })
+        .collect();
+    let steps = Steps::new(sync, 1, T).unwrap();
+    assert!(!steps.deferred());
+    assert_eq!(
+        steps.advance(1, false, never).unwrap_err().kind(),
+        ErrorKind::State
+    );
+    assert_eq!(steps.settle(0, never).unwrap(), 0);
+    // A host publish with no armed step: typed, and nothing is aborted.
+    let deferred = Steps::new(tables.clone(), 1, T).unwrap();
+    let e = deferred.publish_host(0, &[1]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NoArmedStep);
+    assert!(deferred.poison_cause().is_none());
+    assert_eq!(
+        deferred.publish_host(2, &[1]).unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
+    steps.abort("test");
+    assert_eq!(steps.poison_cause().unwrap(), (0, "test".to_string()));
+    deferred.close();
 }
 
 #[test]
