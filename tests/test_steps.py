@@ -181,6 +181,16 @@ def test_publish_host_later_publishes_from_the_publisher_thread(table: Any) -> N
     s.publish_host_later("t", lambda: [3])
     s.drain()
     np.testing.assert_array_equal(s.staging("t", 1), table.gather([3]))
+    # An arming at depth completes the oldest step while its publish is still to come:
+    # the native wait releases the GIL, the publisher thread publishes, the step fills.
+    s.arm(2)
+    later = threading.Event()
+    s.publish_host_later("t", lambda: (later.wait(5), [5, 6])[1])
+    threading.Timer(0.05, later.set).start()
+    assert s.arm(1)[0] == 1
+    np.testing.assert_array_equal(s.staging("t", 2), table.gather([5, 6]))
+    s.publish_host("t", [7])
+    assert s.drain() == 1
     s.stop_publisher()
     s.shutdown()
 

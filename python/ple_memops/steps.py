@@ -427,8 +427,9 @@ class Steps:
     def publish_host_later(self, name: str, ids_of: Callable[[], Any]) -> None:
         """Publish the ids of the step armed last from a publisher thread, once
         ``ids_of()`` returns them (it may block, e.g. until the previous step's tokens
-        reach the host). Settling that step first waits (bounded) for the publish;
-        :meth:`stop_publisher` ends the thread."""
+        reach the host). Settling that step first waits (bounded) for the publish, and
+        raises its error; an arming that completes it at depth waits for its fill (bounded
+        by :attr:`timeout`). :meth:`stop_publisher` ends the thread."""
         self._check_open()
         armed = int(self._native.armed)
         if armed == 0 or self.in_flight == 0:
@@ -446,6 +447,10 @@ class Steps:
         self._check_open()
         if self._publishes:
             done = int(self._native.completed)
+            for step in [k for k in self._publishes if k < done]:
+                # Completed by an arming at depth, which waited for the fill (the publisher
+                # thread ran meanwhile: the native wait releases the GIL).
+                del self._publishes[step]
             for step in range(done, done + max(0, self.in_flight - limit)):
                 self._published(step)
         return int(self._native.settle(limit))

@@ -11,8 +11,8 @@
 #   PART=fp8        four 1 GiB FP8 tables at c64 (~8 min)
 #   PART=residency  the 24 GiB table held at SHARES (default "1.0 0.5 0.1 0.0") of the page
 #                   cache (benchmarks/residency.py, every backend alike): disk and mmap at
-#                   c1, c8 and c64 per share (~6 min a share), then the storage floor on the
-#                   same disk (benchmarks/bench_cold.py host --quick)
+#                   c1, c8 and c64 per share (~6 min a share; CONC=1,64: fewer loads), then
+#                   the storage floor on the same disk (benchmarks/bench_cold.py host --quick)
 #   PART=servers    host memory as servers of one checkpoint are added: 1, 2 and 4 mmap
 #                   servers, then 1, 2 and 4 uva servers, small KV caches, c1 once each
 #                   (~12 min); the report's "Host memory in use" line per run
@@ -43,7 +43,7 @@ residency)
         backends=disk,mmap
         [ "$share" = 1.0 ] && backends=gpu-plugin,disk,mmap
         bench "disk_res${share/./}" "${DEADLINE:-330}" "${COMMON[*]} ${ONE24[*]} --dtype bf16 \
-            --concurrency 1,8,64 --mixed-long 0 --residency $share --backends $backends \
+            --concurrency ${CONC:-1,8,64} --mixed-long 0 --residency $share --backends $backends \
             --ref ${backends%%,*}"
     done
     echo "== the storage floor on this disk"
