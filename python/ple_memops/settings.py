@@ -1,7 +1,7 @@
 """The defaults of ple-memops' step machinery, in one place: :class:`StepSettings` and
 :data:`DEFAULTS`.
 
-Every default argument of the core objects, the plan, the step driver and the engine
+Every default argument of the core objects, the tables' steps and the engine
 integrations comes from here (the names ``DEFAULT_TIMEOUT``, ``DEFAULT_WATCHDOG`` and
 ``DEPTH`` that other modules export are these values). Torch-free: any process may import
 it.
@@ -37,12 +37,12 @@ class StepSettings:
     gives a checked copy with some fields changed."""
 
     timeout: float = 30.0
-    """Seconds the host waits for one step's fill when it completes it (plan, step
-    driver, engine hooks), and for a host publish to be taken: above the longest GPU work
+    """Seconds the host waits for one step's fill when it completes it (``Steps``, the
+    engine hooks), and for a host publish to be taken: above the longest GPU work
     an engine can queue ahead of a decode step (a large prefill)."""
     watchdog: float | None = 30.0
     """Seconds the GPU may wait for a step's rows once its ids reached the worker (the GPU
-    is at the step) before the plan releases it (``None``: never); work queued ahead of
+    is at the step) before it is released (``None``: never); work queued ahead of
     the step (a whole prefill) and time before the launch do not count."""
     depth: int = 2
     """Steps armed at once: under asynchronous scheduling the host launches step N+1
@@ -56,9 +56,9 @@ class StepSettings:
     """Seconds a gather worker stays hot between steps (``None``: the native default,
     0.002)."""
     rows_watchdog: float | None = 5.0
-    """The watchdog of a :class:`~ple_memops.DeferredRows` made on its own (no plan)."""
+    """The watchdog of a :class:`~ple_memops.DeferredRows` made on its own (outside ``Steps``)."""
     worker_timeout: float = 5.0
-    """:meth:`GatherWorker.complete`'s default wait, used on its own (no plan)."""
+    """:meth:`GatherWorker.complete`'s default wait, used on its own (outside ``Steps``)."""
 
     def __post_init__(self) -> None:
         for name in ("timeout", "worker_timeout"):

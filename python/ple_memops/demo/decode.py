@@ -71,7 +71,7 @@ class RunResult:
     pinned_bytes: int | None = None
     """Pinned host memory the variant holds for its rows (table copy or slots)."""
     mode: str | None = None
-    """The rows plan's mode (deferred / sync / host), where one is used."""
+    """The steps' mode (deferred / sync / host), where one is used."""
     state_diff: list[str] | None = None
     """What of the state after the prefill differs from the recording's (empty: nothing;
     ``None``: not checked, the recording itself)."""

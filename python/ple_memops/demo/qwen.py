@@ -145,8 +145,8 @@ def _deferred_eager(
     join. The prefill gathers synchronously."""
     server = served.server
     per_token = max(s.ids_per_token for s in server.specs.values())
-    plan = served.prepare(batch, deferred=True, source="device")
-    if plan.mode != "deferred":
+    ready = served.prepare(batch, deferred=True, source="device")
+    if ready.mode != "deferred":
         served.server.close_steps()
         return {}
 
@@ -214,8 +214,8 @@ def _piece_captured(
 ) -> dict[str, bool]:
     server = served.server
     per_token = max(s.ids_per_token for s in server.specs.values())
-    plan = served.prepare(batch, deferred=True, source="device")
-    if plan.mode != "deferred":
+    ready = served.prepare(batch, deferred=True, source="device")
+    if ready.mode != "deferred":
         server.close_steps()
         return {}
     pieces = []
@@ -244,7 +244,7 @@ def _piece_captured(
 
 
 def _try_capture(model: Any, prompt: Any, dev: Any) -> str:
-    """Capture one whole decode step with ``torch.cuda.graph`` (the served tables' plan
+    """Capture one whole decode step with ``torch.cuda.graph`` (the served tables' steps
     prepared, so what stops it is HF's code); say what happened."""
     import torch
 

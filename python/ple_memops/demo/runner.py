@@ -135,11 +135,11 @@ class GemmaBench:
         """The ``pinned-uva`` variant's (module, pinned table, bytes), made on first use."""
         self.cpu_graph_path = False
         """The CPU path's eager steps take the captured step's code path (rows from the
-        plan's staging buffer), as the served variants' graphs would."""
+        steps' staging buffer), as the served variants' graphs would."""
         self.deadline: float | None = None
         """``time.perf_counter()`` past which no further variant starts (``None``: none)."""
         self.fallbacks_said: set[tuple[str, str]] = set()
-        """The (mode, reason) of the plans that did not defer, logged once each."""
+        """The (mode, reason) of the steps that did not defer, logged once each."""
         # GPU memory of the served model alone (no table), the base of every variant's figure.
         self.model_base = torch.cuda.memory_allocated(self.device) if self.cuda else 0
 
@@ -379,7 +379,7 @@ class GemmaBench:
             else:
                 deferred = variant != "fallback"
                 source = "host" if variant == "deferred-host" else "device"
-                plan = served.prepare(
+                ready = served.prepare(
                     n,
                     device=self.device,
                     deferred=deferred,
@@ -390,10 +390,10 @@ class GemmaBench:
                     log_fallback=False,
                 )
                 stack.callback(server.close_steps)
-                mode = plan.mode
-                self._say_fallback(plan)
+                mode = ready.mode
+                self._say_fallback(ready)
                 pinned = n * self.table.row_bytes
-                if variant == "fallback" or plan.mode != "deferred":
+                if variant == "fallback" or ready.mode != "deferred":
                     ops_for = fallback_ops(self, dec)
                 elif variant == "deferred-host":
                     ops_for = deferred_ops(self, dec, host=True)
@@ -401,7 +401,7 @@ class GemmaBench:
                     ops_for = deferred_ops(self, dec, host=False)
             if not self.cuda:
                 # No graphs here: run the captured step's code path eagerly, rows filled
-                # before each step (the host plan), to check it against the reference.
+                # before each step (the host steps), to check it against the reference.
                 self.cpu_graph_path = variant not in ("gpu-table", "pinned-uva")
                 stack.callback(setattr, self, "cpu_graph_path", False)
             gpu_bytes = self.model_base + self._allocated() - before if self.cuda else None
@@ -420,17 +420,17 @@ class GemmaBench:
             del graph
         return out
 
-    def _say_fallback(self, plan: Any) -> None:
-        """Log, once a run of the harness, each reason a plan does not defer (every
-        variant and batch builds its own plan, for the same reason)."""
-        if plan.reason is None or (plan.mode, plan.reason) in self.fallbacks_said:
+    def _say_fallback(self, steps: Any) -> None:
+        """Log, once a run of the harness, each reason the steps do not defer (every
+        variant and batch builds its own, for the same reason)."""
+        if steps.reason is None or (steps.mode, steps.reason) in self.fallbacks_said:
             return
-        self.fallbacks_said.add((plan.mode, plan.reason))
+        self.fallbacks_said.add((steps.mode, steps.reason))
         log.warning(
             "ple_memops: PLE rows of %d table(s) use the %s path: %s",
-            len(plan.names),
-            plan.mode,
-            plan.reason,
+            len(steps.names),
+            steps.mode,
+            steps.reason,
         )
 
     # -- the decode loop and the state checks (their own modules) ------------------------

@@ -1,5 +1,5 @@
 """Gemma 3n decode with tensor parallelism over ``torch.distributed`` (NCCL), each rank
-serving the PLE table from the one checkpoint through its own rows plan and worker (the
+serving the PLE table from the one checkpoint through its own steps and worker (the
 ranks share the page cache of the one file). Run with ``torchrun``::
 
     torchrun --nproc_per_node=2 -m ple_memops.demo.tp --model e2b --batch 8

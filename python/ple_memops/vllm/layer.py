@@ -5,7 +5,7 @@ class of its own that mixes in :class:`MmapTableLayer`: the module keeps the tab
 shape and dtype (a 0-row placeholder weight, never allocated), registers itself under
 its name where the custom ops of :mod:`.ops` look layers up, and answers the runner's
 questions below. The runner (:func:`ple_memops.vllm.runner.attach_runner`) finds every
-such module, opens each table in the checkpoint, builds one rows plan and binds it.
+such module, opens each table in the checkpoint, builds the tables' ``Steps`` and binds them.
 
 A leaf module: no torch, no vLLM.
 """
@@ -40,9 +40,9 @@ class MmapTableLayer(ABC):
         ple_memops_name: the module's name in the model (the ops' layer name).
         ple_memops_heads: row ids per token (Qwen4Exp: its n-gram heads; Gemma: 1).
         ple_memops_hooks: the runner hooks bound at load time (``None`` before and after).
-        ple_memops_ids_source: whether the model gives a synchronous plan's FULL graphs an
+        ple_memops_ids_source: whether the model gives synchronous tables' FULL graphs an
             ids source (:meth:`~ple_memops.vllm.hooks.PleRunnerHooks.note_ids_source`);
-            when not, a plan that cannot defer runs without CUDA graphs.
+            when not, tables that cannot defer runs without CUDA graphs.
         ple_memops_lead_threads: whether this table may take ``first_layer_threads`` (they
             go to the earliest-waited table that does): ``False`` for a table whose fill
             is too small to need them (a split Gemma row's first slice).

@@ -2,7 +2,7 @@
 eager model), ``stage_ids`` and ``read_rows`` (for a model ``torch.compile`` compiles).
 
 A leaf module: it imports torch only and knows nothing of the runner. Both ops mutate a
-caller-provided output (the plan's staging view a consumer reads) and return nothing, so
+caller-provided output (the steps' staging view a consumer reads) and return nothing, so
 Dynamo keeps them and their order; the layer travels as a string and is looked up where
 the engine keeps its layers, vLLM's idiom for attention: the forward context's
 ``no_compile_layers[layer_name]`` (the mmap table registers itself there), or, for a
@@ -77,7 +77,7 @@ def _layer(name: str) -> Any:
     hooks = getattr(layer, "ple_memops_hooks", None)
     if hooks is None:
         raise StateError(
-            f"ple-memops: the PLE layer {name!r} has no rows plan bound (the plugin's "
+            f"ple-memops: the PLE layer {name!r} has no steps bound (the plugin's "
             "Model Runner V2 binds it at load time; `python -m ple_memops.vllm check` "
             "tells whether the plugin is installed)"
         )

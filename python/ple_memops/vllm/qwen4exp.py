@@ -3,8 +3,8 @@
 Imported only once the plugin is switched on (it subclasses vLLM's classes):
 
 * :class:`Qwen4ExpPLEMmapEmbedding`, the table class: never allocated (a 0-row
-  placeholder keeps the parameter and its FP8 scale), rows staged by the runner's rows
-  plan through the custom ops of :mod:`ple_memops.vllm.ops`, every tensor-parallel rank
+  placeholder keeps the parameter and its FP8 scale), rows staged by the runner's steps
+  through the custom ops of :mod:`ple_memops.vllm.ops`, every tensor-parallel rank
   reading full rows (the page cache is shared), so no vocabulary split or all-reduce;
 * :class:`Qwen4ExpMmapForCausalLM` and :class:`Qwen4ExpMmapForConditionalGeneration`,
   registered under vLLM's own architecture names: for an engine whose settings say
@@ -71,7 +71,7 @@ class Qwen4ExpPLEMmapEmbedding(Qwen4ExpPLEEmbedding, MmapTableLayer):
     """A PLE table served from the checkpoint's memory map (see the module)."""
 
     supports_prefetch: ClassVar[bool] = True
-    # `_note_ids_source` gives a synchronous plan's FULL graphs vLLM's own id computation.
+    # `_note_ids_source` gives synchronous tables' FULL graphs vLLM's own id computation.
     ple_memops_ids_source: ClassVar[bool] = True
 
     def __init__(
@@ -170,7 +170,7 @@ class Qwen4ExpPLEMmapEmbedding(Qwen4ExpPLEEmbedding, MmapTableLayer):
         hooks = self.ple_memops_hooks
         if hooks is None:
             raise StateError(
-                f"ple-memops: the mmap PLE table {self.ple_memops_name} has no rows plan; "
+                f"ple-memops: the mmap PLE table {self.ple_memops_name} has no steps; "
                 "only the plugin's worker attaches one at load time, on a CUDA device "
                 "(a CPU engine keeps vLLM's runner, and an engine whose worker_cls names "
                 "another worker is refused; `python -m ple_memops.vllm check` tells "
@@ -230,7 +230,7 @@ def _stage_all_at_top(model: Any) -> None:
         if layer is not first:
             return  # staged with the first
         if input_ids is not None and input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
-            # A synchronous plan's FULL graph computes its ids before each replay too.
+            # Synchronous tables' FULL graph computes its ids before each replay too.
             assert query_start_loc is not None and ngram_context is not None
             _note_ids_source([first, *later], input_ids, query_start_loc, ngram_context)
         original(layer, input_ids, query_start_loc, ngram_context)

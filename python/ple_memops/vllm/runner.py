@@ -1,5 +1,5 @@
 """Model Runner V2 with mmap PLE tables: the runner and CUDA graph manager the plugin
-installs, and the load-time plan.
+installs, and the load-time steps.
 
 Imported only once the plugin is switched on (it subclasses vLLM's classes). For an
 engine whose settings do not say ``mmap`` (or a model without mmap PLE tables) both
@@ -11,8 +11,8 @@ What each override adds (see :class:`~ple_memops.vllm.hooks.PleRunnerHooks`):
 
 =====================================  ==================================================
 ``GPUModelRunner.load_model``          after vLLM loaded the model: open each PLE layer's
-                                       table in the checkpoint, build the all-or-none rows
-                                       plan, agree across ranks whether it defers
+                                       table in the checkpoint, build the all-or-none steps,
+                                       agree across ranks whether they defer
 ``GPUModelRunner.initialize_kv_cache`` the graph manager made our subclass (below)
 ``GPUModelRunner.execute_model``       one ``hooks.step``: an eager forward gathers before
                                        each consumer, a FULL replay is armed
@@ -21,7 +21,7 @@ What each override adds (see :class:`~ple_memops.vllm.hooks.PleRunnerHooks`):
                                        ``time_graphs`` also on the graphs' clock, hooks
                                        or none)
 ``GPUModelRunner.capture_model``       pending steps completed first
-``GPUModelRunner.shutdown``            drain, synchronise the device, close the plan
+``GPUModelRunner.shutdown``            drain, synchronise the device, close the steps
 ``CudaGraphManager.capture``           each descriptor's warm-up without data, its capture
                                        recorded when the graph waits for rows
 ``CudaGraphManager.run_fullgraph``     armed first when the graph waits for rows; timed
@@ -67,7 +67,7 @@ __all__ = [
 logger = logging.getLogger("ple_memops")
 
 FORCE_SYNC_ENV = "PLE_MEMOPS_FORCE_SYNC"
-"""``1`` makes every rank's plan synchronous as if its probe had failed; ``ranks=1`` (a
+"""``1`` makes every rank's tables synchronous as if its probe had failed; ``ranks=1`` (a
 comma-separated list of world ranks) only those ranks' (the one-rank fault of a
 tensor-parallel engine: the environment reaches every worker). For tests of the ranks'
 agreement and the fallback; a user has no reason to set it."""
@@ -106,7 +106,7 @@ _BaseRunner: Any = vllm_model_runner.GPUModelRunner
 _BaseManager: Any = cudagraph_utils.ModelCudaGraphManager
 
 
-# -- the load-time plan ------------------------------------------------------------------
+# -- the load-time steps -----------------------------------------------------------------
 
 
 def checkpoint_dir(vllm_config: Any) -> str:
@@ -130,7 +130,7 @@ def checkpoint_dir(vllm_config: Any) -> str:
 def agree_on_deferral(local: bool, group: Any = None) -> bool:
     """Whether every rank of the engine's world can defer (``local`` is this rank's
     verdict): a rank that falls back must not skip the captures its peers make (their
-    collectives would wait for it), so one rank's ``False`` makes every rank's plan
+    collectives would wait for it), so one rank's ``False`` makes every rank's tables
     synchronous. ``group``: a torch process group (default: vLLM's world group on the
     CPU); one rank, or no distributed world, is its own verdict."""
     import torch.distributed as dist
@@ -151,8 +151,8 @@ def agree_on_deferral(local: bool, group: Any = None) -> bool:
 
 def attach_runner(runner: Any) -> PleRunnerHooks | None:
     """Open every mmap PLE table of ``runner.model`` (right after vLLM loaded it, outside
-    any capture, before the profile run), build the plan and bind the layers. When the
-    plan cannot defer (the probe or a worker fails on any rank), every rank's layers
+    any capture, before the profile run), build the steps and bind the layers. When the
+    tables cannot defer (the probe or a worker fails on any rank), every rank's layers
     gather synchronously before their consumer and FULL CUDA graphs are kept where the
     model can recompute its ids before a replay (else turned off), with one warning naming
     the reason. ``None`` when the model has no mmap PLE table."""
@@ -382,7 +382,7 @@ class PleCudaGraphManager(_BaseManager, _CaptureScopes):
         return hooks.replay(desc, timed)
 
     def release_graphs(self) -> None:
-        # vLLM's graphs are dropped even when ours raise (an aborted plan: every GPU wait
+        # vLLM's graphs are dropped even when ours raise (aborted steps: every GPU wait
         # is released, so nothing captured can hold the device).
         try:
             if self.ple_rows is not None:
@@ -459,7 +459,7 @@ class PleGPUModelRunner(_BaseRunner):
             hooks.quiesce()
         size: int = super().capture_model(*args, **kwargs)
         if hooks is not None:
-            hooks.build_ids_graphs()  # a synchronous plan's graphs: outside any capture
+            hooks.build_ids_graphs()  # synchronous tables' graphs: outside any capture
         return size
 
     def shutdown(self) -> None:
