@@ -330,14 +330,14 @@ def _eager_ops_gather(
         bad[2, 1] = 4096
         with pytest.raises(pm.RowIdError), hk.eager(dummy=False):
             ops.stage_rows(bad, out, name)
-        with pytest.raises(PoisonedError):  # the exception aborted the plan
+        with pytest.raises(PoisonedError):  # the exception aborted every table
             with hk.eager(dummy=False):
                 ops.stage_rows(ids, out, name)
     finally:
         hk.shutdown()
         for layer in layers.values():  # as the runner's shutdown unbinds them
             layer.ple_memops_hooks = None
-    with pytest.raises(StateError, match="has no rows plan bound"):
+    with pytest.raises(StateError, match="has no steps bound"):
         ops.stage_rows(ids, out, name)
     with pytest.raises(ClosedError):
         hk.quiesce()
@@ -423,7 +423,7 @@ def test_ops_without_a_forward_context_say_so() -> None:
     out = torch.zeros((4, 8), dtype=torch.uint8)
     with pytest.raises(StateError, match="no forward context names the PLE layer 'x'"):
         ops.stage_rows(torch.zeros((2, 2), dtype=torch.int64), out, "x")
-    with ops.layers({}), pytest.raises(StateError, match="has no rows plan bound"):
+    with ops.layers({}), pytest.raises(StateError, match="has no steps bound"):
         ops.join_rows(out, "x")
 
 

@@ -798,7 +798,7 @@ def test_a_cpu_engine_keeps_vllms_runner_and_its_mmap_table_refuses_to_serve(
     checkpoint: Path, dist: Any, installed: Any
 ) -> None:
     """On a CPU engine the plugin changes neither the worker nor the runner (vLLM's
-    CPUModelRunner subclasses its GPU runner); switched on, the mmap table has no rows plan
+    CPUModelRunner subclasses its GPU runner); switched on, the mmap table has no steps
     and its first forward says why instead of serving wrong rows."""
     from vllm.v1.worker import cpu_worker
 
