@@ -121,3 +121,37 @@ def test_no_benchmark_imports_a_private_name() -> None:
         and (p.name, module if name is None else f"{module}.{name}") not in BENCHMARK_PRIVATES
     ]
     assert not bad, bad
+
+
+CPU_VLLM_FILES = ("test_vllm_real.py", "test_vllm_gemma4_real.py", "test_vllm_gemma3n_real.py")
+
+
+def test_the_cpu_vllm_files_hide_no_device_where_vllm_is_absent(tmp_path: Path) -> None:
+    """Those files hide CUDA from vLLM's CPU platform (``CUDA_VISIBLE_DEVICES=""``), which
+    collected beside the GPU tests on a GPU host would leave them no device: where vLLM is
+    absent they skip first and leave the environment alone."""
+    import importlib.util
+    import os
+
+    import pytest
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: these files set up its CPU platform on purpose")
+    tests = Path(__file__).resolve().parent
+    code = (
+        "import os, sys, pytest\n"
+        f"rc = pytest.main(['-q', '-p', 'no:cacheprovider', '--collect-only', "
+        f"*[{str(tests)!r} + '/' + f for f in {CPU_VLLM_FILES!r}]])\n"
+        "print('CVD', repr(os.environ.get('CUDA_VISIBLE_DEVICES')), 'rc', int(rc))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    got = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert "CVD None" in got.stdout, got.stdout[-2000:] + got.stderr[-2000:]

@@ -18,6 +18,7 @@ engine on the GPU: ``test_vllm_gemma4_engine_gpu.py``.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -25,6 +26,14 @@ from typing import Any
 
 import pytest
 
+if importlib.util.find_spec("vllm") is None:
+    # Skipped before the environment below is touched: collected beside the GPU tests on a
+    # GPU host, this file must not hide the device from them.
+    pytest.skip(
+        "vLLM is not installed here (scripts/test.sh runs this file in each supported "
+        "release's environment)",
+        allow_module_level=True,
+    )
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 # No CUDA device to see: vLLM 0.34.0's CPU platform then accepts Triton without an active
 # driver (else it refuses x86 CPUs without triton-cpu); 0.33.0 does not ask.

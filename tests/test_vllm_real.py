@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import csv
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -36,6 +37,14 @@ from typing import Any
 
 import pytest
 
+if importlib.util.find_spec("vllm") is None:
+    # Skipped before the environment below is touched: collected beside the GPU tests on a
+    # GPU host, this file must not hide the device from them.
+    pytest.skip(
+        "vLLM is not installed here (scripts/test.sh runs this file in each supported "
+        "release's environment)",
+        allow_module_level=True,
+    )
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 # No CUDA device to see: vLLM 0.34.0's CPU platform then accepts Triton without an active
 # driver (else it refuses x86 CPUs without triton-cpu); 0.33.0 does not ask.
