@@ -133,6 +133,7 @@ def test_arm_completes_at_depth_then_arms_every_table_timed(table: Any) -> None:
     with pytest.raises(TypeError):
         s.arm(2.5)
     assert s.poison_cause is None and s.in_flight == 1 and s.counters().armed == 4
+    assert s.step_counts == (4, 1, 3)  # armed, eager, completed: the native counts alone
     for n in ("a", "b"):
         s.publish_host(n, [4, 5])
     s.drain()

@@ -472,6 +472,10 @@ class RecordingPlan:
     def counters(self, name: str | None = None) -> StepCounters:
         return StepCounters(**self.counts)
 
+    @property
+    def step_counts(self) -> tuple[int, int, int]:
+        return self.counts["armed"], self.counts["eager"], self.counts["completed"]
+
     def stall_samples(self) -> dict[str, Any]:
         return {}
 

@@ -63,6 +63,7 @@ from ._deferred import (
 )
 from ._worker import GatherWorker, WorkerStats, native_worker
 from .errors import (
+    ClosedError,
     InvalidArgumentError,
     PleMemopsError,
     PoisonedError,
@@ -389,6 +390,13 @@ class Steps:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def step_counts(self) -> tuple[int, int, int]:
+        """``(armed, eager, completed)`` steps, from the native step alone (no table's
+        statistics read; :meth:`counters` adds the workers')."""
+        native = self._native
+        return int(native.armed), int(native.eager), int(native.completed)
+
     def staging(self, name: str, n: int | None = None) -> Any:
         """The stable ``uint8 [n, row_bytes]`` view that consumers of ``name`` read."""
         rows = self._table(name).rows
@@ -660,11 +668,11 @@ class Steps:
                 sums["eager_ns"] += worker.eager_fill_ns_total
                 sums["late"] += worker.completes_waited
                 sums["late_ns"] += worker.complete_wait_ns_total
-        native = self._native
+        armed, eager, completed = self.step_counts
         return StepCounters(
-            armed=int(native.armed),
-            completed=int(native.completed),
-            eager=int(native.eager),
+            armed=armed,
+            completed=completed,
+            eager=eager,
             fills=sums["fills"],
             fill_ns_total=sums["fill_ns"],
             gpu_waited=sums["waited"],
@@ -706,8 +714,6 @@ class Steps:
 
     def _check_open(self) -> None:
         if self._closed:
-            from .errors import ClosedError
-
             raise ClosedError("the steps are shut down")
 
     def _table(self, name: str) -> StepTable:

@@ -225,13 +225,13 @@ class PleRunnerHooks:
     @property
     def armed_steps(self) -> int:
         """Replays armed (the steps armed less the eager forwards')."""
-        counts = self.steps.counters()
-        return counts.armed - counts.eager
+        armed, eager, _ = self.steps.step_counts
+        return armed - eager
 
     @property
     def eager_steps(self) -> int:
         """Eager forwards armed as deferred steps."""
-        return self.steps.counters().eager
+        return self.steps.step_counts[1]
 
     @property
     def layer_names(self) -> list[str]:
@@ -414,8 +414,8 @@ class PleRunnerHooks:
             # to be in the page cache: see MmapTable's cold_reads and adopt_resident).
             rows = (int(pages.get("row_hits", 0)), int(pages.get("row_misses", 0)))
             per_layer[name] = (self.steps.counters(name), rows)
-        counts = self.steps.counters()
-        return (counts.armed, counts.eager, self.sync_replays, per_layer)
+        armed, eager, _ = self.steps.step_counts
+        return (armed, eager, self.sync_replays, per_layer)
 
     def note_ids_source(self, source: Callable[[], None]) -> None:
         """The model's glue, inside a capture: ``source()`` recomputes every PLE layer's
