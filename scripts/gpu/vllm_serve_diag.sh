@@ -5,17 +5,18 @@
 #   1. the server with the mmap backend at the engine tests' sizes, then at the sizes
 #      `vllm serve` picks itself (8,192 tokens a step on this card); both serve: nothing
 #      more to find (exit 0); else, at the sizes that failed:
-#   2. the same with CUDA_LAUNCH_BLOCKING=1 (the traceback names the launch that faults);
-#   3. mmap with the plugin's device side out of the way (PLE_MEMOPS_FORCE_SYNC=1: each
-#      step's rows copied in plainly, no flag wait, no polling kernel);
-#   4. an in-process mmap engine that is the first engine of a fresh process (the engine
-#      tests always build a stock engine first), at the serve check's sizes;
-#   5. the server stock (the plugin off, FULL decode graphs as the mmap server has them):
+#   2. the server stock (the plugin off, FULL decode graphs as the mmap server has them):
 #      vLLM's own failure or the plugin's;
+#   3. an in-process mmap engine that is the first engine of a fresh process (the engine
+#      tests always build a stock engine first), at the serve check's sizes;
+#   4. mmap with the plugin's device side out of the way (PLE_MEMOPS_FORCE_SYNC=1: each
+#      step's rows copied in plainly, no flag wait, no polling kernel);
+#   5. the same as 1 with CUDA_LAUNCH_BLOCKING=1 (the traceback names the launch that faults);
 #   6. with SANITIZER=1 and compute-sanitizer on the host, step 1 under its memcheck.
 # Run from the repository root after the release's setup.sh (vLLM in $VLLM_SITE, default
 # /tmp/vllm-site) with our wheel in /tmp/site; 3-12 minutes on a fresh host (the first
-# server compiles vLLM's Triton kernels).
+# server compiles vLLM's Triton kernels). Alone on the GPU: an engine starting beside another
+# fails its memory profiling (scripts/gpu/vllm_release_suites.sh).
 set -uo pipefail
 OUT=${OUT:-/tmp/ple-out}
 mkdir -p "$OUT"
@@ -38,10 +39,7 @@ if serve mmap mmap; then
     SIZES=serve
     serve mmap-serve-sizes mmap && { echo "the mmap server serves at both sizes"; exit 0; }
 fi
-serve mmap-blocking mmap CUDA_LAUNCH_BLOCKING=1
-grep -B2 -A14 -m1 "Traceback" "$OUT/mmap-blocking.log" | grep -E 'File "|Error' | tail -14 \
-    | cut -c1-200 | sed 's/^/   /'
-serve mmap-forcesync mmap PLE_MEMOPS_FORCE_SYNC=1
+serve stock default
 echo "== fresh process, in-process mmap engine first $(date +%T)"
 (cd /tmp && timeout 300 python3 - "$R" >"$OUT/fresh.log" 2>&1 <<'EOF'
 import os, sys, tempfile
@@ -64,7 +62,10 @@ EOF
 )
 echo "   exit $?; $(grep -E "^PASS|^generated" "$OUT/fresh.log" | tr '\n' ' ')"
 grep -m3 -E "illegal memory access|Error:" "$OUT/fresh.log" | cut -c1-240 | sed 's/^/   /'
-serve stock default
+serve mmap-forcesync mmap PLE_MEMOPS_FORCE_SYNC=1
+serve mmap-blocking mmap CUDA_LAUNCH_BLOCKING=1
+grep -B2 -A14 -m1 "Traceback" "$OUT/mmap-blocking.log" | grep -E 'File "|Error' | tail -14 \
+    | cut -c1-200 | sed 's/^/   /'
 if [ "${SANITIZER:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
     echo "== mmap under compute-sanitizer $(date +%T)"
     (timeout 600 compute-sanitizer --tool memcheck --target-processes all --print-limit 5 \
