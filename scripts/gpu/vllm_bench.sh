@@ -40,6 +40,7 @@
 # host is faster), warm-up (every load once, all servers together) ~15 s, then ~25 s per
 # backend a repeat at 24 layers (c1, c8, c64, mixed, on an H200).
 set -uo pipefail
+. "$(dirname "$0")/gpu_lock.sh" && gpu_lock vllm_bench.sh
 OUT=${OUT:-/tmp/ple-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_BREAKABLE_CUDAGRAPH=0

@@ -10,6 +10,7 @@
 # ENGINE_LIMIT the tests' time limit in seconds (default 420). Arguments are refused:
 # settings come from the environment, as in scripts/gpu/vllm_gemma4.sh.
 set -uo pipefail
+. "$(dirname "$0")/gpu_lock.sh" && gpu_lock vllm_engine.sh
 if [ $# -gt 0 ]; then
     echo "vllm_engine.sh takes no arguments (got: $*); select tests with K=expr" >&2
     exit 2

@@ -12,6 +12,7 @@
 # Measured on the H200: the Gemma 4 module 5.5 minutes. GEMMA4=0 skips it, GEMMA3N=0 the
 # Gemma 3n module, SERVE=0 `vllm serve`; K=expr runs only the tests pytest's -k selects.
 set -uo pipefail
+. "$(dirname "$0")/gpu_lock.sh" && gpu_lock vllm_gemma4.sh
 OUT=${OUT:-/tmp/ple-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0

@@ -4,16 +4,15 @@
 # /tmp/site: the bundle's check.py (stock vLLM serves here), the Qwen4Exp engine tests
 # (scripts/gpu/vllm_engine.sh; SERVE=1, the default, then `vllm serve` over HTTP), then the
 # Gemma 4 and Gemma 3n engine tests (scripts/gpu/vllm_gemma4.sh; Gemma 3n needs
-# /tmp/site-gemma3n or a carried .gemma3n-wheels/). One engine suite at a time on a host,
-# never two side by side: vLLM sizes its KV cache from the GPU memory free while it
-# profiles, so an engine starting beside another that allocates or frees meanwhile fails
-# ("Error in memory profiling", or "No available memory for the cache blocks"; four suites
-# side by side on the H100: 27 of 33 tests failed or errored so, each on one of the two).
+# /tmp/site-gemma3n or a carried .gemma3n-wheels/). One engine script at a time on a host:
+# scripts/gpu/gpu_lock.sh makes a second one wait (vLLM's start-up memory profiling fails
+# beside another engine).
 # Logs end up in one archive,
 # $OUT/RELEASE-logs.tgz, and the verdicts on stdout. Over 10 minutes: start it with
 # scripts/gpu/detached.sh.
 #   bash scripts/gpu/vllm_release_suites.sh RELEASE
 set -uo pipefail
+. "$(dirname "$0")/gpu_lock.sh" && gpu_lock vllm_release_suites.sh
 REL=${1:?usage: vllm_release_suites.sh RELEASE}
 export VLLM_SITE=/tmp/vllm-$REL
 [ -f "$VLLM_SITE/vllm/__init__.py" ] || { echo "vLLM $REL is not set up in $VLLM_SITE"; exit 2; }

@@ -15,9 +15,9 @@
 #   6. with SANITIZER=1 and compute-sanitizer on the host, step 1 under its memcheck.
 # Run from the repository root after the release's setup.sh (vLLM in $VLLM_SITE, default
 # /tmp/vllm-site) with our wheel in /tmp/site; 3-12 minutes on a fresh host (the first
-# server compiles vLLM's Triton kernels). Alone on the GPU: an engine starting beside another
-# fails its memory profiling (scripts/gpu/vllm_release_suites.sh).
+# server compiles vLLM's Triton kernels), alone on the GPU (scripts/gpu/gpu_lock.sh).
 set -uo pipefail
+. "$(dirname "$0")/gpu_lock.sh" && gpu_lock vllm_serve_diag.sh
 OUT=${OUT:-/tmp/ple-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0

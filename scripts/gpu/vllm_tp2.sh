@@ -8,6 +8,7 @@
 #       bash scripts/gpu/vllm_bench.sh
 # Not yet run on a two-GPU host.
 set -uo pipefail
+. "$(dirname "$0")/gpu_lock.sh" && gpu_lock vllm_tp2.sh
 OUT=${OUT:-/tmp/ple-out}
 mkdir -p "$OUT/tp2"
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
