@@ -265,7 +265,8 @@ class GatherWorker:
         fills. That matters: with the copy-engine consumer and thousands of nodes behind
         its wait, ``graph.replay()`` itself may not return until the wait was passed, so a
         fill from the launching thread after the launch stalls until the watchdog
-        (docs/lab/transformers.md, "A launch that waits for the GPU"). Also the feed of host mode and of tests.
+        (docs/lab/transformers.md, "A launch that waits for the GPU"). Also the feed of
+        host mode and of tests.
 
         One call per armed step, in step order; a step given host ids must come from a
         graph that does not publish its own. Refused with a typed error, nothing written:
