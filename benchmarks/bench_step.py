@@ -116,8 +116,7 @@ class Variant:
         self.ids = torch.zeros(n, dtype=torch.int64, device="cuda")
         self.hist = torch.zeros(4096, batch, dtype=torch.int64, device="cuda")
         self.step = torch.zeros(1, dtype=torch.int64, device="cuda")
-        self.plan: Steps | None = None
-        self.driver: Steps | None = None
+        self.ple_steps: Steps | None = None
         self.rows_sync: pm.DeferredRows | None = None
         self.gpu_table: torch.Tensor | None = None
         self.graph_ids: torch.cuda.CUDAGraph | None = None
@@ -134,7 +133,7 @@ class Variant:
             # "worker-staged@memop": the variant with that device side (default --copy).
             base, _, copy = name.partition("@")
             depth = 1 if base == "staged-depth1" else 2
-            self.plan = Steps.build(
+            self.ple_steps = Steps.build(
                 {"ple": table},
                 max_rows=n,
                 device=0,
@@ -142,9 +141,8 @@ class Variant:
                 track_arrival=track,
                 copy=copy or COPY,
             )
-            assert self.plan.mode == "deferred", self.plan.reason
-            self.driver = self.plan
-            self.track = self.plan.tables["ple"].rows
+            assert self.ple_steps.mode == "deferred", self.ple_steps.reason
+            self.track = self.ple_steps.tables["ple"].rows
         self.track_arrival = track
         self.reset()
         self.graph = self.capture()
@@ -198,9 +196,9 @@ class Variant:
             assert rows is not None
             self.forward(lambda: self.rows_view(rows.staging), lambda: None)
         elif v.partition("@")[0] == "worker-inline":
-            plan = self.plan
-            assert plan is not None
-            worker = plan.tables["ple"].worker
+            ple = self.ple_steps
+            assert ple is not None
+            worker = ple.tables["ple"].worker
             assert worker is not None
 
             def pre() -> None:
@@ -208,18 +206,18 @@ class Variant:
                 worker.publish(self.ids)
 
             def consume() -> torch.Tensor:
-                plan.tables["ple"].rows.enqueue(rows=self.n)
-                return self.rows_view(plan.staging("ple"))
+                ple.tables["ple"].rows.enqueue(rows=self.n)
+                return self.rows_view(ple.staging("ple"))
 
             self.forward(consume, pre)
         else:
-            plan = self.plan
-            assert plan is not None
+            ple = self.ple_steps
+            assert ple is not None
             staged: list[Any] = []
 
             def pre() -> None:
                 self.compute_ids()
-                staged.append(plan.stage("ple", self.ids, rows=self.n))
+                staged.append(ple.stage("ple", self.ids, rows=self.n))
 
             def consume() -> torch.Tensor:
                 return self.rows_view(staged.pop().join())
@@ -245,10 +243,10 @@ class Variant:
         return g
 
     def eager_step(self) -> None:
-        if self.driver is not None:
-            self.driver.arm(self.n)
+        if self.ple_steps is not None:
+            self.ple_steps.arm(self.n)
             self.body()
-            self.driver.drain()
+            self.ple_steps.drain()
         elif self.rows_sync is not None:
             self.compute_ids()
             self.sync_fill()
@@ -269,12 +267,12 @@ class Variant:
         the host time of the pre-launch work."""
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
         host: list[float] = []
-        driver = self.driver
-        waited0 = self.track.stats().gpu_waited if driver is not None else 0
+        ple = self.ple_steps
+        waited0 = self.track.stats().gpu_waited if ple is not None else 0
         for k in range(steps):
             t0 = time.perf_counter()
-            if driver is not None:
-                driver.arm(self.n)  # completes the oldest step first when `depth` are armed
+            if ple is not None:
+                ple.arm(self.n)  # completes the oldest step first when `depth` are armed
             elif self.rows_sync is not None:
                 assert self.graph_ids is not None
                 self.graph_ids.replay()
@@ -286,12 +284,12 @@ class Variant:
                 self.rows_sync.complete()
             if k >= 1:
                 ends[k - 1].synchronize()  # the previous step's output, as vLLM waits for it
-        if driver is not None:
-            driver.drain()
+        if ple is not None:
+            ple.drain()
         ends[-1].synchronize()
         period = ends[0].elapsed_time(ends[-1]) * 1e3 / (steps - 1)
-        waited = self.track.stats().gpu_waited - waited0 if driver is not None else 0
-        tracked = driver is not None and self.track_arrival
+        waited = self.track.stats().gpu_waited - waited0 if ple is not None else 0
+        tracked = ple is not None and self.track_arrival
         return {
             "period_us": period,
             "host_us": host,
@@ -304,8 +302,8 @@ class Variant:
         return self.hist[1 : upto + 1].cpu().numpy()
 
     def close(self) -> None:
-        if self.plan is not None:
-            self.plan.shutdown()
+        if self.ple_steps is not None:
+            self.ple_steps.shutdown()
 
 
 VARIANTS = [
