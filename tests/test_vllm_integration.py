@@ -1,5 +1,5 @@
 """The vLLM integration layer without vLLM: Qwen4Exp ids, table discovery, the runner
-hooks (against a real host-mode RowsPlan, and a recording plan for the step sequencing),
+hooks (against real host-mode Steps, and a recording fake for the step sequencing),
 the custom ops (eager and under torch.compile), the GPU tests' stand-in runner on the host
 (``vllm_stand_in.py``), and the settings.
 
@@ -241,7 +241,7 @@ def test_is_table_weight() -> None:
     assert not is_table_weight("model.layers.2.ple.ple_embedding.layer_multipliers")
 
 
-# -- hooks and ops with a real (host-mode) RowsPlan -------------------------------------
+# -- hooks and ops with real (host-mode) Steps ------------------------------------------
 
 
 @dataclass(frozen=True)
