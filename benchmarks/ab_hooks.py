@@ -42,10 +42,11 @@ def parse_table(out: str, column: str) -> dict[int, float]:
     if column not in kinds:
         raise ValueError(f"no column {column!r} in {kinds}")
     at = kinds.index(column)
+    hooks_at = kinds.index("hooks") if "hooks" in kinds else None
     got = {}
     for line in lines:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if cells and cells[0].isdigit():
+        if cells and cells[0].isdigit() and (hooks_at is None or cells[hooks_at] == "ours"):
             got[int(cells[0])] = float(cells[at].split(" / ")[0])
     return got
 

@@ -99,6 +99,89 @@ def publisher(hooks: Any) -> tuple[list[str], Callable[[str, Any], None]]:
     return steps.names, steps.publish_host
 
 
+class _FlatHost:
+    """The flat hooks' only accounting: the engine's launch and results a step, which the
+    all-in figure subtracts from the step's wall as it does for ours."""
+
+    __slots__ = ("launch", "results", "samples")
+
+    def __init__(self) -> None:
+        self.launch = self.results = 0
+        self.samples: list[dict[str, int]] = []
+
+    def add(self, kind: str, ns: int) -> None:
+        if kind == "results":
+            self.results += ns
+
+    def end_step(self) -> None:
+        self.samples.append({"launch": self.launch, "results": self.results})
+        self.launch = self.results = 0
+
+    def take(self) -> list[dict[str, int]]:
+        samples, self.samples = self.samples, []
+        return samples
+
+
+class _FlatStep:
+    """The flat hooks' step scope: one object for every step, closing the step's sample."""
+
+    __slots__ = ("_host",)
+
+    def __init__(self, host: _FlatHost) -> None:
+        self._host = host
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        self._host.end_step()
+
+
+class FlatHooks:
+    """The floor for an adapter over the same :class:`~ple_memops.steps.Steps`: the three
+    calls of a FULL decode step written flat (a scope that does nothing, a replay that is
+    the native arming and the launch, an output check that is one read of the steps'
+    failure), with none of ``PleRunnerHooks``' scope objects, statistics, stats line or
+    abort handling. A reference to measure ours against (``--hooks ours,flat``), not a
+    path that serves: no captures, eager steps or failures."""
+
+    def __init__(self, steps: Any, rows_per_token: int, desc: Any) -> None:
+        self.steps, self.rows_per_token, self._desc = steps, rows_per_token, desc
+        self._arm = steps.arm
+        self.host = _FlatHost()
+        self._scope = _FlatStep(self.host)
+
+    def step(self, *, dummy: bool) -> _FlatStep:
+        return self._scope
+
+    def replay(self, desc: Any, launch: Callable[[], Any]) -> Any:
+        if desc is not self._desc:
+            return launch()
+        self._arm(int(desc.num_tokens) * self.rows_per_token)
+        t0 = time.perf_counter_ns()
+        out = launch()
+        self.host.launch += time.perf_counter_ns() - t0
+        return out
+
+    def hand_out(self, get_output: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter_ns()
+        result = get_output()
+        self.host.results += time.perf_counter_ns() - t0
+        if self.steps.poison_cause is not None:
+            self.steps.raise_if_failed()
+        return result
+
+    @property
+    def wait_descs(self) -> frozenset[Any]:
+        return frozenset((self._desc,))
+
+    def raise_if_failed(self) -> None:
+        self.steps.raise_if_failed()
+
+    def shutdown(self) -> None:
+        self.steps.shutdown()
+
+
 def llc_bytes() -> int:
     """The last-level cache's size (sysfs: the highest cache level of cpu0), else 32 MiB."""
     best = (0, 32 << 20)
@@ -225,6 +308,7 @@ def run(
     evict_bytes: int | None = None,
     native_split: bool = False,
     through: str = "hooks",
+    hooks_kind: str = "ours",
 ) -> dict[str, tuple[float, float]]:
     engine_only, stubs = None, []
     if through == "runner":
@@ -251,7 +335,10 @@ def run(
             if engine_only is not None
             else Descriptor("FULL", tokens, tokens, 1)
         )
-        hooks._wait_descs.add(desc)  # as a capture of this size would have
+        if hooks_kind == "flat":
+            hooks = FlatHooks(hooks.steps, 1, desc)
+        else:
+            hooks._wait_descs.add(desc)  # as a capture of this size would have
         names, publish_host = publisher(hooks)
         ids = np.arange(tokens, dtype=np.int64)
 
@@ -303,6 +390,8 @@ def run(
     out = {"all in": (statistics.median(all_in), all_in[int(0.99 * (len(all_in) - 1))])}
     if engine_only is not None:
         out["vLLM stubs"] = (engine_only / 1e3, stubs[int(0.99 * (len(stubs) - 1))] / 1e3)
+    if hooks_kind == "flat":
+        return out  # the flat hooks count nothing of their own
     for kind in ("total", *HOST_KINDS):
         # Ours only, as the stats line's total: the launch (here the host's publish of the
         # ids) and the engine's wait for results are the engine's.
@@ -365,9 +454,20 @@ def main() -> None:
         "the host checks the step before), or as the host prepares the next step (while it "
         "arms that one)",
     )
+    p.add_argument(
+        "--hooks",
+        default="ours",
+        help="ours (PleRunnerHooks) and/or flat (FlatHooks: the floor over the same steps), "
+        "comma-separated: each repeat runs each in turn, the order alternating",
+    )
     args = p.parse_args()
     if args.tokens < 1 or args.row_bytes < 2 or args.row_bytes % 2:
         p.error("--tokens must be >= 1 and --row-bytes a positive even number")
+    hooks_kinds = args.hooks.split(",")
+    if not hooks_kinds or any(h not in ("ours", "flat") for h in hooks_kinds):
+        p.error(f"--hooks takes ours and/or flat, got {args.hooks!r}")
+    if "flat" in hooks_kinds and args.native_split:
+        p.error("--native-split times our hooks' native call: not with --hooks flat")
     kinds: tuple[str, ...] = ("all in", "total", "step", "arm", "wait", "check")
     if args.native_split:
         kinds += ("native wait", "native arm")
@@ -390,16 +490,19 @@ def main() -> None:
         f"{f'{read} MiB read' if args.between == 'evict' else 'asleep'}; last-level cache "
         f"{llc_bytes() >> 20} MiB, clock source {source})\n"
     )
-    print("| tables | repeat | " + " | ".join(kinds) + " |")
-    print("|---|---|" + "---|" * len(kinds))
+    print("| tables | repeat | hooks | " + " | ".join(kinds) + " |")
+    print("|---|---|---|" + "---|" * len(kinds))
     for r in range(args.repeats):
         for n in args.tables:
-            got = run(
-                n, args.steps, args.gap_us, args.tokens, args.row_bytes, args.publish_at,
-                args.between, evict, args.native_split, args.through,
-            )  # fmt: skip
-            cells = " | ".join(f"{got[k][0]:.1f} / {got[k][1]:.1f}" for k in kinds)
-            print(f"| {n} | {r + 1} | {cells} |", flush=True)
+            for hk in hooks_kinds if r % 2 == 0 else hooks_kinds[::-1]:
+                got = run(
+                    n, args.steps, args.gap_us, args.tokens, args.row_bytes, args.publish_at,
+                    args.between, evict, args.native_split, args.through, hk,
+                )  # fmt: skip
+                cells = " | ".join(
+                    f"{got[k][0]:.1f} / {got[k][1]:.1f}" if k in got else "-" for k in kinds
+                )
+                print(f"| {n} | {r + 1} | {hk} | {cells} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,16 +29,17 @@ def test_bench_hooks_times_every_hook_of_each_step() -> None:
     ).stdout  # fmt: skip
     header = next(line for line in out.splitlines() if line.startswith("| tables"))
     assert [c.strip() for c in header.strip("|").split("|")] == [
-        "tables", "repeat", "all in", "total", "step", "arm", "wait", "check",
+        "tables", "repeat", "hooks", "all in", "total", "step", "arm", "wait", "check",
         "native wait", "native arm",
     ]  # fmt: skip
     rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert [r.split("|")[1:3] for r in rows] == [
-        [" 1 ", " 1 "], [" 2 ", " 1 "], [" 1 ", " 2 "], [" 2 ", " 2 "],
+    assert [r.split("|")[1:4] for r in rows] == [
+        [" 1 ", " 1 ", " ours "], [" 2 ", " 1 ", " ours "],
+        [" 1 ", " 2 ", " ours "], [" 2 ", " 2 ", " ours "],
     ]  # fmt: skip
-    kinds = [c.strip() for c in header.strip("|").split("|")][2:]
+    kinds = [c.strip() for c in header.strip("|").split("|")][3:]
     for row in rows:
-        cells = [c.strip() for c in row.strip("|").split("|")][2:]
+        cells = [c.strip() for c in row.strip("|").split("|")][3:]
         p50 = {k: float(c.split(" / ")[0]) for k, c in zip(kinds, cells, strict=True)}
         # Each step was timed whole, armed and checked (microseconds each); the waits and
         # the native call's own phases may round to 0.0.
@@ -46,6 +47,24 @@ def test_bench_hooks_times_every_hook_of_each_step() -> None:
         assert all(v >= 0 for v in p50.values()), row
 
 
+def test_the_flat_floor_runs_beside_ours_in_alternating_order() -> None:
+    out = _run(
+        "--steps", "60", "--repeats", "2", "--tables", "2", "--gap-us", "0",
+        "--between", "sleep", "--hooks", "ours,flat",
+    ).stdout  # fmt: skip
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
+    assert [c[1:3] for c in cells] == [["1", "ours"], ["1", "flat"], ["2", "flat"], ["2", "ours"]]
+    for c in cells:
+        assert float(c[3].split(" / ")[0]) > 0  # all in: each step timed whole
+        if c[2] == "flat":
+            assert c[4:] == ["-"] * len(c[4:])  # the flat hooks count nothing of their own
+
+
 def test_bench_hooks_refuses_a_bad_size() -> None:
     got = _run("--tokens", "0", check=False)
     assert got.returncode == 2 and "--tokens must be >= 1" in got.stderr
+    got = _run("--hooks", "ours,fast", check=False)
+    assert got.returncode == 2 and "--hooks takes ours and/or flat" in got.stderr
+    got = _run("--hooks", "flat", "--native-split", check=False)
+    assert got.returncode == 2 and "not with --hooks flat" in got.stderr

@@ -527,6 +527,9 @@ def test_the_hooks_bench_runs_through_vllms_runner_classes() -> None:
     assert got["arm"][0] > 0 and got["check"][0] > 0 and got["step"][0] > 0
     assert got["vLLM stubs"][0] > 0
     assert got["all in"][0] == got["all in"][0]  # a number, not NaN
+    # The flat floor goes through the same runner and manager classes.
+    flat = bench_hooks.run(1, 40, 0.0, between="sleep", through="runner", hooks_kind="flat")
+    assert set(flat) == {"all in", "vLLM stubs"} and flat["all in"][0] == flat["all in"][0]
 
 
 def test_forcing_the_fallback_on_some_ranks() -> None:
