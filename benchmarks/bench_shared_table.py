@@ -41,20 +41,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from residency import resident_bytes
+from vllm_probes import evict, host_rss
 
 NAME = "model.layers.0.per_layer_table.weight"
 ROW_BYTES = 512
 CHUNK_ROWS = 2048  # one gather: 1 MiB at 512 B a row
 
 
-def _status_kib(pid: int | str = "self") -> dict[str, int]:
-    """``RssAnon``, ``RssFile`` and ``RssShmem`` of ``/proc/PID/status``, in KiB."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("RssAnon", "RssFile", "RssShmem"):
-            out[key] = int(value.split()[0])
-    return out
+def _rss(pid: int) -> dict[str, int]:
+    """Bytes of ``RssAnon``, ``RssFile`` and ``RssShmem`` of process ``pid``."""
+    return {k: round(v * 2**30) for k, v in host_rss([pid]).items()}
 
 
 def write_table(path: Path, table_bytes: int) -> int:
@@ -82,23 +78,13 @@ def write_table(path: Path, table_bytes: int) -> int:
     return rows
 
 
-def drop_cache(path: Path) -> None:
-    """Drop the file's pages from the page cache (those no process maps)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _serve(path: str, backend: str, pinned: bool, conn: Any) -> None:
     """One process serving the table: read every row, report, hold until told to exit."""
     if backend == "mmap":
         import ple_memops as pm
     elif pinned:
         import torch
-    before = _status_kib()  # after the imports: the table's own memory only
+    before = _rss(os.getpid())  # after the imports: the table's own memory only
     if backend == "mmap":
         table = pm.MmapTable.open(path, NAME)
         out = np.empty((CHUNK_ROWS, table.row_bytes), dtype=np.uint8)
@@ -123,7 +109,7 @@ def _serve(path: str, backend: str, pinned: bool, conn: Any) -> None:
             # The copy no longer needs the file: its pages go, as they would under pressure.
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         held = buf
-    after = _status_kib()
+    after = _rss(os.getpid())
     conn.send({k: after[k] - before.get(k, 0) for k in after} | {"pid": os.getpid()})
     conn.recv()  # hold until the parent has counted
     del held
@@ -131,7 +117,7 @@ def _serve(path: str, backend: str, pinned: bool, conn: Any) -> None:
 
 def measure(path: Path, table_bytes: int, backend: str, n: int, pinned: bool) -> dict[str, Any]:
     """``n`` processes of ``backend`` holding the table at once: what the host holds."""
-    drop_cache(path)
+    evict([path])
     time.sleep(0.2)
     cold = resident_bytes(path)
     if cold > table_bytes // 2:
@@ -153,7 +139,7 @@ def measure(path: Path, table_bytes: int, backend: str, n: int, pinned: bool) ->
                 raise TimeoutError(f"a {backend} process did not report within 600 s")
             grown.append(c.recv())
         cache = resident_bytes(path) - cold
-        status = [_status_kib(g["pid"]) for g in grown]
+        status = [_rss(g["pid"]) for g in grown]
     finally:
         for c in conns:
             try:
@@ -164,7 +150,7 @@ def measure(path: Path, table_bytes: int, backend: str, n: int, pinned: bool) ->
             p.join(30)
             if p.is_alive():
                 p.kill()
-    anon = sum(g["RssAnon"] for g in grown) * 1024 + sum(g.get("RssShmem", 0) for g in grown) * 1024
+    anon = sum(g["anon"] + g["shmem"] for g in grown)
     return {
         "backend": backend,
         "processes": n,
@@ -172,7 +158,7 @@ def measure(path: Path, table_bytes: int, backend: str, n: int, pinned: bool) ->
         "private_bytes": anon,
         "host_bytes": cache + anon,
         "copies": (cache + anon) / table_bytes,
-        "rss_file_bytes_summed": sum(s["RssFile"] for s in status) * 1024,
+        "rss_file_bytes_summed": sum(s["file"] for s in status),
     }
 
 
