@@ -117,6 +117,8 @@ from vllm_probes import (
     Utilization,
     busy_thread_cpus,
     cpu_use,
+    disk_read_rate,
+    disk_reads,
     evict,
     gpu_name,
     gpu_used_total,
@@ -234,7 +236,9 @@ async def measure(
                     log_at = log_size(srv.log_path)
                     tree = proc_tree(srv.proc.pid) if srv.proc is not None else []
                     cpu0 = thread_cpu(tree)
+                    reads0 = disk_reads(tables) if tables else None
                     outs, wall = await run_load(client, srv.port, load, timeout)
+                    reads1 = disk_reads(tables) if tables else None
                     cpu1 = thread_cpu(tree)
                     cpu = cpu_use(cpu0, cpu1, wall) if tree else {}
                     if tree:
@@ -243,7 +247,7 @@ async def measure(
                     busy, mhz = gpu["gpu_busy_pct"], gpu["sm_mhz_p50"]
                     since = log_since(srv.log_path, log_at)
                     m = metrics(outs, wall) | delivery_stats(since) | disk_stats(since)
-                    m |= cpu
+                    m |= cpu | disk_read_rate(reads0, reads1, wall)
                     took[load.name] = max(took.get(load.name, 0.0), wall)
                     row = {"repeat": r + 1, "load": load.name, "backend": b, **gpu,
                            "page_cache_gib": page_cache(tables) if tables else None,

@@ -5,6 +5,9 @@
   output tok/s and ITL p50 at that share of the table files in the page cache; the table
   has a row per backend and load, a column per share, and the PNG (``-o``) draws tok/s
   against the share, a panel per load;
+* where each step's time goes at each share: the engine's wait a step (``disk``: vLLM's
+  staging call, its reads in it; ``mmap``: the wait for a step's results) and what the
+  storage under the table files read during the load (MiB/s, reads/s, KiB a read);
 * several servers of one checkpoint: each run whose servers are one backend and its
   replicas (``mmap``, ``mmap.2``, ...) gives the host memory in use before the servers and
   with all of them healthy, and the page cache, per backend and server count.
@@ -24,7 +27,7 @@ from typing import Any
 
 from vllm_servers import base_backend
 
-__all__ = ["main", "residency_table", "servers_table"]
+__all__ = ["main", "residency_io_table", "residency_table", "servers_table"]
 
 
 def _ok_runs(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -69,6 +72,51 @@ def residency_table(docs: list[dict[str, Any]]) -> str:
             for s in shares
         ]
         lines.append(f"| {backend} | {load} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _median(runs: list[dict[str, Any]], get: Any) -> float | None:
+    vals = [v for r in runs if (v := get(r)) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def residency_io_table(docs: list[dict[str, Any]]) -> str:
+    """A row per backend, load and share: tok/s, ITL p50, the engine's wait a step (p50 us;
+    ``disk``: its staging call / the reads in it; ``mmap``: its wait for a step's results)
+    and the storage's reads during the load (medians over the repeats)."""
+    by: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
+    for doc in docs:
+        share = doc.get("meta", {}).get("residency")
+        if share is None:
+            continue
+        for r in _ok_runs(doc):
+            by.setdefault((r["backend"], r["load"], float(share)), []).append(r)
+    if not by:
+        return ""
+    lines = [
+        "| backend | load | resident | tok/s | ITL p50 ms | engine's wait p50 us | "
+        "storage MiB/s | reads/s | KiB a read |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    order = sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0], -kv[0][2]))
+    for (backend, load, share), runs in order:
+        stage = _median(runs, lambda r: (r.get("disk") or {}).get("stage_p50_us"))
+        reads = _median(runs, lambda r: (r.get("disk") or {}).get("reads_p50_us"))
+        results = _median(runs, lambda r: (r.get("graphs") or {}).get("results_p50_us"))
+        wait = (f"{stage:,.0f} (reads {_fmt(reads, ',.0f')})" if stage is not None
+                else _fmt(results, ",.0f"))  # fmt: skip
+        lines.append(
+            f"| {backend} | {load} | {share:.0%} "
+            f"| {_fmt(_median(runs, lambda r: r.get('tok_s')), ',.0f')} "
+            f"| {_fmt(_median(runs, lambda r: r.get('itl_p50_ms')), '.2f')} | {wait} "
+            f"| {_fmt(_median(runs, lambda r: r.get('disk_read_mib_s')), ',.1f')} "
+            f"| {_fmt(_median(runs, lambda r: r.get('disk_read_iops')), ',.0f')} "
+            f"| {_fmt(_median(runs, lambda r: r.get('disk_read_kib')), '.0f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -170,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if res:
         print("Residency\n\n" + res + "\n")
+        print("Where a step waits, and what the storage read\n\n" + residency_io_table(docs) + "\n")
     if srv:
         print("Several servers of one checkpoint\n\n" + srv + "\n")
     if args.png is not None and plot(docs, args.png, args.title):

@@ -2,8 +2,8 @@
 utilization, SM clock and power (``Utilization``) and memory (``gpu_memory_by_pid``,
 ``gpu_used_total``), a process tree (``proc_tree``), CPU use by thread (``cpu_use``,
 ``busy_thread_cpus``, over ``proc_cpu``'s samples), host RSS (``host_rss``), the host's
-memory (``host_memory``), and the table files' page cache (``resident_bytes``,
-``page_cache``, ``evict``).
+memory (``host_memory``), the table files' page cache (``resident_bytes``,
+``page_cache``, ``evict``) and what the disks under them read (``disk_reads``).
 """
 
 from __future__ import annotations
@@ -253,3 +253,52 @@ def evict(paths: list[Path]) -> None:
 
 def page_cache(paths: list[Path]) -> float:
     return sum(resident_bytes(p) for p in paths) / 2**30
+
+
+def _disks_of(path: Path) -> list[str]:
+    """The whole block devices (names in ``/sys/block``) that may hold ``path``: the one
+    its file system is on where ``/sys/dev/block`` knows it (a partition's parent disk),
+    else every disk but loop, ram and zram ones (an overlay or a bind mount's device is
+    not a block device)."""
+    st = path.stat()
+    node = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    if node.exists():
+        real = node.resolve()
+        name = real.parent.name if (real / "partition").exists() else real.name
+        if (Path("/sys/block") / name).exists():
+            return [name]
+    return sorted(d.name for d in Path("/sys/block").iterdir()
+                  if not d.name.startswith(("loop", "ram", "zram")))  # fmt: skip
+
+
+def disk_reads(paths: list[Path]) -> dict[str, Any] | None:
+    """Reads completed and bytes read so far by the disks under ``paths`` (``/proc/diskstats``,
+    whole disks only, so a partition is not counted twice): ``{"disks", "ios", "bytes"}``;
+    None where the host has no ``/proc/diskstats``. Two readings around a load give the
+    storage's read rate during it (``disk_read_rate``)."""
+    names = sorted({d for p in paths for d in _disks_of(p)})
+    try:
+        lines = Path("/proc/diskstats").read_text().splitlines()
+    except OSError:
+        return None
+    ios = sectors = 0
+    for line in lines:
+        f = line.split()
+        if len(f) >= 6 and f[2] in names:
+            ios += int(f[3])
+            sectors += int(f[5])  # 512-byte units whatever the device's sector size
+    return {"disks": names, "ios": ios, "bytes": sectors * 512}
+
+
+def disk_read_rate(
+    before: dict[str, Any] | None, after: dict[str, Any] | None, seconds: float
+) -> dict[str, Any]:
+    """The storage's reads between two ``disk_reads``: MiB and reads a second, the mean
+    read's KiB, the disks counted."""
+    if not before or not after or seconds <= 0:
+        return {}
+    n = after["ios"] - before["ios"]
+    b = after["bytes"] - before["bytes"]
+    return {"disk_read_mib_s": b / 2**20 / seconds, "disk_read_iops": n / seconds,
+            "disk_read_kib": b / 1024 / n if n else 0.0, "disk_read_mib": b / 2**20,
+            "disks": after["disks"]}  # fmt: skip

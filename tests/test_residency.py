@@ -137,6 +137,13 @@ def _doc(share: float | None, servers: list[str], tok: dict[tuple[str, str], flo
                                            "shmem": 0.1}  # fmt: skip
     runs = [{"ok": True, "backend": b, "load": load, "tok_s": t * f, "itl_p50_ms": 1000 / t / f}
             for (b, load), t in tok.items() for f in (0.99, 1.0, 1.01)]  # fmt: skip
+    for r in runs:  # the engine's wait a step, and the storage's reads below a full share
+        if r["backend"] == "disk":
+            r["disk"] = {"stage_p50_us": 5000.0, "reads_p50_us": 4000.0}
+        else:
+            r["graphs"] = {"results_p50_us": 700.0}
+        if share is not None and share < 1.0:
+            r |= {"disk_read_mib_s": 150.0, "disk_read_iops": 2400.0, "disk_read_kib": 64.0}
     return {"meta": meta, "servers": {s: {} for s in servers}, "runs": runs}
 
 
@@ -161,6 +168,10 @@ def test_the_disk_offload_report_draws_the_residency_curve_and_the_servers_memor
     assert "| 100% resident: tok/s, ITL p50 ms | 10% resident: tok/s, ITL p50 ms |" in table
     assert "| disk | c64 | 900, 1.11 | 300, 3.33 |" in table
     assert "| mmap | c64 | 1,000, 1.00 | 800, 1.25 |" in table
+    io = rep.residency_io_table(docs)
+    assert "| disk | c64 | 10% | 300 | 3.33 | 5,000 (reads 4,000) | 150.0 | 2,400 | 64 |" in io
+    assert "| mmap | c64 | 10% | 800 | 1.25 | 700 | 150.0 | 2,400 | 64 |" in io
+    assert "| mmap | c64 | 100% | 1,000 | 1.00 | 700 | - | - | - |" in io
     servers = rep.servers_table(docs)
     assert "| mmap | 1 | +0.50 GiB | +4.00 GiB | +0.00 GiB | 1.00x |" in servers
     assert "| mmap | 4 | +2.00 GiB | +4.00 GiB | +0.00 GiB | 1.33x |" in servers
@@ -189,3 +200,33 @@ def test_the_cold_benchmark_writes_its_table_into_a_folder_it_makes(tmp_path: Pa
     rows = int(0.001 * 2**30) // bench_cold.ROW_BYTES
     assert path.parent == where and path.stat().st_size >= rows * bench_cold.ROW_BYTES
     assert bench_cold.make_table(where, 0.001) == path
+
+
+def test_the_storage_reads_under_a_file_are_counted(table: Path) -> None:
+    """``disk_reads`` counts the whole disks under a file (a partition is not counted twice)
+    and rises when the file is read cold; ``disk_read_rate`` turns two readings into rates."""
+    from vllm_probes import disk_read_rate, disk_reads
+
+    before = disk_reads([table])
+    if before is None or not before["disks"]:
+        pytest.skip("no /proc/diskstats or no block device here")
+    assert all(not d.startswith(("loop", "ram", "zram")) for d in before["disks"])
+    assert all(Path("/sys/block", d).exists() for d in before["disks"])
+    evict([table])
+    if residency.resident_bytes(table):
+        pytest.skip("the file's pages cannot be dropped here (tmpfs?): no read reaches a disk")
+    before = disk_reads([table])
+    assert before is not None
+    fd = os.open(table, os.O_RDONLY)
+    try:
+        os.pread(fd, table.stat().st_size, 0)
+    finally:
+        os.close(fd)
+    after = disk_reads([table])
+    assert after is not None and after["ios"] > before["ios"]
+    assert after["bytes"] - before["bytes"] >= table.stat().st_size // 2
+    rate = disk_read_rate({"disks": ["x"], "ios": 10, "bytes": 0},
+                          {"disks": ["x"], "ios": 30, "bytes": 40 << 20}, 2.0)  # fmt: skip
+    assert rate == {"disk_read_mib_s": 20.0, "disk_read_iops": 10.0, "disk_read_kib": 2048.0,
+                    "disk_read_mib": 40.0, "disks": ["x"]}  # fmt: skip
+    assert disk_read_rate(None, after, 1.0) == {}
