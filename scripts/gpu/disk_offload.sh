@@ -12,7 +12,8 @@
 #   PART=residency  the 24 GiB table held at SHARES (default "1.0 0.5 0.1 0.0") of the page
 #                   cache (benchmarks/residency.py, every backend alike): disk and mmap at
 #                   c1, c8 and c64 per share (~6 min a share; CONC=1,64: fewer loads), then
-#                   the storage floor on the same disk (benchmarks/bench_cold.py host --quick)
+#                   the storage floor on the same disk (benchmarks/bench_cold.py host --quick;
+#                   FLOOR=first: before the shares, FLOOR=0: none)
 #   PART=servers    host memory as servers of one checkpoint are added: 1, 2 and 4 mmap
 #                   servers, then 1, 2 and 4 uva servers, small KV caches, c1 once each
 #                   (~12 min); the report's "Host memory in use" line per run
@@ -39,6 +40,12 @@ fp8)
         --mixed-long 0 --backends gpu-plugin,disk,mmap,gpu-plugin-b"
     ;;
 residency)
+    floor() {
+        echo "== the storage floor on this disk"
+        timeout 300 python3 benchmarks/bench_cold.py host --dir /tmp/ple-cold --gib 2.5 --quick \
+            2>&1 | tee "$OUT/storage_floor.txt" | tail -20
+    }
+    [ "${FLOOR:-last}" = first ] && floor
     for share in ${SHARES:-1.0 0.5 0.1 0.0}; do
         backends=disk,mmap
         [ "$share" = 1.0 ] && backends=gpu-plugin,disk,mmap
@@ -46,9 +53,7 @@ residency)
             --concurrency ${CONC:-1,8,64} --mixed-long 0 --residency $share --backends $backends \
             --ref ${backends%%,*}"
     done
-    echo "== the storage floor on this disk"
-    timeout 300 python3 benchmarks/bench_cold.py host --dir /tmp/ple-cold --gib 2.5 --quick \
-        2>&1 | tee "$OUT/storage_floor.txt" | tail -20
+    [ "${FLOOR:-last}" = last ] && floor
     ;;
 servers)
     for b in mmap uva; do
