@@ -16,7 +16,8 @@
 #                   FLOOR=first: before the shares, FLOOR=0: none)
 #   PART=servers    host memory as servers of one checkpoint are added: 1, 2 and 4 mmap
 #                   servers, then 1, 2 and 4 uva servers, small KV caches, c1 once each
-#                   (~12 min); the report's "Host memory in use" line per run
+#                   (~12 min; SERVERS="mmap uva" and COUNTS="1 2 4" choose); the report's
+#                   "Host memory in use" line per run
 # benchmarks/disk_offload_report.py then tabulates the residency and servers runs' JSON and
 # draws the residency curve.
 set -uo pipefail
@@ -56,8 +57,8 @@ residency)
     [ "${FLOOR:-last}" = last ] && floor
     ;;
 servers)
-    for b in mmap uva; do
-        for n in 1 2 4; do
+    for b in ${SERVERS:-mmap uva}; do
+        for n in ${COUNTS:-1 2 4}; do
             set=$b
             for k in $(seq 2 $n); do set="$set,$b.$k"; done
             bench "servers_${b}_$n" "${DEADLINE:-240}" "--layers 24 ${FOUR[*]} --dtype bf16 \
