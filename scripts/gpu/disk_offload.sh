@@ -15,7 +15,9 @@
 #                   the storage floor on the same disk (benchmarks/bench_cold.py host --quick;
 #                   FLOOR=first: before the shares, FLOOR=0: none)
 #   PART=servers    host memory as servers of one checkpoint are added: 1, 2 and 4 mmap
-#                   servers, then 1, 2 and 4 uva servers, small KV caches, c1 once each
+#                   servers, then 1, 2 and 4 uva servers, c1 once each; the four 1 GiB
+#                   tables on an 8-layer, 16-expert model with 1 GiB KV caches, so four
+#                   servers fit one H100
 #                   (~12 min; SERVERS="mmap uva" and COUNTS="1 2 4" choose); the report's
 #                   "Host memory in use" line per run
 # benchmarks/disk_offload_report.py then tabulates the residency and servers runs' JSON and
@@ -61,7 +63,7 @@ servers)
         for n in ${COUNTS:-1 2 4}; do
             set=$b
             for k in $(seq 2 $n); do set="$set,$b.$k"; done
-            bench "servers_${b}_$n" "${DEADLINE:-240}" "--layers 24 ${FOUR[*]} --dtype bf16 \
+            bench "servers_${b}_$n" "${DEADLINE:-240}" "--layers 8 --experts 16 ${FOUR[*]} --dtype bf16 \
                 --kv-cache-gib 1 --concurrency 1 --mixed-long 0 --repeats 1 --backends $set \
                 --ref $b"
         done
