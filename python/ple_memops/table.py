@@ -351,8 +351,10 @@ class MmapTable:
         (without a budget, pages no longer assumed resident once they exceed half the
         machine's memory), ``pages_adopted`` (pages taken as read because they were
         cached already: :meth:`adopt_resident`), ``cold_fallbacks`` / ``last_fallback``
-        (cold gathers that could not use io_uring on their thread), ``last_drop_error``,
-        ``data_bytes``."""
+        (cold gathers that could not use io_uring on their thread), ``slow_copies``
+        (gathers whose copy of rows known resident found their pages being faulted in from
+        storage, dropped by the kernel behind the table's back, and read every row
+        together instead), ``last_drop_error``, ``data_bytes``."""
         return self._live().page_stats()
 
     # -- lifecycle --------------------------------------------------------------------

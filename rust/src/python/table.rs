@@ -333,6 +333,7 @@ impl PyMmapTable {
         d.set_item("pages_forgotten", s.pages_forgotten)?;
         d.set_item("pages_adopted", s.pages_adopted)?;
         d.set_item("cold_fallbacks", s.cold_fallbacks)?;
+        d.set_item("slow_copies", s.slow_copies)?;
         d.set_item("last_fallback", s.last_fallback)?;
         Ok(d)
     }

@@ -2,8 +2,9 @@
 //! destination, inline for small gathers and above a size threshold on a rayon pool (the
 //! table's own or a private shared one) with the calling thread gathering beside it.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use super::discover::{MappedFile, Segment};
 
@@ -65,6 +66,63 @@ pub(crate) fn own_pool(n: usize) -> crate::error::Result<rayon::ThreadPool> {
         })
 }
 
+/// What a copy of rows known resident did ([`MappedRows::copy_if`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Copied {
+    /// Every row copied.
+    All = 0,
+    /// Stopped at a row whose pages are not known resident.
+    Unknown = 1,
+    /// Stopped because the copy ran far slower than copies of resident pages do: its
+    /// pages fault in from storage one at a time (the kernel dropped pages the table
+    /// knew resident, e.g. under memory pressure). Its rows are better read together.
+    Slow = 2,
+}
+
+/// A copy checks its pace before row `PACE_FIRST` and every [`PACE_EVERY`] rows after it
+/// (a clock read, 20-50 ns: under 1 ns a row). A decode step of Qwen4Exp at batch 1
+/// gathers 16 rows a table, so even such a gather checks once.
+const PACE_FIRST: usize = 15;
+const PACE_EVERY: usize = 64;
+
+/// Whether the copy checks its pace before row `i`.
+#[inline(always)]
+fn pace_due(i: usize) -> bool {
+    i % PACE_EVERY == PACE_FIRST
+}
+
+/// A copy is [`Copied::Slow`] once it took longer than this plus [`SLOW_PER_PAGE`] for
+/// every page its rows span. A resident row's copy costs 20-60 ns (a minor fault on first
+/// touch about a microsecond), a page faulted in from storage 50-100 us on NVMe and more
+/// elsewhere: the first 15 rows of 160 B trip at about 5 pages read one at a time.
+const SLOW_BASE: Duration = Duration::from_micros(250);
+const SLOW_PER_PAGE: Duration = Duration::from_micros(4);
+
+/// The clock of one copy: [`Self::slow`] once it ran past its allowance.
+struct Pace {
+    start: Instant,
+    per_row: Duration,
+}
+
+impl Pace {
+    #[inline(always)]
+    fn start(row_bytes: usize) -> Self {
+        // A row spans at most this many pages.
+        let pages = row_bytes.div_ceil(super::pagecache::page_size()) + 1;
+        Self {
+            start: Instant::now(),
+            per_row: SLOW_PER_PAGE * u32::try_from(pages).unwrap_or(u32::MAX),
+        }
+    }
+
+    /// Whether `rows` rows copied so far took longer than they may.
+    #[inline(always)]
+    fn slow(&self, rows: usize) -> bool {
+        let allowed = SLOW_BASE + self.per_row * u32::try_from(rows).unwrap_or(u32::MAX);
+        self.start.elapsed() > allowed
+    }
+}
+
 /// Rows prefetched ahead of the copy (measured: 4-16 give the same speed-up on x86-64).
 const PREFETCH_AHEAD: usize = 8;
 
@@ -122,20 +180,24 @@ fn copy_fixed<T: Id, const N: usize, K: Fn(usize, usize) -> bool>(
     ids: &[T],
     dst: &mut [u8],
     known: &K,
-) -> bool {
+) -> Copied {
+    let pace = Pace::start(N);
     for (i, (&id, out)) in ids.iter().zip(dst.chunks_exact_mut(N)).enumerate() {
         if let Some(&next) = ids.get(i + PREFETCH_AHEAD) {
             prefetch_row(data, next.as_i64() as usize * stride + skip, N);
         }
         let off = id.as_i64() as usize * stride + skip;
         if !known(0, start + off) {
-            return false;
+            return Copied::Unknown;
+        }
+        if pace_due(i) && pace.slow(i) {
+            return Copied::Slow;
         }
         let src: &[u8; N] = data[off..off + N].try_into().expect("N-byte row");
         let out: &mut [u8; N] = out.try_into().expect("N-byte row");
         *out = *src;
     }
-    true
+    Copied::All
 }
 
 /// A row id type the gather accepts.
@@ -207,9 +269,11 @@ impl MappedRows<'_> {
 
     /// Copy rows `ids` (all in range) into `dst` (`ids.len() * row_bytes` bytes) while
     /// `known(segment, file offset)` holds for each row; stop at the first row for which
-    /// it does not and return `false` (rows before it are copied, the rest are not). The
+    /// it does not ([`Copied::Unknown`]: rows before it are copied, the rest are not). The
     /// check is fused into the copy loop so that it overlaps the rows' cache misses; with
-    /// a constant `true` it compiles away.
+    /// a constant `true` it compiles away. Every [`PACE_EVERY`] rows the copy also checks
+    /// its pace and stops ([`Copied::Slow`]) once its pages are plainly being faulted in
+    /// from storage (see [`SLOW_BASE`]): the caller then reads the rows together instead.
     ///
     /// The copy is guarded (see `sigbus`): a SIGBUS on the mapping reads zeros and marks
     /// the file's range lost; the caller checks for lost rows afterwards.
@@ -219,7 +283,7 @@ impl MappedRows<'_> {
         ids: &[T],
         dst: &mut [u8],
         known: &K,
-    ) -> bool {
+    ) -> Copied {
         super::sigbus::guarded(|| self.copy_if_unguarded(ids, dst, known))
     }
 
@@ -229,7 +293,7 @@ impl MappedRows<'_> {
         ids: &[T],
         dst: &mut [u8],
         known: &K,
-    ) -> bool {
+    ) -> Copied {
         let (rb, stride, skip) = (self.row_bytes, self.stride, self.skip);
         if let [seg] = self.segments {
             let data = &self.files[seg.file].map[seg.start..seg.start + seg.len];
@@ -242,6 +306,7 @@ impl MappedRows<'_> {
                 _ => {}
             }
             // One shard (the common case): no search, one bounds-checked slice.
+            let pace = Pace::start(rb);
             for (i, (&id, out)) in ids.iter().zip(dst.chunks_exact_mut(rb)).enumerate() {
                 // Random rows of a large table miss every cache level (and the TLB);
                 // prefetching a few rows ahead keeps several misses in flight.
@@ -250,12 +315,16 @@ impl MappedRows<'_> {
                 }
                 let off = id.as_i64() as usize * stride + skip;
                 if !known(0, seg.start + off) {
-                    return false;
+                    return Copied::Unknown;
+                }
+                if pace_due(i) && pace.slow(i) {
+                    return Copied::Slow;
                 }
                 out.copy_from_slice(&data[off..off + rb]);
             }
-            return true;
+            return Copied::All;
         }
+        let pace = Pace::start(rb);
         for (i, (&id, out)) in ids.iter().zip(dst.chunks_exact_mut(rb)).enumerate() {
             if let Some(&next) = ids.get(i + PREFETCH_AHEAD) {
                 let (si, off) = self.locate(next.as_i64() as u64);
@@ -263,17 +332,20 @@ impl MappedRows<'_> {
             }
             let (si, off) = self.locate(id.as_i64() as u64);
             if !known(si, off) {
-                return false;
+                return Copied::Unknown;
+            }
+            if pace_due(i) && pace.slow(i) {
+                return Copied::Slow;
             }
             let map = &self.files[self.segments[si].file].map;
             out.copy_from_slice(&map[off..off + rb]);
         }
-        true
+        Copied::All
     }
 
     /// As [`Self::copy_if`], split across a pool (`own`, else the shared one) when `dst`
-    /// is at least `min_bytes`; `false` if some row failed `known` (each chunk stops at
-    /// its first such row).
+    /// is at least `min_bytes`; each chunk stops as `copy_if` does, and the result is the
+    /// worst chunk's ([`Copied::Slow`] over [`Copied::Unknown`] over [`Copied::All`]).
     ///
     /// The calling thread gathers too: it spawns one helper a pool thread and claims
     /// chunks from a shared counter with them until none is left, so the gather starts at
@@ -291,7 +363,7 @@ impl MappedRows<'_> {
         min_bytes: usize,
         own: Option<&rayon::ThreadPool>,
         known: &K,
-    ) -> bool {
+    ) -> Copied {
         let rb = self.row_bytes;
         let pool = if goes_parallel(ids.len(), dst.len(), min_bytes) {
             match own {
@@ -316,13 +388,14 @@ impl MappedRows<'_> {
             .map(|c| Mutex::new(Some(c)))
             .collect();
         let next = AtomicUsize::new(0);
-        let all_known = AtomicBool::new(true);
+        let worst = AtomicU8::new(Copied::All as u8);
         let work = || {
             while let Some(chunk) = chunks.get(next.fetch_add(1, Ordering::Relaxed)) {
                 let taken = chunk.lock().unwrap_or_else(|e| e.into_inner()).take();
                 if let Some((d, i)) = taken {
-                    if !self.copy_if(i, d, known) {
-                        all_known.store(false, Ordering::Relaxed);
+                    let got = self.copy_if(i, d, known);
+                    if got != Copied::All {
+                        worst.fetch_max(got as u8, Ordering::Relaxed);
                     }
                 }
             }
@@ -334,6 +407,10 @@ impl MappedRows<'_> {
             }
             work();
         });
-        all_known.load(Ordering::Relaxed)
+        match worst.load(Ordering::Relaxed) {
+            0 => Copied::All,
+            1 => Copied::Unknown,
+            _ => Copied::Slow,
+        }
     }
 }

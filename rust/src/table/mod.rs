@@ -32,7 +32,7 @@ mod sigbus;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 pub use discover::{scale_candidates, supported_dtype, Selector, INDEX_FILE, SHARD_PLACEHOLDER};
 pub use gather::{MAX_GATHER_THREADS, PARALLEL_MIN_BYTES};
@@ -44,7 +44,7 @@ pub use sigbus::handler_is_current as sigbus_guard_active;
 use crate::error::{Error, Result};
 use coldread::{ColdRow, Uring};
 use discover::Layout;
-use gather::{first_bad, Id, MappedRows};
+use gather::{first_bad, Copied, Id, MappedRows};
 use residency::PageMap;
 
 /// Row ids to gather: `int32` or `int64`, as the caller has them (no conversion copy).
@@ -263,6 +263,11 @@ pub struct PageStats {
     pub pages_adopted: u64,
     /// Cold gathers that could not use io_uring on their thread and used `willneed`.
     pub cold_fallbacks: u64,
+    /// Warm copies that stopped because pages known resident were being faulted in from
+    /// storage (the kernel dropped them: memory pressure, another process's eviction);
+    /// each such gather then read all its rows together, and so did the table's gathers
+    /// for the next [`DISTRUST`] (250 ms).
+    pub slow_copies: u64,
     /// Why the last such gather fell back.
     pub last_fallback: Option<String>,
 }
@@ -277,6 +282,7 @@ struct Counters {
     pages_forgotten: AtomicU64,
     pages_adopted: AtomicU64,
     cold_fallbacks: AtomicU64,
+    slow_copies: AtomicU64,
 }
 
 /// What every handle of one opened table shares ([`MmapTable::window`]): the mappings,
@@ -299,6 +305,24 @@ struct Inner {
     last_fallback: Mutex<Option<String>>,
     /// Serialises drops and evictions and holds the last eviction failure.
     drop_state: Mutex<Option<String>>,
+    /// Until this instant ([`epoch_ns`]) gathers read every row, known or not: a copy
+    /// found known pages being faulted in (see [`DISTRUST`]).
+    distrust_until: AtomicU64,
+}
+
+/// How long after a slow copy ([`Copied::Slow`]) the table's gathers read every row
+/// rather than copy rows it knows resident: pages were being dropped behind its back, so
+/// the next gathers' known rows would likely fault too, and a gather of a few rows would
+/// fault most of them before its copy could tell. Then the copy is tried again. A read of
+/// a page still cached costs ~1-2 us against a copy's 20-60 ns, so a copy slow for any
+/// other reason (a descheduled thread) costs a few such gathers, not the table's speed.
+const DISTRUST: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Nanoseconds since the first call in this process (a monotonic clock).
+fn epoch_ns() -> u64 {
+    static EPOCH: OnceLock<std::time::Instant> = OnceLock::new();
+    let e = *EPOCH.get_or_init(std::time::Instant::now);
+    u64::try_from(e.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// A handle's label: the tensor, its columns when windowed, the checkpoint.
@@ -462,6 +486,7 @@ impl MmapTable {
                 counters: Counters::default(),
                 last_fallback: Mutex::new(None),
                 drop_state: Mutex::new(None),
+                distrust_until: AtomicU64::new(0),
             }),
             view,
             own_pool,
@@ -673,6 +698,11 @@ impl MmapTable {
         let src = self.mapped_rows();
         let pm = &self.inner.pages;
         let rb = src.row_bytes;
+        let distrust = self.inner.distrust_until.load(Ordering::Relaxed);
+        if distrust != 0 && epoch_ns() < distrust {
+            // A copy was slow a moment ago: read every row.
+            return self.gather_cold(&src, ids, dst, true);
+        }
         // The warm path: copy while every row's pages are known resident (a bit test or
         // two a row, fused into the copy loop; access counts only under a budget).
         let known = |si: usize, off: usize| {
@@ -690,27 +720,53 @@ impl MmapTable {
         } else {
             src.copy_if_maybe_parallel(ids, dst, min, own, &known)
         };
-        if warm {
-            self.inner
-                .counters
-                .row_hits
-                .fetch_add(ids.len() as u64, Ordering::Relaxed);
-            return self.check_lost(ids);
+        match warm {
+            Copied::All => {
+                self.inner
+                    .counters
+                    .row_hits
+                    .fetch_add(ids.len() as u64, Ordering::Relaxed);
+                self.check_lost(ids)
+            }
+            // Some row is cold: start over with the cold path (rows already copied are
+            // copied again, for nothing next to the reads; their access counts are
+            // counted twice).
+            Copied::Unknown => self.gather_cold(&src, ids, dst, false),
+            // Rows known resident are being faulted in from storage one page at a time:
+            // the kernel dropped them behind the table's back. Read every row of the
+            // gather together instead (a page still cached completes at once).
+            Copied::Slow => {
+                self.note_slow_copy();
+                self.gather_cold(&src, ids, dst, true)
+            }
         }
-        // Some row is cold: start over with the cold path (rows already copied are copied
-        // again, for nothing next to the reads; their access counts are counted twice).
-        self.gather_cold(&src, ids, dst)
+    }
+
+    /// A copy of known rows ran slow: count it, and read every row for [`DISTRUST`].
+    fn note_slow_copy(&self) {
+        let inner = &*self.inner;
+        inner.counters.slow_copies.fetch_add(1, Ordering::Relaxed);
+        let until = epoch_ns().saturating_add(DISTRUST.as_nanos() as u64);
+        inner.distrust_until.store(until, Ordering::Relaxed);
     }
 
     /// A gather with at least one row not known resident: read those together while
-    /// copying the others, then record their pages as known.
+    /// copying the others, then record their pages as known. `all_cold`: read every row
+    /// (a warm copy found pages it knew resident being faulted in: [`Copied::Slow`]).
     ///
     /// No residency check (`mincore`, `RWF_NOWAIT`) comes first: a read of a page that is
     /// cached after all completes at submission without I/O, so checking would only add a
     /// system call per row to every cold gather. A known page the kernel dropped behind our
-    /// back is not read here but faulted in by the copy: slower, still correct; the known
-    /// set is bounded (see [`PageStats::pages_forgotten`]) so such pages do not pile up.
-    fn gather_cold<T: Id>(&self, src: &MappedRows<'_>, ids: &[T], dst: &mut [u8]) -> Result<()> {
+    /// back is copied here, faulted in (slower, still correct); a warm copy that meets
+    /// many such pages stops and comes back with `all_cold`, and the known set is bounded
+    /// (see [`PageStats::pages_forgotten`]).
+    fn gather_cold<T: Id>(
+        &self,
+        src: &MappedRows<'_>,
+        ids: &[T],
+        dst: &mut [u8],
+        all_cold: bool,
+    ) -> Result<()> {
         let pm = &self.inner.pages;
         let rb = src.row_bytes;
         let mut hits: Vec<(&mut [u8], &[u8])> = Vec::new();
@@ -721,7 +777,7 @@ impl MmapTable {
             let span = pm.span(si, off, rb);
             pm.touch(span);
             let file = &src.files[src.segments[si].file];
-            if pm.all_known(span) {
+            if !all_cold && pm.all_known(span) {
                 hits.push((out, &file.map[off..off + rb]));
             } else {
                 cold.push(ColdRow { out, file, off });
@@ -952,6 +1008,7 @@ impl MmapTable {
             pages_forgotten: get(&c.pages_forgotten),
             pages_adopted: get(&c.pages_adopted),
             cold_fallbacks: get(&c.cold_fallbacks),
+            slow_copies: get(&c.slow_copies),
             last_fallback: lock(&inner.last_fallback),
         }
     }

@@ -1347,7 +1347,10 @@ fn warm_check_cost() {
                     b.push(t0.elapsed().as_nanos());
                 } else {
                     let t0 = Instant::now();
-                    assert!(src.copy_if(ids, &mut dst, &check));
+                    assert_eq!(
+                        src.copy_if(ids, &mut dst, &check),
+                        super::gather::Copied::All
+                    );
                     c.push(t0.elapsed().as_nanos());
                 }
             }
@@ -1362,4 +1365,100 @@ fn warm_check_cost() {
             );
         }
     }
+}
+
+#[test]
+fn a_copy_that_runs_slow_stops_and_names_why() {
+    use super::gather::Copied;
+    let d = TempDir::new();
+    let p = big_table(&d, 4096);
+    let t = open(&p, &name("w")).unwrap();
+    let src = t.mapped_rows();
+    let ids: Vec<i64> = (0..64).map(|i| (i * 61) % 4096).collect();
+    let mut dst = vec![0u8; ids.len() * src.row_bytes];
+    // A check as fast as a bit test: every row copied.
+    assert_eq!(src.copy_if(&ids, &mut dst, &|_, _| true), Copied::All);
+    // A row after the first not known: stopped there.
+    let first = std::sync::atomic::AtomicBool::new(true);
+    let once = |_: usize, _: usize| first.swap(false, Ordering::Relaxed);
+    assert_eq!(src.copy_if(&ids, &mut dst, &once), Copied::Unknown);
+    // Each row taking 60 us, as a page read from storage would: slow by the 16th row,
+    // inline and on the pool alike (every chunk's own pace).
+    let faulting = |_: usize, _: usize| {
+        std::thread::sleep(std::time::Duration::from_micros(60));
+        true
+    };
+    assert_eq!(src.copy_if(&ids, &mut dst, &faulting), Copied::Slow);
+    let many: Vec<i64> = (0..2048).map(|i| (i * 61) % 4096).collect();
+    let mut big = vec![0u8; many.len() * src.row_bytes];
+    assert_eq!(
+        src.copy_if_maybe_parallel(&many, &mut big, 0, None, &faulting),
+        Copied::Slow
+    );
+    assert_eq!(
+        src.copy_if_maybe_parallel(&many, &mut big, 0, None, &|_, _| true),
+        Copied::All
+    );
+}
+
+#[test]
+fn a_gather_whose_known_pages_were_dropped_reads_every_row_and_gets_them_right() {
+    let d = TempDir::new();
+    let p = big_table(&d, 16384);
+    let bytes = std::fs::read(&p).unwrap();
+    let t = open(&p, &name("w")).unwrap();
+    let ids: Vec<i64> = (0..1024).map(|i| (i * 7919) % 16384).collect();
+    t.gather(RowIds::I64(&ids)).unwrap(); // every row's pages now known
+    let before = t.page_stats();
+    assert_eq!(before.row_misses + before.row_hits, ids.len() as u64);
+    // The path a slow copy takes: every row read, known or not, none copied from the map.
+    let src = t.mapped_rows();
+    let mut dst = vec![0u8; ids.len() * src.row_bytes];
+    t.gather_cold(&src, &ids, &mut dst, true).unwrap();
+    let after = t.page_stats();
+    assert_eq!(after.row_misses - before.row_misses, ids.len() as u64);
+    assert_eq!(after.row_hits, before.row_hits);
+    let start = t.inner.layout.segments[0].start;
+    for (k, &id) in ids.iter().enumerate() {
+        let off = start + id as usize * 256;
+        assert_eq!(
+            &dst[k * 256..(k + 1) * 256],
+            &bytes[off..off + 256],
+            "row {id}"
+        );
+    }
+}
+
+#[test]
+fn after_a_slow_copy_gathers_read_every_row_for_a_while() {
+    let d = TempDir::new();
+    let p = big_table(&d, 4096);
+    let t = open(&p, &name("w")).unwrap();
+    let ids: Vec<i64> = (0..256).map(|i| (i * 13) % 4096).collect();
+    let want = t.gather(RowIds::I64(&ids)).unwrap();
+    let warm = t.page_stats();
+    assert_eq!(t.gather(RowIds::I64(&ids)).unwrap(), want);
+    assert_eq!(
+        t.page_stats().row_hits - warm.row_hits,
+        256,
+        "known rows are copied"
+    );
+    t.note_slow_copy();
+    let s0 = t.page_stats();
+    assert_eq!(s0.slow_copies, 1);
+    // A window of the table shares its pages, so it distrusts them too.
+    let w = t.window(Some((0, 64)), None).unwrap();
+    assert_eq!(t.gather(RowIds::I64(&ids)).unwrap(), want);
+    w.gather(RowIds::I64(&ids)).unwrap();
+    let s1 = t.page_stats();
+    assert_eq!(
+        s1.row_misses - s0.row_misses,
+        512,
+        "every row read while distrusted"
+    );
+    assert_eq!(s1.row_hits, s0.row_hits);
+    // Once the window has passed, known rows are copied again.
+    t.inner.distrust_until.store(1, Ordering::Relaxed);
+    assert_eq!(t.gather(RowIds::I64(&ids)).unwrap(), want);
+    assert_eq!(t.page_stats().row_hits - s1.row_hits, 256);
 }
