@@ -98,28 +98,47 @@ fn pace_due(i: usize) -> bool {
 const SLOW_BASE: Duration = Duration::from_micros(250);
 const SLOW_PER_PAGE: Duration = Duration::from_micros(4);
 
+/// Rows ahead whose pages a copy past its allowance checks (`mincore`, a microsecond
+/// each) before it stops: a copy slowed by minor faults (a VM's can cost 10 us) or by a
+/// descheduled thread finds them cached and goes on.
+const PROBE_ROWS: usize = 8;
+
 /// The clock of one copy: [`Self::slow`] once it ran past its allowance.
 struct Pace {
     start: Instant,
+    /// The row the clock started at.
+    from: usize,
     per_row: Duration,
 }
 
 impl Pace {
     #[inline(always)]
-    fn start(row_bytes: usize) -> Self {
+    fn start(row_bytes: usize, from: usize) -> Self {
         // A row spans at most this many pages.
         let pages = row_bytes.div_ceil(super::pagecache::page_size()) + 1;
         Self {
             start: Instant::now(),
+            from,
             per_row: SLOW_PER_PAGE * u32::try_from(pages).unwrap_or(u32::MAX),
         }
     }
 
-    /// Whether `rows` rows copied so far took longer than they may.
+    /// Whether the rows before row `i` took longer than they may (checked only where
+    /// [`pace_due`]): past the allowance, the next [`PROBE_ROWS`] rows' pages (`row(k)`:
+    /// row `k`'s bytes in the mapping) are checked, and the copy is slow only if one of
+    /// them is not in the page cache; if all are, the clock starts again here.
     #[inline(always)]
-    fn slow(&self, rows: usize) -> bool {
-        let allowed = SLOW_BASE + self.per_row * u32::try_from(rows).unwrap_or(u32::MAX);
-        self.start.elapsed() > allowed
+    fn slow<'d>(&mut self, i: usize, ids: usize, row: impl Fn(usize) -> &'d [u8]) -> bool {
+        let rows = u32::try_from(i - self.from).unwrap_or(u32::MAX);
+        if self.start.elapsed() <= SLOW_BASE + self.per_row * rows {
+            return false;
+        }
+        if (i..ids.min(i + PROBE_ROWS)).any(|k| !super::pagecache::in_page_cache(row(k))) {
+            return true;
+        }
+        self.start = Instant::now();
+        self.from = i;
+        false
     }
 }
 
@@ -181,7 +200,11 @@ fn copy_fixed<T: Id, const N: usize, K: Fn(usize, usize) -> bool>(
     dst: &mut [u8],
     known: &K,
 ) -> Copied {
-    let pace = Pace::start(N);
+    let mut pace = Pace::start(N, 0);
+    let row = |k: usize| {
+        let off = ids[k].as_i64() as usize * stride + skip;
+        &data[off..off + N]
+    };
     for (i, (&id, out)) in ids.iter().zip(dst.chunks_exact_mut(N)).enumerate() {
         if let Some(&next) = ids.get(i + PREFETCH_AHEAD) {
             prefetch_row(data, next.as_i64() as usize * stride + skip, N);
@@ -190,7 +213,7 @@ fn copy_fixed<T: Id, const N: usize, K: Fn(usize, usize) -> bool>(
         if !known(0, start + off) {
             return Copied::Unknown;
         }
-        if pace_due(i) && pace.slow(i) {
+        if pace_due(i) && pace.slow(i, ids.len(), row) {
             return Copied::Slow;
         }
         let src: &[u8; N] = data[off..off + N].try_into().expect("N-byte row");
@@ -272,8 +295,9 @@ impl MappedRows<'_> {
     /// it does not ([`Copied::Unknown`]: rows before it are copied, the rest are not). The
     /// check is fused into the copy loop so that it overlaps the rows' cache misses; with
     /// a constant `true` it compiles away. Every [`PACE_EVERY`] rows the copy also checks
-    /// its pace and stops ([`Copied::Slow`]) once its pages are plainly being faulted in
-    /// from storage (see [`SLOW_BASE`]): the caller then reads the rows together instead.
+    /// its pace, and past its allowance (see [`SLOW_BASE`]) whether the next rows' pages
+    /// are cached; it stops ([`Copied::Slow`]) once they are plainly being faulted in
+    /// from storage: the caller then reads the rows together instead.
     ///
     /// The copy is guarded (see `sigbus`): a SIGBUS on the mapping reads zeros and marks
     /// the file's range lost; the caller checks for lost rows afterwards.
@@ -306,7 +330,11 @@ impl MappedRows<'_> {
                 _ => {}
             }
             // One shard (the common case): no search, one bounds-checked slice.
-            let pace = Pace::start(rb);
+            let mut pace = Pace::start(rb, 0);
+            let row = |k: usize| {
+                let off = ids[k].as_i64() as usize * stride + skip;
+                &data[off..off + rb]
+            };
             for (i, (&id, out)) in ids.iter().zip(dst.chunks_exact_mut(rb)).enumerate() {
                 // Random rows of a large table miss every cache level (and the TLB);
                 // prefetching a few rows ahead keeps several misses in flight.
@@ -317,14 +345,18 @@ impl MappedRows<'_> {
                 if !known(0, seg.start + off) {
                     return Copied::Unknown;
                 }
-                if pace_due(i) && pace.slow(i) {
+                if pace_due(i) && pace.slow(i, ids.len(), row) {
                     return Copied::Slow;
                 }
                 out.copy_from_slice(&data[off..off + rb]);
             }
             return Copied::All;
         }
-        let pace = Pace::start(rb);
+        let mut pace = Pace::start(rb, 0);
+        let row = |k: usize| {
+            let (si, off) = self.locate(ids[k].as_i64() as u64);
+            &self.files[self.segments[si].file].map[off..off + rb]
+        };
         for (i, (&id, out)) in ids.iter().zip(dst.chunks_exact_mut(rb)).enumerate() {
             if let Some(&next) = ids.get(i + PREFETCH_AHEAD) {
                 let (si, off) = self.locate(next.as_i64() as u64);
@@ -334,7 +366,7 @@ impl MappedRows<'_> {
             if !known(si, off) {
                 return Copied::Unknown;
             }
-            if pace_due(i) && pace.slow(i) {
+            if pace_due(i) && pace.slow(i, ids.len(), row) {
                 return Copied::Slow;
             }
             let map = &self.files[self.segments[si].file].map;

@@ -6,6 +6,7 @@
 //! the whole table or for runs of pages the RSS budget evicts.
 //!
 //! All `unsafe` of this module is the libc calls and memmap2's unchecked advice.
+//! (`in_page_cache` is the one `mincore` the gather itself makes: see `gather::Pace`.)
 
 use std::os::fd::AsRawFd;
 use std::path::Path;
@@ -95,6 +96,28 @@ pub(crate) fn resident_runs(
         }
     }
     Ok(())
+}
+
+/// Whether every page under `bytes` (a slice of a live mapping of a file) is in the page
+/// cache now (`mincore`; a failure counts as not). One system call.
+pub(crate) fn in_page_cache(bytes: &[u8]) -> bool {
+    if bytes.is_empty() {
+        return true;
+    }
+    let ps = page_size();
+    let addr = bytes.as_ptr() as usize;
+    let lo = addr - addr % ps;
+    let pages = (addr + bytes.len() - lo).div_ceil(ps);
+    let mut vec = [0u8; 8];
+    if pages > vec.len() {
+        return bytes.chunks(ps * (vec.len() - 1)).all(in_page_cache);
+    }
+    // SAFETY: `lo..lo + pages * ps` is the page-aligned span of `bytes`, which lies in a
+    // live mapping (mappings start and end on page boundaries, so the span does too);
+    // `vec` holds `pages` bytes (checked above). mincore reads nothing through the
+    // pointer and faults nothing in.
+    let rc = unsafe { libc::mincore(lo as *mut libc::c_void, pages * ps, vec.as_mut_ptr()) };
+    rc == 0 && vec[..pages].iter().all(|v| v & 1 != 0)
 }
 
 /// Fault in the table's pages, in row order, until `budget` bytes; returns the bytes
