@@ -230,3 +230,30 @@ def test_the_storage_reads_under_a_file_are_counted(table: Path) -> None:
     assert rate == {"disk_read_mib_s": 20.0, "disk_read_iops": 10.0, "disk_read_kib": 2048.0,
                     "disk_read_mib": 40.0, "disks": ["x"]}  # fmt: skip
     assert disk_read_rate(None, after, 1.0) == {}
+
+
+def test_the_evicted_table_benchmark_gathers_under_a_hold(tmp_path: Path) -> None:
+    """``bench_evicted.py``: a table read whole, then held at 0% by ``residency.py`` from
+    outside, gathers rows (reading them cold, as the copy found its pages gone), beside
+    one opened afresh; each case and size reported."""
+    import json
+
+    out = tmp_path / "evicted.json"
+    cmd = [sys.executable, str(Path(residency.__file__).with_name("bench_evicted.py")),
+           "--dir", str(tmp_path / "t"), "--gib", "0.03", "--shares", "1.0,0.0",
+           "--rows", "256", "--trials", "3", "--json", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    if "may not page out" in r.stderr:
+        pytest.skip("the holder may not page out this process's mapping here")
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    cases = {(x["share"], x["table"]): x for x in doc["results"]}
+    assert set(cases) == {(s, t) for s in (1.0, 0.0)
+                          for t in ("known, then dropped", "opened afresh")}  # fmt: skip
+    assert cases[(1.0, "known, then dropped")]["rows_cold"] == 0  # all known, all cached
+    assert cases[(0.0, "opened afresh")]["rows_cold"] >= 256  # nothing known at first
+    if cases[(0.0, "known, then dropped")]["resident_at_start"] > 0.02:
+        pytest.skip("the hold did not drop the table's pages here")
+    # Known but dropped: the copy stopped and the rows were read cold.
+    dropped = cases[(0.0, "known, then dropped")]
+    assert dropped["slow_copies"] >= 1 and dropped["rows_cold"] > 0, dropped
