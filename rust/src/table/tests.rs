@@ -1471,3 +1471,38 @@ fn after_a_slow_copy_gathers_read_every_row_for_a_while() {
     assert_eq!(t.gather(RowIds::I64(&ids)).unwrap(), want);
     assert_eq!(t.page_stats().row_hits - s1.row_hits, 256);
 }
+
+#[test]
+fn in_page_cache_answers_for_spans_of_any_length() {
+    let d = TempDir::new();
+    let p = big_table(&d, 16384); // 4 MiB
+    let t = open(&p, &name("w")).unwrap();
+    assert_eq!(t.prewarm(u64::MAX).unwrap(), t.data_bytes());
+    let src = t.mapped_rows();
+    let map = &src.files[0].map;
+    let start = src.segments[0].start;
+    for (off, len) in [
+        (0, 1),
+        (3, 256),
+        (4000, 200),
+        (1, 100 << 10),
+        (777, 1 << 20),
+    ] {
+        assert!(
+            pagecache::in_page_cache(&map[start + off..start + off + len]),
+            "{off}+{len}"
+        );
+    }
+    assert!(pagecache::in_page_cache(&map[start..start]));
+    t.drop_pages().unwrap();
+    if t.resident_bytes().unwrap() > 0 {
+        eprintln!("the page cache kept the file (tmpfs?): only the cached answers checked");
+        return;
+    }
+    for (off, len) in [(0, 1), (4000, 200), (1, 100 << 10)] {
+        assert!(
+            !pagecache::in_page_cache(&map[start + off..start + off + len]),
+            "{off}+{len}"
+        );
+    }
+}
