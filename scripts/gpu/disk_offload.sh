@@ -20,6 +20,12 @@
 #                   servers fit one H100
 #                   (~12 min; SERVERS="mmap uva" and COUNTS="1 2 4" choose); the report's
 #                   "Host memory in use" line per run
+#   PART=beyond-ram the two above in one detached job on a fresh host: the residency part
+#                   (FLOOR=first, SHARES "1.0 0.0 0.5 0.1", CONC=1,64, REPEATS=1: the shares
+#                   in the order that tells most if the job is cut short), the benchmark
+#                   checkpoints removed (the 24 GiB one and the servers' do not both fit a
+#                   64 GiB disk beside vLLM's bundle), then the servers part with COUNTS
+#                   "1 4" (~35 min in all)
 # benchmarks/disk_offload_report.py then tabulates the residency and servers runs' JSON and
 # draws the residency curve.
 set -uo pipefail
@@ -30,12 +36,20 @@ COMMON=(--layers 24 --kv-cache-gib 6 --solo --time-graphs --ref gpu-plugin
 FOUR=(--ple-layers 4 --table-gib 4)
 ONE24=(--ple-layers 1 --table-gib 24)
 ALL=${BACKENDS:-gpu-plugin,disk,mmap,uva,gpu-plugin-b}  # BACKENDS=...: the warm parts' servers, in order
+CKPT=${BENCH_CKPT_ROOT:-/tmp/ple-bench-ckpt}  # where bench_vllm.py keeps its checkpoints
 bench() {  # TAG DEADLINE ARGS...
     local tag=$1 deadline=$2
     shift 2
-    DEADLINE=$deadline TAG=$tag BENCH_ARGS="$*" bash scripts/gpu/vllm_bench.sh
+    DEADLINE=$deadline TAG=$tag BENCH_ARGS="$* --ckpt-root $CKPT" bash scripts/gpu/vllm_bench.sh
 }
-case "${PART:?PART=warm4|warm24|fp8|residency|servers}" in
+case "${PART:?PART=warm4|warm24|fp8|residency|servers|beyond-ram}" in
+beyond-ram)
+    PART=residency FLOOR=${FLOOR:-first} SHARES=${SHARES:-1.0 0.0 0.5 0.1} CONC=${CONC:-1,64} \
+        REPEATS=${REPEATS:-1} bash "$0"
+    df -h /tmp | tail -1
+    rm -rf "$CKPT" /tmp/ple-cold
+    PART=servers COUNTS=${COUNTS:-1 4} bash "$0"
+    ;;
 warm4) bench disk_warm4 "${DEADLINE:-800}" "${COMMON[*]} ${FOUR[*]} --dtype bf16 --backends $ALL" ;;
 warm24) bench disk_warm24 "${DEADLINE:-860}" "${COMMON[*]} ${ONE24[*]} --dtype bf16 --backends $ALL" ;;
 fp8)
@@ -48,7 +62,7 @@ residency)
         timeout 300 python3 benchmarks/bench_cold.py host --dir /tmp/ple-cold --gib 2.5 --quick \
             2>&1 | tee "$OUT/storage_floor.txt" | tail -20
     }
-    [ "${FLOOR:-last}" = first ] && floor
+    if [ "${FLOOR:-last}" = first ]; then floor; fi
     for share in ${SHARES:-1.0 0.5 0.1 0.0}; do
         backends=disk,mmap
         [ "$share" = 1.0 ] && backends=gpu-plugin,disk,mmap
@@ -56,7 +70,7 @@ residency)
             --concurrency ${CONC:-1,8,64} --mixed-long 0 --residency $share --backends $backends \
             --ref ${backends%%,*}"
     done
-    [ "${FLOOR:-last}" = last ] && floor
+    if [ "${FLOOR:-last}" = last ]; then floor; fi
     ;;
 servers)
     for b in ${SERVERS:-mmap uva}; do
