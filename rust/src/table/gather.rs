@@ -423,6 +423,11 @@ impl MappedRows<'_> {
         let worst = AtomicU8::new(Copied::All as u8);
         let work = || {
             while let Some(chunk) = chunks.get(next.fetch_add(1, Ordering::Relaxed)) {
+                if worst.load(Ordering::Relaxed) != Copied::All as u8 {
+                    // A chunk stopped, so the caller gathers every row again: copying
+                    // (or faulting in) more chunks here would be for nothing.
+                    break;
+                }
                 let taken = chunk.lock().unwrap_or_else(|e| e.into_inner()).take();
                 if let Some((d, i)) = taken {
                     let got = self.copy_if(i, d, known);
