@@ -72,6 +72,12 @@ def test_the_residency_part_takes_its_floor_last_by_default_and_its_shares_as_gi
     assert _run(_tree(tmp_path / "b"), "residency", SHARES="0.0", FLOOR="0")[-1] != "floor"
 
 
+def test_the_residency_part_leaves_the_gpu_table_out_when_asked(tmp_path: Path) -> None:
+    calls = _run(_tree(tmp_path), "residency", SHARES="1.0 0.0", FLOOR="0", GPU_REF="0")
+    assert [c.split()[1] for c in calls] == ["disk_res10", "disk_res00"]
+    assert all("--backends disk,mmap --ref disk" in c for c in calls)
+
+
 def test_an_unknown_part_is_refused(tmp_path: Path) -> None:
     tree = _tree(tmp_path)
     r = subprocess.run(["bash", "scripts/gpu/disk_offload.sh"], cwd=tree,

@@ -13,7 +13,8 @@
 #                   cache (benchmarks/residency.py, every backend alike): disk and mmap at
 #                   c1, c8 and c64 per share (~6 min a share; CONC=1,64: fewer loads), then
 #                   the storage floor on the same disk (benchmarks/bench_cold.py host --quick;
-#                   FLOOR=first: before the shares, FLOOR=0: none)
+#                   FLOOR=first: before the shares, FLOOR=0: none; GPU_REF=0: no GPU-table
+#                   server at 1.0, mmap's own 1.0 being the warm figure)
 #   PART=servers    host memory as servers of one checkpoint are added: 1, 2 and 4 mmap
 #                   servers, then 1, 2 and 4 uva servers, c1 once each; the four 1 GiB
 #                   tables on an 8-layer, 16-expert model with 1 GiB KV caches, so four
@@ -65,7 +66,7 @@ residency)
     if [ "${FLOOR:-last}" = first ]; then floor; fi
     for share in ${SHARES:-1.0 0.5 0.1 0.0}; do
         backends=disk,mmap
-        [ "$share" = 1.0 ] && backends=gpu-plugin,disk,mmap
+        if [ "$share" = 1.0 ] && [ "${GPU_REF:-1}" != 0 ]; then backends=gpu-plugin,disk,mmap; fi
         bench "disk_res${share/./}" "${DEADLINE:-330}" "${COMMON[*]} ${ONE24[*]} --dtype bf16 \
             --concurrency ${CONC:-1,8,64} --mixed-long 0 --residency $share --backends $backends \
             --ref ${backends%%,*}"
