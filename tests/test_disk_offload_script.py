@@ -78,6 +78,16 @@ def test_the_residency_part_leaves_the_gpu_table_out_when_asked(tmp_path: Path) 
     assert all("--backends disk,mmap --ref disk" in c for c in calls)
 
 
+def test_the_residency_part_holds_the_four_1_gib_tables_when_asked(tmp_path: Path) -> None:
+    calls = _run(_tree(tmp_path), "residency", SHARES="0.5", FLOOR="0", TABLES="4x1")
+    assert calls[0].split()[1] == "disk_res4x1_05"
+    assert "--ple-layers 4 --table-gib 4" in calls[0] and "--table-gib 24" not in calls[0]
+    r = subprocess.run(["bash", "scripts/gpu/disk_offload.sh"], cwd=tmp_path,
+                       env=dict(os.environ, PART="residency", TABLES="8", OUT=str(tmp_path / "o")),
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and "unknown TABLES=8" in r.stdout + r.stderr
+
+
 def test_an_unknown_part_is_refused(tmp_path: Path) -> None:
     tree = _tree(tmp_path)
     r = subprocess.run(["bash", "scripts/gpu/disk_offload.sh"], cwd=tree,

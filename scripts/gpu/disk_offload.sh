@@ -14,7 +14,8 @@
 #                   c1, c8 and c64 per share (~6 min a share; CONC=1,64: fewer loads), then
 #                   the storage floor on the same disk (benchmarks/bench_cold.py host --quick;
 #                   FLOOR=first: before the shares, FLOOR=0: none; GPU_REF=0: no GPU-table
-#                   server at 1.0, mmap's own 1.0 being the warm figure)
+#                   server at 1.0, mmap's own 1.0 being the warm figure; TABLES=4x1: the
+#                   four 1 GiB tables instead, tagged disk_res4x1_*)
 #   PART=servers    host memory as servers of one checkpoint are added: 1, 2 and 4 mmap
 #                   servers, then 1, 2 and 4 uva servers, c1 once each; the four 1 GiB
 #                   tables on an 8-layer, 16-expert model with 1 GiB KV caches, so four
@@ -63,11 +64,16 @@ residency)
         timeout 300 python3 benchmarks/bench_cold.py host --dir /tmp/ple-cold --gib 2.5 --quick \
             2>&1 | tee "$OUT/storage_floor.txt" | tail -20
     }
+    case "${TABLES:-24}" in
+        24) RES_MODEL=("${ONE24[@]}") TAG_TABLES= ;;
+        4x1) RES_MODEL=("${FOUR[@]}") TAG_TABLES=4x1_ ;;
+        *) echo "unknown TABLES=$TABLES (24 or 4x1)"; exit 2 ;;
+    esac
     if [ "${FLOOR:-last}" = first ]; then floor; fi
     for share in ${SHARES:-1.0 0.5 0.1 0.0}; do
         backends=disk,mmap
         if [ "$share" = 1.0 ] && [ "${GPU_REF:-1}" != 0 ]; then backends=gpu-plugin,disk,mmap; fi
-        bench "disk_res${share/./}" "${DEADLINE:-330}" "${COMMON[*]} ${ONE24[*]} --dtype bf16 \
+        bench "disk_res${TAG_TABLES}${share/./}" "${DEADLINE:-330}" "${COMMON[*]} ${RES_MODEL[*]} --dtype bf16 \
             --concurrency ${CONC:-1,8,64} --mixed-long 0 --residency $share --backends $backends \
             --ref ${backends%%,*}"
     done
