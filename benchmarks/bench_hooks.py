@@ -67,7 +67,7 @@ class Descriptor:
 
 
 def build(
-    root: Path, tables: int, tokens: int, row_bytes: int = 512
+    root: Path, tables: int, tokens: int, row_bytes: int = 512, stats_every: float | None = None
 ) -> tuple[PleRunnerHooks, list[Any]]:
     opened = []
     made = []
@@ -88,7 +88,9 @@ def build(
         plan = RowsPlan([PlanLayer(*m) for m in made], "deferred", None, None, 5.0)
         return PleRunnerHooks(plan, rows_per_token=1), opened
     steps = Steps([StepTable(*m) for m in made], "deferred", None, None, 2, 5.0)
-    return PleRunnerHooks(steps, rows_per_token=1), opened
+    if stats_every is None:
+        return PleRunnerHooks(steps, rows_per_token=1), opened
+    return PleRunnerHooks(steps, rows_per_token=1, stats_every=stats_every), opened
 
 
 def publisher(hooks: Any) -> tuple[list[str], Callable[[str, Any], None]]:
@@ -99,57 +101,44 @@ def publisher(hooks: Any) -> tuple[list[str], Callable[[str, Any], None]]:
     return steps.names, steps.publish_host
 
 
-class _FlatHost:
-    """The flat hooks' only accounting: the engine's launch and results a step, which the
-    all-in figure subtracts from the step's wall as it does for ours."""
+class _Uncounted:
+    """The flat hooks' host time: nothing counted (our runner's ``sample_tokens`` adds its
+    check to whatever hooks it serves)."""
 
-    __slots__ = ("launch", "results", "samples")
-
-    def __init__(self) -> None:
-        self.launch = self.results = 0
-        self.samples: list[dict[str, int]] = []
+    __slots__ = ()
 
     def add(self, kind: str, ns: int) -> None:
-        if kind == "results":
-            self.results += ns
-
-    def end_step(self) -> None:
-        self.samples.append({"launch": self.launch, "results": self.results})
-        self.launch = self.results = 0
+        return None
 
     def take(self) -> list[dict[str, int]]:
-        samples, self.samples = self.samples, []
-        return samples
+        return []
 
 
 class _FlatStep:
-    """The flat hooks' step scope: one object for every step, closing the step's sample."""
+    """The flat hooks' step scope: one object for every step, doing nothing."""
 
-    __slots__ = ("_host",)
-
-    def __init__(self, host: _FlatHost) -> None:
-        self._host = host
+    __slots__ = ()
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, *exc: object) -> None:
-        self._host.end_step()
+        return None
 
 
 class FlatHooks:
     """The floor for an adapter over the same :class:`~ple_memops.steps.Steps`: the three
     calls of a FULL decode step written flat (a scope that does nothing, a replay that is
     the native arming and the launch, an output check that is one read of the steps'
-    failure), with none of ``PleRunnerHooks``' scope objects, statistics, stats line or
+    failure), with none of ``PleRunnerHooks``' scope objects, host time, stats line or
     abort handling. A reference to measure ours against (``--hooks ours,flat``), not a
     path that serves: no captures, eager steps or failures."""
 
     def __init__(self, steps: Any, rows_per_token: int, desc: Any) -> None:
         self.steps, self.rows_per_token, self._desc = steps, rows_per_token, desc
         self._arm = steps.arm
-        self.host = _FlatHost()
-        self._scope = _FlatStep(self.host)
+        self._scope = _FlatStep()
+        self.host = _Uncounted()
 
     def step(self, *, dummy: bool) -> _FlatStep:
         return self._scope
@@ -158,15 +147,10 @@ class FlatHooks:
         if desc is not self._desc:
             return launch()
         self._arm(int(desc.num_tokens) * self.rows_per_token)
-        t0 = time.perf_counter_ns()
-        out = launch()
-        self.host.launch += time.perf_counter_ns() - t0
-        return out
+        return launch()
 
     def hand_out(self, get_output: Callable[[], Any]) -> Any:
-        t0 = time.perf_counter_ns()
         result = get_output()
-        self.host.results += time.perf_counter_ns() - t0
         if self.steps.poison_cause is not None:
             self.steps.raise_if_failed()
         return result
@@ -219,7 +203,8 @@ class Between:
 
 class _Output:
     """Stands for vLLM's ``AsyncOutput``: the runner's ``sample_tokens`` result, whose
-    ``get_output`` the engine calls (ours wraps it with the failure check)."""
+    ``get_output`` the engine calls (ours wraps it with the failure check). It returns at
+    once: the engine's wait for a step's results is not in the figures."""
 
     def get_output(self) -> None:
         return None
@@ -317,7 +302,10 @@ def run(
         stubs = sorted(stub_engine_walls(steps, gap_us, between, evict_bytes))
         engine_only = statistics.median(stubs)
     with tempfile.TemporaryDirectory() as tmp:
-        hooks, opened = build(Path(tmp), tables, tokens, row_bytes)
+        # ours-stats: a stats interval no run reaches, so every step is counted as under a
+        # stats line and no line is logged.
+        stats_every = 1e9 if hooks_kind == "ours-stats" else None
+        hooks, opened = build(Path(tmp), tables, tokens, row_bytes, stats_every)
         native: list[tuple[int, int, int]] = []
         if native_split:
             # The stepper's one native call, its own phases recorded (one Python frame more
@@ -341,23 +329,32 @@ def run(
             hooks._wait_descs.add(desc)  # as a capture of this size would have
         names, publish_host = publisher(hooks)
         ids = np.arange(tokens, dtype=np.int64)
+        launched = [0]  # ns in the launch this step: the engine's, timed here
 
         def publish() -> None:  # the GPU's publish of the step's ids
             for name in names:
                 publish_host(name, ids)
 
+        def launch_publishing() -> None:
+            t = time.perf_counter_ns()
+            publish()
+            launched[0] += time.perf_counter_ns() - t
+
         # "launch": the GPU reaches the step at once (the worker gathers while the host
         # checks the step before); "next-step": the GPU reaches it as the host prepares the
         # next one (the worker gathers while the host arms that one).
-        launch = publish if publish_at == "launch" else (lambda: None)
+        launch = launch_publishing if publish_at == "launch" else (lambda: None)
         engine_work = Between(between, gap_us, evict_bytes)
         walls = []
         runner = None if engine_only is None else stub_runner(hooks, launch)
+        counted = getattr(hooks, "host", None)
         try:
-            hooks.host.take()
+            if counted is not None:
+                counted.take()
             for k in range(steps):
                 if publish_at == "next-step" and k:
                     publish()
+                launched[0] = 0
                 t0 = time.perf_counter_ns()
                 if runner is None:
                     with hooks.step(dummy=False):
@@ -368,37 +365,32 @@ def run(
                     # the engine's get_output (each step's descriptor the captured one).
                     runner.execute_model(None)
                     runner.sample_tokens(None).get_output()
-                walls.append(time.perf_counter_ns() - t0)
+                walls.append(time.perf_counter_ns() - t0 - launched[0])
                 engine_work()
             if publish_at == "next-step":
                 publish()
-            samples = hooks.host.take()
+            samples = [] if counted is None else counted.take()
         finally:
             hooks.shutdown()
             for t in opened:
                 t.close()
-    # All in: the step from outside, less the engine's parts (the launch, here the host's
-    # publish; the wait for results), so the hooks' entries count too: a cold call pays
-    # its first misses before its own timer starts. A step's results are in the next
-    # step's sample (hand_out runs after the step's scope closed).
-    # Through the runner, vLLM's own (stubbed) step is subtracted too, as its median.
+    # All in: the step from outside less the launch (here the host's publish of the ids:
+    # the engine's), timed by this loop whatever the hooks count, so the hooks' entries
+    # count too: a cold call pays its first misses before its own timer starts. Through
+    # the runner, vLLM's own (stubbed) step is subtracted too, as its median.
     engine = engine_only or 0.0
-    all_in = sorted(
-        (wall - samples[k]["launch"] - samples[k + 1]["results"] - engine) / 1e3
-        for k, wall in enumerate(walls[: len(samples) - 1])
-    )
+    all_in = sorted((wall - engine) / 1e3 for wall in walls)
     out = {"all in": (statistics.median(all_in), all_in[int(0.99 * (len(all_in) - 1))])}
     if engine_only is not None:
         out["vLLM stubs"] = (engine_only / 1e3, stubs[int(0.99 * (len(stubs) - 1))] / 1e3)
-    if hooks_kind == "flat":
-        return out  # the flat hooks count nothing of their own
-    for kind in ("total", *HOST_KINDS):
-        # Ours only, as the stats line's total: the launch (here the host's publish of the
-        # ids) and the engine's wait for results are the engine's.
-        us = [(sum(s[k] for k in HOST_KINDS) if kind == "total" else s[kind]) / 1e3
-              for s in samples]  # fmt: skip
-        us.sort()
-        out[kind] = (statistics.median(us), us[min(len(us) - 1, int(0.99 * len(us)))])
+    if samples:  # ours by hook, where the hooks count (ours-stats)
+        for kind in ("total", *HOST_KINDS):
+            # Ours only, as the stats line's total: the launch (here the host's publish of
+            # the ids) and the engine's wait for results are the engine's.
+            us = [(sum(s[k] for k in HOST_KINDS) if kind == "total" else s[kind]) / 1e3
+                  for s in samples]  # fmt: skip
+            us.sort()
+            out[kind] = (statistics.median(us), us[min(len(us) - 1, int(0.99 * len(us)))])
     for i, kind in ((1, "native wait"), (2, "native arm")):
         if native:
             us = sorted(n[i] / 1e3 for n in native)
@@ -457,15 +449,17 @@ def main() -> None:
     p.add_argument(
         "--hooks",
         default="ours",
-        help="ours (PleRunnerHooks) and/or flat (FlatHooks: the floor over the same steps), "
+        help="ours (PleRunnerHooks as served by default: no stats line, no host time "
+        "counted), ours-stats (with a stats line: every step's host time counted by hook, "
+        "the by-hook columns) and/or flat (FlatHooks: the floor over the same steps), "
         "comma-separated: each repeat runs each in turn, the order alternating",
     )
     args = p.parse_args()
     if args.tokens < 1 or args.row_bytes < 2 or args.row_bytes % 2:
         p.error("--tokens must be >= 1 and --row-bytes a positive even number")
     hooks_kinds = args.hooks.split(",")
-    if not hooks_kinds or any(h not in ("ours", "flat") for h in hooks_kinds):
-        p.error(f"--hooks takes ours and/or flat, got {args.hooks!r}")
+    if not hooks_kinds or any(h not in ("ours", "ours-stats", "flat") for h in hooks_kinds):
+        p.error(f"--hooks takes ours, ours-stats and/or flat, got {args.hooks!r}")
     if "flat" in hooks_kinds and args.native_split:
         p.error("--native-split times our hooks' native call: not with --hooks flat")
     kinds: tuple[str, ...] = ("all in", "total", "step", "arm", "wait", "check")

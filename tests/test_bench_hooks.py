@@ -25,7 +25,7 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 def test_bench_hooks_times_every_hook_of_each_step() -> None:
     out = _run(
         "--steps", "60", "--repeats", "2", "--tables", "1,2", "--gap-us", "0",
-        "--between", "sleep", "--native-split",
+        "--between", "sleep", "--native-split", "--hooks", "ours-stats",
     ).stdout  # fmt: skip
     header = next(line for line in out.splitlines() if line.startswith("| tables"))
     assert [c.strip() for c in header.strip("|").split("|")] == [
@@ -34,8 +34,8 @@ def test_bench_hooks_times_every_hook_of_each_step() -> None:
     ]  # fmt: skip
     rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [r.split("|")[1:4] for r in rows] == [
-        [" 1 ", " 1 ", " ours "], [" 2 ", " 1 ", " ours "],
-        [" 1 ", " 2 ", " ours "], [" 2 ", " 2 ", " ours "],
+        [" 1 ", " 1 ", " ours-stats "], [" 2 ", " 1 ", " ours-stats "],
+        [" 1 ", " 2 ", " ours-stats "], [" 2 ", " 2 ", " ours-stats "],
     ]  # fmt: skip
     kinds = [c.strip() for c in header.strip("|").split("|")][3:]
     for row in rows:
@@ -50,21 +50,26 @@ def test_bench_hooks_times_every_hook_of_each_step() -> None:
 def test_the_flat_floor_runs_beside_ours_in_alternating_order() -> None:
     out = _run(
         "--steps", "60", "--repeats", "2", "--tables", "2", "--gap-us", "0",
-        "--between", "sleep", "--hooks", "ours,flat",
+        "--between", "sleep", "--hooks", "ours,flat,ours-stats",
     ).stdout  # fmt: skip
     rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
-    assert [c[1:3] for c in cells] == [["1", "ours"], ["1", "flat"], ["2", "flat"], ["2", "ours"]]
+    assert [c[1:3] for c in cells] == [
+        ["1", "ours"], ["1", "flat"], ["1", "ours-stats"],
+        ["2", "ours-stats"], ["2", "flat"], ["2", "ours"],
+    ]  # fmt: skip
     for c in cells:
         assert float(c[3].split(" / ")[0]) > 0  # all in: each step timed whole
-        if c[2] == "flat":
-            assert c[4:] == ["-"] * len(c[4:])  # the flat hooks count nothing of their own
+        if c[2] == "ours-stats":  # counted by hook, as under a stats line
+            assert all(float(x.split(" / ")[0]) >= 0 for x in c[4:]) and c[4] != "-"
+        else:  # served as by default (no host time counted), and the floor
+            assert c[4:] == ["-"] * len(c[4:])
 
 
 def test_bench_hooks_refuses_a_bad_size() -> None:
     got = _run("--tokens", "0", check=False)
     assert got.returncode == 2 and "--tokens must be >= 1" in got.stderr
     got = _run("--hooks", "ours,fast", check=False)
-    assert got.returncode == 2 and "--hooks takes ours and/or flat" in got.stderr
+    assert got.returncode == 2 and "--hooks takes ours, ours-stats and/or flat" in got.stderr
     got = _run("--hooks", "flat", "--native-split", check=False)
     assert got.returncode == 2 and "not with --hooks flat" in got.stderr

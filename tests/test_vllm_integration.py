@@ -35,7 +35,7 @@ import vllm_stand_in as stand_in  # noqa: E402
 from qwen4exp_ngram import NGramHasher, NGramLayout, _is_prime  # noqa: E402
 from safetensors.torch import save_file as save_torch  # noqa: E402
 
-from ple_memops.step_costs import HOST_KINDS  # noqa: E402
+from ple_memops.step_costs import HOST_KINDS, HostTime, NoHostTime  # noqa: E402
 from ple_memops.steps import StepCounters, Steps, StepTable  # noqa: E402
 from ple_memops.vllm import hooks, ops, settings  # noqa: E402
 from ple_memops.vllm.__main__ import main as cli  # noqa: E402
@@ -1018,6 +1018,7 @@ def test_exception_in_eager_step_aborts() -> None:
 def test_a_step_is_one_scope_at_a_time_timed_once_and_its_failures_abort() -> None:
     plan = RecordingPlan(["a"])
     hk = PleRunnerHooks(plan, rows_per_token=2)
+    hk.host = HostTime()  # counted, as under a stats line
     with hk.step(dummy=False):
         with pytest.raises(StateError, match="already open"), hk.step(dummy=True):
             pass
@@ -1069,12 +1070,30 @@ def test_stand_in_eager_on_the_host(stand_in_ckpt: tuple[Path, dict[str, np.ndar
         r.shutdown()
 
 
+def test_host_time_is_counted_only_where_a_stats_line_reads_it() -> None:
+    """No stats line: the hooks count no host time (chosen once, at the start) and still
+    check every step (counted under a stats line: ``test_stats_lines_every_interval``)."""
+    quiet = PleRunnerHooks(RecordingPlan(["a"]), rows_per_token=2)
+    assert isinstance(quiet.host, NoHostTime)
+    for _ in range(3):
+        with quiet.step(dummy=False):
+            pass
+        assert quiet.hand_out(lambda: "tokens") == "tokens"
+    assert quiet.host.take() == [] and quiet.host.summary().endswith("not counted")
+    plan = RecordingPlan(["a"])
+    plan.poisoned = "a fill failed"
+    quiet = PleRunnerHooks(plan, rows_per_token=2)
+    with pytest.raises(PoisonedError):
+        quiet.hand_out(lambda: "tokens")
+
+
 def test_a_steps_output_is_checked_and_the_engines_wait_for_it_timed() -> None:
     """``hand_out`` (async scheduling's ``get_output``): the engine's time in it is
     counted as ``results``, apart from our host time; a step whose rows failed is never
     handed out."""
     plan = RecordingPlan(["a"])
     hk = PleRunnerHooks(plan, rows_per_token=2)
+    hk.host = HostTime()  # counted, as under a stats line
     calls: list[int] = []
 
     def get_output() -> str:

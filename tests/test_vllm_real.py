@@ -521,10 +521,14 @@ def test_the_hooks_bench_runs_through_vllms_runner_classes() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import bench_hooks
 
-    got = bench_hooks.run(1, 40, 0.0, between="sleep", through="runner")
+    got = bench_hooks.run(1, 40, 0.0, between="sleep", through="runner", hooks_kind="ours-stats")
     # Each step went through our overrides: the replay armed the table, the output was
     # checked when handed out (both zero if vLLM's methods ran without ours).
     assert got["arm"][0] > 0 and got["check"][0] > 0 and got["step"][0] > 0
+    # Served as by default (no stats line), nothing is counted by hook; the step is
+    # still timed whole.
+    quiet = bench_hooks.run(1, 40, 0.0, between="sleep", through="runner")
+    assert "arm" not in quiet and quiet["all in"][0] == quiet["all in"][0]
     assert got["vLLM stubs"][0] > 0
     assert got["all in"][0] == got["all in"][0]  # a number, not NaN
     # The flat floor goes through the same runner and manager classes.

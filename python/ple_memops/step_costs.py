@@ -1,7 +1,8 @@
 """What a deferred step costs, measured where the cost arises: how long the GPU's consumer
 waited for its rows (:class:`StallSummary`, from the GPU's own clock; see
 :meth:`~ple_memops.DeferredRows.stall_samples`) and how long the host spent in the
-integration's own code (:class:`HostTime`, per engine step, by hook). Both are immune
+integration's own code (:class:`HostTime`, per engine step, by hook; :class:`NoHostTime`
+where nothing reads it). Both are immune
 to the end-to-end noise of a shared host: a stall is a difference of two GPU timestamps,
 a host time a sum of ``perf_counter_ns`` spans around our code alone. :class:`GraphClock`
 times whole graph launches on the GPU the same way (two events a launch, no kernel): how
@@ -24,6 +25,7 @@ __all__ = [
     "GraphClock",
     "GraphTimes",
     "HostTime",
+    "NoHostTime",
     "StallSummary",
     "percentile",
 ]
@@ -175,6 +177,35 @@ class HostTime:
         ours += [pct(k, [s[k] for s in steps]) for k in HOST_KINDS]
         engine = [pct(_ENGINE_LABELS[k], [s[k] for s in steps]) for k in ENGINE_KINDS]
         return f"host us per engine step over {len(steps)}: {', '.join(ours)}; {', '.join(engine)}"
+
+
+class NoHostTime:
+    """:class:`HostTime`'s calls, counting nothing: the accountant of hooks whose host time
+    nothing reads (no stats line). Chosen once, at the start: counting costs the engine's
+    thread ~10 us a step once the engine's own work has evicted it from the caches (four
+    tables, through vLLM's runner classes on a 2-vCPU VM: ``benchmarks/bench_hooks.py
+    --hooks ours,ours-stats``)."""
+
+    __slots__ = ()
+
+    def add(self, kind: str, ns: int) -> None:
+        return None
+
+    def add_replay(self, wait: int, arm: int, launch: int) -> None:
+        return None
+
+    @contextmanager
+    def span(self, kind: str) -> Iterator[None]:
+        yield
+
+    def end_step(self, kind: str | None = None, ns: int = 0) -> None:
+        return None
+
+    def take(self) -> list[dict[str, int]]:
+        return []
+
+    def summary(self) -> str:
+        return "host us per engine step: not counted"
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ from typing import Any, TypeVar
 
 from .._common import capturing as _capturing
 from ..errors import ClosedError, InvalidArgumentError, StateError
-from ..step_costs import HostTime, StallSummary
+from ..step_costs import HostTime, NoHostTime, StallSummary
 from ..steps import Steps
 from .settings import DEFAULT_TIMEOUT, DEPTH
 
@@ -170,7 +170,9 @@ class PleRunnerHooks:
             rows per layer.
         stats_every: seconds between ``ple-memops stats`` log lines (steps armed,
             replays, eager steps, each layer's fills, mean READY -> FILLED time and share
-            of rows read cold over the interval), checked at each step; ``None``: none.
+            of rows read cold over the interval), checked at each step; ``None``: none,
+            and the host time a step is not counted either (:attr:`host` is a
+            :class:`~ple_memops.step_costs.NoHostTime`).
     """
 
     def __init__(
@@ -200,7 +202,8 @@ class PleRunnerHooks:
         self.sync_replays = 0
         self.recorded_graphs = 0
         self.stats_every = stats_every
-        self.host = HostTime()
+        # Our host time by hook, counted only where a stats line reads it (chosen once).
+        self.host: HostTime | NoHostTime = HostTime() if stats_every is not None else NoHostTime()
         self._stats_at = time.monotonic()
         self._stats_at_ns = time.perf_counter_ns()  # the same instant, for step()'s check
         self._stats_base: tuple[int, int, int, dict[str, Any]] | None = None
