@@ -458,8 +458,9 @@ class RecordingPlan:
         self.counts = {"armed": 0, "eager": 0, "completed": 0}
 
     @property
-    def tables(self) -> dict[str, None]:
-        return dict.fromkeys(self.names)
+    def tables(self) -> dict[str, Any]:
+        # What the stats line reads of a table: its page counters (none here).
+        return {n: SimpleNamespace(table=SimpleNamespace(page_stats=dict)) for n in self.names}
 
     @property
     def in_flight(self) -> int:
@@ -1017,8 +1018,7 @@ def test_exception_in_eager_step_aborts() -> None:
 
 def test_a_step_is_one_scope_at_a_time_timed_once_and_its_failures_abort() -> None:
     plan = RecordingPlan(["a"])
-    hk = PleRunnerHooks(plan, rows_per_token=2)
-    hk.host = HostTime()  # counted, as under a stats line
+    hk = PleRunnerHooks(plan, rows_per_token=2, stats_every=3600.0)  # counted for the line
     with hk.step(dummy=False):
         with pytest.raises(StateError, match="already open"), hk.step(dummy=True):
             pass
@@ -1072,9 +1072,10 @@ def test_stand_in_eager_on_the_host(stand_in_ckpt: tuple[Path, dict[str, np.ndar
 
 def test_host_time_is_counted_only_where_a_stats_line_reads_it() -> None:
     """No stats line: the hooks count no host time (chosen once, at the start) and still
-    check every step (counted under a stats line: ``test_stats_lines_every_interval``)."""
+    check every step; with one, every step is one sample by hook (the line's own test:
+    ``test_stats_lines_every_interval``)."""
     quiet = PleRunnerHooks(RecordingPlan(["a"]), rows_per_token=2)
-    assert isinstance(quiet.host, NoHostTime)
+    assert isinstance(quiet.host, NoHostTime) and type(quiet) is PleRunnerHooks
     for _ in range(3):
         with quiet.step(dummy=False):
             pass
@@ -1085,6 +1086,17 @@ def test_host_time_is_counted_only_where_a_stats_line_reads_it() -> None:
     quiet = PleRunnerHooks(plan, rows_per_token=2)
     with pytest.raises(PoisonedError):
         quiet.hand_out(lambda: "tokens")
+    counted = PleRunnerHooks(RecordingPlan(["a"]), rows_per_token=2, stats_every=3600.0)
+    assert isinstance(counted, PleRunnerHooks) and isinstance(counted.host, HostTime)
+    desc = Desc(FULL, 4)
+    counted._wait_descs.add(desc)  # as a capture of this size would have
+    for _ in range(3):
+        with counted.step(dummy=False):
+            counted.replay(desc, lambda: time.sleep(0.001))
+        counted.hand_out(lambda: "tokens")
+    samples = counted.host.take()  # the third step's results close no sample yet
+    assert len(samples) == 3 and all(s["step"] > 0 and s["arm"] > 0 for s in samples)
+    assert all(s["launch"] >= 1_000_000 for s in samples)
 
 
 def test_a_steps_output_is_checked_and_the_engines_wait_for_it_timed() -> None:
@@ -1092,8 +1104,7 @@ def test_a_steps_output_is_checked_and_the_engines_wait_for_it_timed() -> None:
     counted as ``results``, apart from our host time; a step whose rows failed is never
     handed out."""
     plan = RecordingPlan(["a"])
-    hk = PleRunnerHooks(plan, rows_per_token=2)
-    hk.host = HostTime()  # counted, as under a stats line
+    hk = PleRunnerHooks(plan, rows_per_token=2, stats_every=3600.0)  # counted for the line
     calls: list[int] = []
 
     def get_output() -> str:

@@ -170,10 +170,27 @@ class PleRunnerHooks:
             rows per layer.
         stats_every: seconds between ``ple-memops stats`` log lines (steps armed,
             replays, eager steps, each layer's fills, mean READY -> FILLED time and share
-            of rows read cold over the interval), checked at each step; ``None``: none,
-            and the host time a step is not counted either (:attr:`host` is a
-            :class:`~ple_memops.step_costs.NoHostTime`).
+            of rows read cold over the interval, our host time a step by hook), checked at
+            each step; ``None``: none.
+
+    Counting is a strategy chosen once, here: with ``stats_every`` the object made is a
+    subclass whose step, replay and output check also count their host time by hook
+    (:attr:`host`, a :class:`~ple_memops.step_costs.HostTime`, read by the stats line);
+    without, nothing on the engine's thread reads a clock for us (:attr:`host` is a
+    :class:`~ple_memops.step_costs.NoHostTime`).
     """
+
+    def __new__(
+        cls,
+        steps: Steps,
+        *,
+        rows_per_token: int,
+        sync_graphs: bool = False,
+        stats_every: float | None = None,
+    ) -> PleRunnerHooks:
+        if cls is PleRunnerHooks and stats_every is not None:
+            cls = _CountedHooks
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -202,8 +219,8 @@ class PleRunnerHooks:
         self.sync_replays = 0
         self.recorded_graphs = 0
         self.stats_every = stats_every
-        # Our host time by hook, counted only where a stats line reads it (chosen once).
-        self.host: HostTime | NoHostTime = HostTime() if stats_every is not None else NoHostTime()
+        # Our host time by hook: counted by _CountedHooks, where a stats line reads it.
+        self.host: HostTime | NoHostTime = NoHostTime()
         self._stats_at = time.monotonic()
         self._stats_at_ns = time.perf_counter_ns()  # the same instant, for step()'s check
         self._stats_base: tuple[int, int, int, dict[str, Any]] | None = None
@@ -303,7 +320,7 @@ class PleRunnerHooks:
         consumer (``dummy=False``) or publishes no data (``dummy=True``: profile, warm-up
         and dummy runs). A replay inside it is armed as :meth:`replay` says. Any
         exception aborts every table, so no GPU wait outlives a failed step."""
-        return _StepContext(self, bool(dummy), time.perf_counter_ns())
+        return _StepContext(self, bool(dummy))
 
     @contextlib.contextmanager
     def eager(self, *, dummy: bool) -> Iterator[None]:
@@ -318,7 +335,6 @@ class PleRunnerHooks:
         (so under async scheduling the host never waits for a fill here). A failure to arm
         aborts every table (the steps' policy), and so does an exception in the launch
         (the GPU is released, later calls raise :class:`~ple_memops.PoisonedError`)."""
-        t0 = time.perf_counter_ns()
         if desc is not self._last_wait_desc:
             if desc not in self._wait_descs:
                 return launch()
@@ -331,22 +347,14 @@ class PleRunnerHooks:
             return self._replay_sync(desc, entry, launch)
         # Arm: one native call, no Python frame between (it counts the step; a failure
         # aborts every table in it; closed steps raise ClosedError).
-        wait_ns = self._arm(int(desc.num_tokens) * self.rows_per_token)[1]
-        # The launch, timed; an exception in it aborts every table (as the steps' guard,
-        # without building one).
-        t1 = time.perf_counter_ns()
+        self._arm(int(desc.num_tokens) * self.rows_per_token)
+        # The launch; an exception in it aborts every table (as the steps' guard, without
+        # building one).
         try:
-            out = launch()
+            return launch()
         except BaseException as exc:
             self.steps.abort_on(f"the replay of {desc}", exc)
             raise
-        # Ours from the replay's first line (its checks, the arming call) less the wait
-        # for the oldest step's fill: a cold call pays its first misses before a timer
-        # read further in would start. One accounting call for the three.
-        self.host.add_replay(wait_ns, t1 - t0 - wait_ns, time.perf_counter_ns() - t1)
-        if self.stats_every is not None and not isinstance(self._scope, _Step):
-            self.log_stats()  # a replay outside step(): step() checks its own at its end
-        return out
 
     def log_stats(self, *, force: bool = False) -> str | None:
         """Log (and return) one ``ple-memops stats`` line about the steps since the last
@@ -505,26 +513,15 @@ class PleRunnerHooks:
         """Before the engine hands out a step's output (the GPU finished the step): raise
         the typed error if any step's rows failed, so no token computed from the zeros a
         released consumer read is ever returned."""
-        t0 = time.perf_counter_ns()
-        try:
-            self.steps.raise_if_failed()
-        finally:
-            self.host.add("check", time.perf_counter_ns() - t0)
+        self.steps.raise_if_failed()
 
     def hand_out(self, get_output: Callable[[], T]) -> T:
         """A step's output under async scheduling, as the engine takes it: vLLM's
-        ``get_output()`` (which waits for the step on the GPU), its time on the engine's
-        thread counted as ``results`` (the engine's, not ours: see
-        :data:`~ple_memops.step_costs.ENGINE_KINDS`), then :meth:`raise_if_failed`."""
-        t0 = time.perf_counter_ns()
+        ``get_output()`` (which waits for the step on the GPU), then
+        :meth:`raise_if_failed`. Counted, its time in ``get_output`` is ``results`` (the
+        engine's, not ours: see :data:`~ple_memops.step_costs.ENGINE_KINDS`)."""
         result = get_output()
-        t1 = time.perf_counter_ns()  # the results' end and the check's start: one read
-        host = self.host
-        host.add("results", t1 - t0)
-        try:
-            self.steps.raise_if_failed()
-        finally:
-            host.add("check", time.perf_counter_ns() - t1)
+        self.steps.raise_if_failed()
         return result
 
     def drain_for_shutdown(self) -> None:
@@ -777,25 +774,21 @@ class PleRunnerHooks:
 
 
 class _StepContext:
-    """:meth:`PleRunnerHooks.step`'s context (a class, one add a step: entered on every
+    """:meth:`PleRunnerHooks.step`'s context (a class, one made a step: entered on every
     engine step, where each call costs cache misses after the engine's own work)."""
 
-    __slots__ = ("_dummy", "_hooks", "_ns", "_scope")
+    __slots__ = ("_dummy", "_hooks", "_scope")
 
-    def __init__(self, hooks: PleRunnerHooks, dummy: bool, t0: int) -> None:
-        # t0: read first thing in step(), so the context's making counts too.
-        self._hooks, self._dummy, self._ns = hooks, dummy, t0
+    def __init__(self, hooks: PleRunnerHooks, dummy: bool) -> None:
+        self._hooks, self._dummy = hooks, dummy
 
     def __enter__(self) -> None:
-        t0 = self._ns
         hooks = self._hooks
         if hooks._scope is not None:
             raise StateError(f"ple-memops: a {type(hooks._scope).__name__} scope is already open")
         self._scope = hooks._scope = _Step(self._dummy)
-        self._ns = time.perf_counter_ns() - t0
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
-        t1 = time.perf_counter_ns()
         hooks = self._hooks
         scope = self._scope
         # A replay's step has nothing to end: no frame for it (the common case).
@@ -807,8 +800,36 @@ class _StepContext:
                 raise
         hooks._scope = None
         if exc is not None:
-            self._failed(exc)
+            self._failed(exc)  # the exception propagates
+
+    def _failed(self, exc: BaseException) -> None:
+        """As the steps' guard: no GPU wait outlives a failed step."""
+        hooks = self._hooks
+        hooks._scope = None
+        hooks.steps.abort_on("an engine step", exc)
+
+
+class _CountedStepContext(_StepContext):
+    """:class:`_StepContext` of :class:`_CountedHooks`: its opening and its end counted as
+    ``step``, the stats line checked at its end."""
+
+    __slots__ = ("_ns",)
+
+    def __init__(self, hooks: PleRunnerHooks, dummy: bool, t0: int) -> None:
+        # t0: read first thing in step(), so the context's making counts too.
+        super().__init__(hooks, dummy)
+        self._ns = t0
+
+    def __enter__(self) -> None:
+        super().__enter__()
+        self._ns = time.perf_counter_ns() - self._ns
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        t1 = time.perf_counter_ns()
+        super().__exit__(kind, exc, tb)
+        if exc is not None:
             return  # the exception propagates
+        hooks = self._hooks
         host = hooks.host
         t2 = time.perf_counter_ns()
         # The stats line's interval on the same clock read (perf_counter's ns).
@@ -818,11 +839,78 @@ class _StepContext:
             host.add("stats", time.perf_counter_ns() - t2)
         host.end_step("step", self._ns + t2 - t1)
 
-    def _failed(self, exc: BaseException) -> None:
-        """As the steps' guard: no GPU wait outlives a failed step."""
-        hooks = self._hooks
-        hooks._scope = None
-        hooks.steps.abort_on("an engine step", exc)
+
+class _CountedHooks(PleRunnerHooks):
+    """:class:`PleRunnerHooks` with a stats line: the same steps, each hook's host time on
+    the engine's thread also counted (:attr:`host`), replays outside a step checking the
+    stats line's interval too."""
+
+    def __init__(
+        self,
+        steps: Steps,
+        *,
+        rows_per_token: int,
+        sync_graphs: bool = False,
+        stats_every: float | None = None,
+    ) -> None:
+        super().__init__(
+            steps, rows_per_token=rows_per_token, sync_graphs=sync_graphs, stats_every=stats_every
+        )
+        self.host = HostTime()
+        self._launch_ns = [0, 0]  # a replay's launch: its start and end
+        self._wait_ns: int | None = None  # the arming's wait for the oldest step's fill
+        arm = self._arm
+
+        def arm_noting_its_wait(rows: int) -> Any:
+            got = arm(rows)
+            self._wait_ns = got[1]
+            return got
+
+        self._arm = arm_noting_its_wait
+
+    def step(self, *, dummy: bool) -> _StepContext:
+        return _CountedStepContext(self, bool(dummy), time.perf_counter_ns())
+
+    def replay(self, desc: Any, launch: Callable[[], T]) -> T:
+        t0 = time.perf_counter_ns()
+        self._wait_ns = None
+        times = self._launch_ns
+
+        def timed() -> T:
+            times[0] = time.perf_counter_ns()
+            try:
+                return launch()
+            finally:
+                times[1] = time.perf_counter_ns()
+
+        out = super().replay(desc, timed)
+        wait = self._wait_ns
+        if wait is not None:  # armed and launched: ours from the first line, less the
+            # wait for the oldest step's fill (a cold call pays its first misses before a
+            # timer read further in would start), and the engine's launch apart.
+            self.host.add_replay(wait, times[0] - t0 - wait, times[1] - times[0])
+        if self.stats_every is not None and not isinstance(self._scope, _Step):
+            self.log_stats()  # a replay outside step(): step() checks its own at its end
+        return out
+
+    def raise_if_failed(self) -> None:
+        t0 = time.perf_counter_ns()
+        try:
+            super().raise_if_failed()
+        finally:
+            self.host.add("check", time.perf_counter_ns() - t0)
+
+    def hand_out(self, get_output: Callable[[], T]) -> T:
+        t0 = time.perf_counter_ns()
+        result = get_output()
+        t1 = time.perf_counter_ns()  # the results' end and the check's start: one read
+        host = self.host
+        host.add("results", t1 - t0)
+        try:
+            self.steps.raise_if_failed()
+        finally:
+            host.add("check", time.perf_counter_ns() - t1)
+        return result
 
 
 class _Scoped:
