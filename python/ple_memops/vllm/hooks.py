@@ -810,26 +810,38 @@ class _StepContext:
 
 
 class _CountedStepContext(_StepContext):
-    """:class:`_StepContext` of :class:`_CountedHooks`: its opening and its end counted as
-    ``step``, the stats line checked at its end."""
+    """:class:`_StepContext` of :class:`_CountedHooks`, written out (no frame more than the
+    served one's): its opening and its end counted as ``step``, the stats line checked at
+    its end."""
 
     __slots__ = ("_ns",)
 
     def __init__(self, hooks: PleRunnerHooks, dummy: bool, t0: int) -> None:
         # t0: read first thing in step(), so the context's making counts too.
-        super().__init__(hooks, dummy)
-        self._ns = t0
+        self._hooks, self._dummy, self._ns = hooks, dummy, t0
 
     def __enter__(self) -> None:
-        super().__enter__()
-        self._ns = time.perf_counter_ns() - self._ns
+        t0 = self._ns
+        hooks = self._hooks
+        if hooks._scope is not None:
+            raise StateError(f"ple-memops: a {type(hooks._scope).__name__} scope is already open")
+        self._scope = hooks._scope = _Step(self._dummy)
+        self._ns = time.perf_counter_ns() - t0
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         t1 = time.perf_counter_ns()
-        super().__exit__(kind, exc, tb)
-        if exc is not None:
-            return  # the exception propagates
         hooks = self._hooks
+        scope = self._scope
+        if exc is None and (scope.pending or scope.ready or scope.rows is not None):
+            try:
+                hooks._end_eager(scope)
+            except BaseException as err:
+                self._failed(err)
+                raise
+        hooks._scope = None
+        if exc is not None:
+            self._failed(exc)
+            return  # the exception propagates
         host = hooks.host
         t2 = time.perf_counter_ns()
         # The stats line's interval on the same clock read (perf_counter's ns).
@@ -891,7 +903,7 @@ class _CountedHooks(PleRunnerHooks):
     def raise_if_failed(self) -> None:
         t0 = time.perf_counter_ns()
         try:
-            super().raise_if_failed()
+            self.steps.raise_if_failed()
         finally:
             self.host.add("check", time.perf_counter_ns() - t0)
 
