@@ -5,20 +5,24 @@ steady decode load does, on steps of gather workers that fill host rows: each st
 the step's scope, replays a FULL graph (``replay``: completing the oldest armed step,
 arming every table, the "launch", which here publishes the step's ids from the host as
 the GPU would), hands the output out (``hand_out``, as vLLM's ``get_output`` under
-asynchronous scheduling: the failure check, timed beside the engine's wait), then the host does
-the engine's own work until ``--gap-us`` have passed. That work evicts our code and data
+asynchronous scheduling: the failure check), then the host does the engine's own work
+until ``--gap-us`` have passed. That work evicts our code and data
 from the caches, as vLLM's step does between our hooks: ``--between evict`` (the default)
 reads a buffer larger than the last-level cache (its size from sysfs); ``--between
 sleep`` only sleeps, which leaves our working set cached and measures several times less
 than the engine does (the code of `08132af` on the 2-vCPU VM: 10 us a step asleep, 56
-evicted, where the H200 engine's stats line said 45). The table is the stats line's own
-host time by hook, p50 and p99 over ``--steps`` steps, for 1 and 4 tables, repeated
-``--repeats`` times in turn. ``--tokens`` and ``--row-bytes`` set a step's size (an
+evicted, where the H200 engine's stats line said 45). ``all in`` is each step's wall less
+the launch (timed by this loop), p50 and p99 over ``--steps`` steps, for 1 and 4 tables,
+repeated ``--repeats`` times in turn; ``--hooks`` picks what drives the steps: ``ours``
+(as served by default: no stats line, so no host time counted), ``ours-stats`` (a stats
+line's hooks, which count their host time: that count by hook fills the other columns)
+and ``flat`` (the floor: :class:`FlatHooks`), each repeat running them in turn, the order
+alternating. ``--tokens`` and ``--row-bytes`` set a step's size (an
 engine's c64 step gathers for hundreds of microseconds, while our next calls run);
 ``--publish-at next-step`` hands a step's ids to the worker as the host prepares the next
 step instead of at the launch.
 
-``--through runner`` (vLLM 0.33.0 installed) makes each step vLLM's calls on our model
+``--through runner`` (vLLM 0.33.0 or 0.34.0 installed) makes each step vLLM's calls on our model
 runner and graph manager instead (``execute_model``, ``run_fullgraph``, ``sample_tokens``,
 the output's ``get_output``), vLLM's own step stubbed out below them and its cost, measured
 alone in the same conditions, subtracted (the ``vLLM stubs`` column): ``all in`` is then
