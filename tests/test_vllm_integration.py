@@ -1081,9 +1081,18 @@ def test_host_time_is_counted_only_where_a_stats_line_reads_it() -> None:
             pass
         assert quiet.hand_out(lambda: "tokens") == "tokens"
     assert quiet.host.take() == [] and quiet.host.summary().endswith("not counted")
+    # The runner's output of a step: under async scheduling checked when the engine takes
+    # it, synchronous checked at once.
+    out = SimpleNamespace(get_output=lambda: "tokens")
+    assert quiet.step_output(out) is out and out.get_output() == "tokens"
     plan = RecordingPlan(["a"])
-    plan.poisoned = "a fill failed"
     quiet = PleRunnerHooks(plan, rows_per_token=2)
+    late = quiet.step_output(SimpleNamespace(get_output=lambda: "tokens"))
+    plan.poisoned = "a fill failed"
+    with pytest.raises(PoisonedError):
+        late.get_output()
+    with pytest.raises(PoisonedError):
+        quiet.step_output(SimpleNamespace())
     with pytest.raises(PoisonedError):
         quiet.hand_out(lambda: "tokens")
     counted = PleRunnerHooks(RecordingPlan(["a"]), rows_per_token=2, stats_every=3600.0)
@@ -1097,6 +1106,11 @@ def test_host_time_is_counted_only_where_a_stats_line_reads_it() -> None:
     samples = counted.host.take()  # the third step's results close no sample yet
     assert len(samples) == 3 and all(s["step"] > 0 and s["arm"] > 0 for s in samples)
     assert all(s["launch"] >= 1_000_000 for s in samples)
+    out = counted.step_output(SimpleNamespace(get_output=lambda: "tokens"))
+    assert out.get_output() == "tokens"
+    counted.host.end_step()
+    (check,) = counted.host.take()  # the output's wrapping and its check, counted
+    assert check["check"] > 0 and check["results"] > 0
 
 
 def test_a_steps_output_is_checked_and_the_engines_wait_for_it_timed() -> None:

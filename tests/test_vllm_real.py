@@ -455,11 +455,12 @@ def test_the_runner_times_the_engines_wait_for_a_steps_results(
     table's engine (no rows hooks) too; with rows hooks it is checked before it is handed
     out; with neither the output is vLLM's, untouched."""
     import time
-    from types import SimpleNamespace
+    from types import MethodType, SimpleNamespace
 
     from vllm.v1.worker.gpu import model_runner as vllm_model_runner
 
     from ple_memops.step_costs import GraphClock, HostTime
+    from ple_memops.vllm.hooks import _CountedHooks
     from ple_memops.vllm.runner import GraphTimesLog, PleGPUModelRunner
 
     class Output:  # vLLM's AsyncOutput: the step still runs on the GPU
@@ -487,7 +488,10 @@ def test_the_runner_times_the_engines_wait_for_a_steps_results(
         return out
 
     host = HostTime()
-    runner.ple_rows = SimpleNamespace(hand_out=hand_out, host=host)  # type: ignore[assignment]
+    # A stats line's hooks (which count) with their hand_out recorded.
+    hooks = SimpleNamespace(hand_out=hand_out, host=host)
+    hooks.step_output = MethodType(_CountedHooks.step_output, hooks)
+    runner.ple_rows = hooks  # type: ignore[assignment]
     assert runner.sample_tokens(None).get_output() == "tokens" and handed == ["tokens"]
     host.end_step()
     (ours,) = host.take()  # the runner's wrapping of the output, counted as the check

@@ -515,6 +515,18 @@ class PleRunnerHooks:
         released consumer read is ever returned."""
         self.steps.raise_if_failed()
 
+    def step_output(self, out: Any) -> Any:
+        """The model runner's output of a step (vLLM's ``sample_tokens``), before the engine
+        has it: under async scheduling (an output with ``get_output``) its rows are
+        checked when the engine takes it (:meth:`hand_out`); otherwise the step is done on
+        the GPU and they are checked now (:meth:`raise_if_failed`)."""
+        get_output = getattr(out, "get_output", None)
+        if get_output is None:
+            self.raise_if_failed()
+            return out
+        out.get_output = lambda: self.hand_out(get_output)
+        return out
+
     def hand_out(self, get_output: Callable[[], T]) -> T:
         """A step's output under async scheduling, as the engine takes it: vLLM's
         ``get_output()`` (which waits for the step on the GPU), then
@@ -898,6 +910,16 @@ class _CountedHooks(PleRunnerHooks):
         self.host.add_replay(wait_ns, t1 - t0 - wait_ns, time.perf_counter_ns() - t1)
         if self.stats_every is not None and not isinstance(self._scope, _Step):
             self.log_stats()  # a replay outside step(): step() checks its own at its end
+        return out
+
+    def step_output(self, out: Any) -> Any:
+        t0 = time.perf_counter_ns()  # counted as the output's check
+        get_output = getattr(out, "get_output", None)
+        if get_output is not None:
+            out.get_output = lambda: self.hand_out(get_output)
+        self.host.add("check", time.perf_counter_ns() - t0)
+        if get_output is None:
+            self.raise_if_failed()  # synchronous scheduling: the step is done on the GPU
         return out
 
     def raise_if_failed(self) -> None:

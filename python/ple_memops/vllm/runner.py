@@ -440,18 +440,10 @@ class PleGPUModelRunner(_BaseRunner):
             # for the step's results, beside the graphs' times. The instrument's, not
             # counted as ours.
             out.get_output = clock.clock.results(out.get_output)
-        t0 = time.perf_counter_ns()  # ours from here: counted as the output's check
         hooks = self.ple_rows
         if hooks is None or out is None:
             return out
-        get_output = getattr(out, "get_output", None)
-        if get_output is not None:
-            # Async scheduling: checked when handed out, the engine's wait for it timed.
-            out.get_output = lambda: hooks.hand_out(get_output)
-        hooks.host.add("check", time.perf_counter_ns() - t0)
-        if get_output is None:
-            hooks.raise_if_failed()  # synchronous scheduling: the step is done on the GPU
-        return out
+        return hooks.step_output(out)
 
     def capture_model(self, *args: Any, **kwargs: Any) -> int:
         hooks = self.ple_rows
