@@ -24,8 +24,9 @@ def _tree(tmp: Path) -> Path:
     (tmp / "benchmarks").mkdir()
     shutil.copy(ROOT / "scripts/gpu/disk_offload.sh", tmp / "scripts/gpu/disk_offload.sh")
     (tmp / "scripts/gpu/vllm_bench.sh").write_text(STUB_BENCH)
-    (tmp / "benchmarks/bench_cold.py").write_text(
-        "import os\nopen(os.environ['CALLS'], 'a').write('floor\\n')\n"
+    (tmp / "benchmarks/bench_cold.py").write_text(  # it finds the wheel installed for the run
+        "import os\nassert '/tmp/site' in os.environ['PYTHONPATH'].split(':')\n"
+        "open(os.environ['CALLS'], 'a').write('floor\\n')\n"
     )
     return tmp
 
@@ -76,6 +77,8 @@ def test_the_residency_part_leaves_the_gpu_table_out_when_asked(tmp_path: Path) 
     calls = _run(_tree(tmp_path), "residency", SHARES="1.0 0.0", FLOOR="0", GPU_REF="0")
     assert [c.split()[1] for c in calls] == ["disk_res10", "disk_res00"]
     assert all("--backends disk,mmap --ref disk" in c for c in calls)
+    # The first share's deadline has room for a fresh host's first start.
+    assert [c.split()[2] for c in calls] == ["480", "330"]
 
 
 def test_the_residency_part_holds_the_four_1_gib_tables_when_asked(tmp_path: Path) -> None:

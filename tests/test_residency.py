@@ -99,6 +99,19 @@ def test_the_kept_chunks_are_the_seeds_and_the_shares_ends_hold(table: Path) -> 
     assert nothing["after"] == 0.0 and not _resident_chunks(table)
 
 
+def test_the_kept_share_is_read_in_first(table: Path) -> None:
+    """A run at a share starts with that share resident whatever ran before it: ``fill``
+    reads in every kept chunk, and the tick then drops the rest."""
+    residency.ResidencyHolder([table], 0.0, CHUNK).tick()
+    assert not _resident_chunks(table)
+    holder = residency.ResidencyHolder([table], 0.5, CHUNK, seed=4)
+    assert holder.fill() == len(holder.files[0].keep) * CHUNK
+    assert _resident_chunks(table) >= set(holder.files[0].keep)
+    holder.tick()
+    assert _resident_chunks(table) == set(holder.files[0].keep)
+    assert holder.fill() == 0  # all there: nothing read
+
+
 def test_bad_arguments_are_refused(table: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="share"):
         residency.ResidencyHolder([table], 1.5)
