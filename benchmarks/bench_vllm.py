@@ -903,13 +903,22 @@ def _hold_residency(args: argparse.Namespace, tables: list[Path]) -> subprocess.
     cmd = [sys.executable, str(Path(__file__).with_name("residency.py")), "--share",
            str(args.residency), "--interval", "0.5", "--report-every", "5",
            *map(str, tables)]  # fmt: skip
-    with open(args.log_dir / "residency.log", "wb") as out:
+    path = args.log_dir / "residency.log"
+    with open(path, "wb") as out:
         holder = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    time.sleep(2)
+    # The servers start once the kept share is read in (a 24 GiB table's takes a minute),
+    # so every backend starts at the share.
+    deadline = time.monotonic() + 900
+    while "read in" not in path.read_text() and holder.poll() is None:
+        if time.monotonic() > deadline:
+            holder.kill()
+            raise SystemExit("--residency: the holder did not read the kept share in 900 s")
+        time.sleep(0.5)
+    time.sleep(1)  # its first tick
     if holder.poll() is not None:
         raise SystemExit(
             f"--residency: the holder stopped (exit {holder.returncode}): "
-            + (args.log_dir / "residency.log").read_text()[-500:]
+            + path.read_text()[-500:]
         )
     log(f"table files held at {args.residency:.0%} resident: {page_cache(tables):.2f} GiB now")
     return holder

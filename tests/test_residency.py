@@ -124,18 +124,24 @@ def test_bad_arguments_are_refused(table: Path, capsys: pytest.CaptureFixture[st
 
 def test_the_vllm_bench_holds_its_table_files_for_the_run(table: Path, tmp_path: Path) -> None:
     """``bench_vllm.py --residency S`` runs the holder over the table files for the whole
-    run (its lines in residency.log) and refuses a share outside [0, 1]."""
+    run (its lines in residency.log), returning once the kept share is resident (from a
+    table with nothing cached), and refuses a share outside [0, 1]."""
     import bench_vllm
 
+    evict([table])
     args = bench_vllm.parse_args(["--residency", "0.25", "--log-dir", str(tmp_path / "logs")])
     holder = bench_vllm._hold_residency(args, [table])
     assert holder is not None
     try:
-        assert _resident_chunks(table) and len(_resident_chunks(table)) <= CHUNKS // 4
+        kept = residency.ResidencyHolder([table], 0.25).files[0].keep  # its chunks, its seed
+        assert _resident_chunks(table) == set(kept) and len(kept) == CHUNKS // 4
     finally:
         holder.terminate()
         holder.wait(timeout=10)
-    assert "residency: share 0.25" in (tmp_path / "logs" / "residency.log").read_text()
+    assert (
+        "residency: share 0.25: the kept chunks read in, 16 MiB"
+        in (tmp_path / "logs" / "residency.log").read_text()
+    )
     assert bench_vllm._hold_residency(bench_vllm.parse_args([]), [table]) is None
     with pytest.raises(SystemExit, match="a share from 0 to 1"):
         bench_vllm._hold_residency(bench_vllm.parse_args(["--residency", "1.5"]), [table])
