@@ -822,38 +822,26 @@ class _StepContext:
 
 
 class _CountedStepContext(_StepContext):
-    """:class:`_StepContext` of :class:`_CountedHooks`, written out (no frame more than the
-    served one's): its opening and its end counted as ``step``, the stats line checked at
-    its end."""
+    """:class:`_StepContext` of :class:`_CountedHooks`: its opening and its end counted as
+    ``step``, the stats line checked at its end."""
 
     __slots__ = ("_ns",)
 
     def __init__(self, hooks: PleRunnerHooks, dummy: bool, t0: int) -> None:
         # t0: read first thing in step(), so the context's making counts too.
-        self._hooks, self._dummy, self._ns = hooks, dummy, t0
+        super().__init__(hooks, dummy)
+        self._ns = t0
 
     def __enter__(self) -> None:
-        t0 = self._ns
-        hooks = self._hooks
-        if hooks._scope is not None:
-            raise StateError(f"ple-memops: a {type(hooks._scope).__name__} scope is already open")
-        self._scope = hooks._scope = _Step(self._dummy)
-        self._ns = time.perf_counter_ns() - t0
+        super().__enter__()
+        self._ns = time.perf_counter_ns() - self._ns
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         t1 = time.perf_counter_ns()
-        hooks = self._hooks
-        scope = self._scope
-        if exc is None and (scope.pending or scope.ready or scope.rows is not None):
-            try:
-                hooks._end_eager(scope)
-            except BaseException as err:
-                self._failed(err)
-                raise
-        hooks._scope = None
+        super().__exit__(kind, exc, tb)
         if exc is not None:
-            self._failed(exc)
             return  # the exception propagates
+        hooks = self._hooks
         host = hooks.host
         t2 = time.perf_counter_ns()
         # The stats line's interval on the same clock read (perf_counter's ns).
@@ -881,33 +869,38 @@ class _CountedHooks(PleRunnerHooks):
             steps, rows_per_token=rows_per_token, sync_graphs=sync_graphs, stats_every=stats_every
         )
         self.host = HostTime()
+        self._wait_ns: int | None = None  # the last arming's wait for the oldest fill
+        arm = self._arm
+
+        def arm_noting_its_wait(rows: int) -> Any:
+            got = arm(rows)
+            self._wait_ns = got[1]
+            return got
+
+        self._arm = arm_noting_its_wait
 
     def step(self, *, dummy: bool) -> _StepContext:
         return _CountedStepContext(self, bool(dummy), time.perf_counter_ns())
 
     def replay(self, desc: Any, launch: Callable[[], T]) -> T:
-        # PleRunnerHooks.replay with its host time counted, written out: no closure or
-        # frame more on a counted replay than on a served one.
+        # PleRunnerHooks.replay (its policy stays there), the launch timed apart: ours from
+        # the replay's first line (its checks, the arming call) less the wait for the
+        # oldest step's fill, which the arming reports.
         t0 = time.perf_counter_ns()
-        if desc is not self._last_wait_desc:
-            if desc not in self._wait_descs:
+        self._wait_ns = None
+        launched = [0, 0]
+
+        def timed() -> T:
+            launched[0] = time.perf_counter_ns()
+            try:
                 return launch()
-            self._last_wait_desc = desc
-        entry = self._ids_graphs.get(desc) if self._ids_graphs else None
-        if entry is not None:
-            self._check_usable()
-            return self._replay_sync(desc, entry, launch)
-        wait_ns = self._arm(int(desc.num_tokens) * self.rows_per_token)[1]
-        t1 = time.perf_counter_ns()
-        try:
-            out = launch()
-        except BaseException as exc:
-            self.steps.abort_on(f"the replay of {desc}", exc)
-            raise
-        # Ours from the replay's first line (its checks, the arming call) less the wait
-        # for the oldest step's fill: a cold call pays its first misses before a timer
-        # read further in would start. One accounting call for the three.
-        self.host.add_replay(wait_ns, t1 - t0 - wait_ns, time.perf_counter_ns() - t1)
+            finally:
+                launched[1] = time.perf_counter_ns()
+
+        out = super().replay(desc, timed)
+        wait = self._wait_ns
+        if wait is not None:  # armed and launched (not a replay nothing waits on)
+            self.host.add_replay(wait, launched[0] - t0 - wait, launched[1] - launched[0])
         if self.stats_every is not None and not isinstance(self._scope, _Step):
             self.log_stats()  # a replay outside step(): step() checks its own at its end
         return out
