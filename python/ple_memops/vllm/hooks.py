@@ -180,15 +180,8 @@ class PleRunnerHooks:
     :class:`~ple_memops.step_costs.NoHostTime`).
     """
 
-    def __new__(
-        cls,
-        steps: Steps,
-        *,
-        rows_per_token: int,
-        sync_graphs: bool = False,
-        stats_every: float | None = None,
-    ) -> PleRunnerHooks:
-        if cls is PleRunnerHooks and stats_every is not None:
+    def __new__(cls, steps: Steps, **kwargs: Any) -> PleRunnerHooks:
+        if cls is PleRunnerHooks and kwargs.get("stats_every") is not None:
             cls = _CountedHooks
         return super().__new__(cls)
 
@@ -857,17 +850,8 @@ class _CountedHooks(PleRunnerHooks):
     the engine's thread also counted (:attr:`host`), replays outside a step checking the
     stats line's interval too."""
 
-    def __init__(
-        self,
-        steps: Steps,
-        *,
-        rows_per_token: int,
-        sync_graphs: bool = False,
-        stats_every: float | None = None,
-    ) -> None:
-        super().__init__(
-            steps, rows_per_token=rows_per_token, sync_graphs=sync_graphs, stats_every=stats_every
-        )
+    def __init__(self, steps: Steps, **kwargs: Any) -> None:
+        super().__init__(steps, **kwargs)
         self.host = HostTime()
         self._wait_ns: int | None = None  # the last arming's wait for the oldest fill
         arm = self._arm
