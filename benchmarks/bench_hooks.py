@@ -92,8 +92,6 @@ def build(
         plan = RowsPlan([PlanLayer(*m) for m in made], "deferred", None, None, 5.0)
         return PleRunnerHooks(plan, rows_per_token=1), opened
     steps = Steps([StepTable(*m) for m in made], "deferred", None, None, 2, 5.0)
-    if stats_every is None:
-        return PleRunnerHooks(steps, rows_per_token=1), opened
     return PleRunnerHooks(steps, rows_per_token=1, stats_every=stats_every), opened
 
 
@@ -103,19 +101,6 @@ def publisher(hooks: Any) -> tuple[list[str], Callable[[str, Any], None]]:
     if steps is None:  # a build before the one step object
         return list(hooks.plan.layers), hooks.driver.publish_host
     return steps.names, steps.publish_host
-
-
-class _Uncounted:
-    """The flat hooks' host time: nothing counted (our runner's ``sample_tokens`` adds its
-    check to whatever hooks it serves)."""
-
-    __slots__ = ()
-
-    def add(self, kind: str, ns: int) -> None:
-        return None
-
-    def take(self) -> list[dict[str, int]]:
-        return []
 
 
 class _FlatStep:
@@ -142,7 +127,6 @@ class FlatHooks:
         self.steps, self.rows_per_token, self._desc = steps, rows_per_token, desc
         self._arm = steps.arm
         self._scope = _FlatStep()
-        self.host = _Uncounted()
 
     def step(self, *, dummy: bool) -> _FlatStep:
         return self._scope
