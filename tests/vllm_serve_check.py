@@ -1,11 +1,12 @@
 """``vllm serve`` with ``PLE_MEMOPS_TABLE_BACKEND=mmap`` on a GPU host, asked over HTTP on
-localhost (``python3 tests/vllm_serve_check.py [qwen4exp|gemma4] [mmap|default] [sizes]``;
+localhost (``python3 tests/vllm_serve_check.py [qwen4exp|gemma4] [mmap|default] [sizes] [CONFIG]``;
 ``scripts/gpu/vllm_engine.sh`` and ``scripts/gpu/vllm_gemma4.sh`` run it). ``default``
 serves the same checkpoint with the plugin off (stock vLLM with FULL decode graphs, as the
 mmap engine has them), to tell the plugin's failures from vLLM's own on a host; the
 engine's sizes are the in-process engine tests' (``tests/vllm_harness.py``), or with ``sizes``
 ``serve`` the ones ``vllm serve`` picks itself (the model's context length and, on a card of
-70 GiB or more, 8,192 tokens a step).
+70 GiB or more, 8,192 tokens a step). ``CONFIG``, a JSON object, overrides keys of the tiny
+Qwen4Exp's config (``tests/vllm_harness.py``), e.g. ``'{"linear_key_head_dim": 64}'``.
 
 Writes the tiny Qwen4Exp (or Gemma 4) checkpoint, starts the server (its engine core is a separate
 process, which loads ple-memops's plugin by itself), waits for it to be healthy, sends
@@ -50,15 +51,24 @@ def _get(url: str, timeout: float = 5) -> int:
         return int(r.status)
 
 
-def main(model: str = "qwen4exp", backend: str = "mmap", sizes: str = "tests") -> int:
+def main(
+    model: str = "qwen4exp", backend: str = "mmap", sizes: str = "tests", config: str = "{}"
+) -> int:
     import vllm_checkpoints as ckpts
+
+    overrides = json.loads(config)
+    if not isinstance(overrides, dict) or (overrides and model != "qwen4exp"):
+        print(f"CONFIG must be a JSON object, for qwen4exp only (got {config!r})")
+        return 2
 
     work = Path(tempfile.mkdtemp(prefix="ple-serve-"))
     if model == "gemma4":
         ckpt = ckpts.write_gemma4_checkpoint(work / "ckpt")
         extra, skipped = "{}", "Skipped 1/2 safetensors shard(s)"
     elif model == "qwen4exp":
-        ckpt = ckpts.write_checkpoint(work / "ckpt", fp8=False, max_position_embeddings=8192)
+        ckpt = ckpts.write_checkpoint(
+            work / "ckpt", fp8=False, **({"max_position_embeddings": 8192} | overrides)
+        )
         extra, skipped = '{"gdn_prefill_backend": "triton"}', "Skipped 2/3 safetensors shard(s)"
     else:
         print(f"unknown model {model!r} (qwen4exp or gemma4)")
@@ -158,4 +168,4 @@ def main(model: str = "qwen4exp", backend: str = "mmap", sizes: str = "tests") -
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:4]))
+    sys.exit(main(*sys.argv[1:5]))
