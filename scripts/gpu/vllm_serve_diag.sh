@@ -11,8 +11,11 @@
 #      tests always build a stock engine first), at the serve check's sizes;
 #   4. mmap with the plugin's device side out of the way (PLE_MEMOPS_FORCE_SYNC=1: each
 #      step's rows copied in plainly, no flag wait, no polling kernel);
-#   5. the same as 1 with CUDA_LAUNCH_BLOCKING=1 (the traceback names the launch that faults);
-#   6. with SANITIZER=1 and compute-sanitizer on the host, step 1 under its memcheck.
+#   5. mmap with the GDN layers' key and value head dims 64 instead of 16 (vLLM picks its
+#      Triton prefill kernels by them);
+#   6. the same as 1 with CUDA_LAUNCH_BLOCKING=1 (the traceback names the launch that faults;
+#      on a fresh H100 host it gave no verdict within the check's 300 s health deadline);
+#   7. with SANITIZER=1 and compute-sanitizer on the host, step 1 under its memcheck.
 # Run from the repository root after the release's setup.sh (vLLM in $VLLM_SITE, default
 # /tmp/vllm-site) with our wheel in /tmp/site; 3-12 minutes on a fresh host (the first
 # server compiles vLLM's Triton kernels), alone on the GPU (scripts/gpu/gpu_lock.sh).
@@ -24,12 +27,13 @@ export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export PYTHONPATH=${VLLM_SITE:-/tmp/vllm-site}:/tmp/site:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
 R=$PWD
 SIZES=tests
+CONFIG='{}'  # the tiny model's config overrides (tests/vllm_serve_check.py's CONFIG)
 serve() {  # NAME BACKEND [env...]
     local name=$1 backend=$2
     shift 2
     echo "== $name ($SIZES sizes) $(date +%T)"
     env "$@" timeout 360 python3 "$R/tests/vllm_serve_check.py" qwen4exp "$backend" "$SIZES" \
-        >"$OUT/$name.log" 2>&1
+        "$CONFIG" >"$OUT/$name.log" 2>&1
     echo "   exit $?; $(grep -E "requests served over HTTP|^PASS|^FAIL" "$OUT/$name.log" \
         | tr '\n' ' ')"
     grep -m3 -E "illegal memory access|Error:" "$OUT/$name.log" | cut -c1-240 | sed 's/^/   /'
@@ -63,6 +67,7 @@ EOF
 echo "   exit $?; $(grep -E "^PASS|^generated" "$OUT/fresh.log" | tr '\n' ' ')"
 grep -m3 -E "illegal memory access|Error:" "$OUT/fresh.log" | cut -c1-240 | sed 's/^/   /'
 serve mmap-forcesync mmap PLE_MEMOPS_FORCE_SYNC=1
+CONFIG='{"linear_key_head_dim": 64, "linear_value_head_dim": 64}' serve mmap-k64 mmap
 serve mmap-blocking mmap CUDA_LAUNCH_BLOCKING=1
 grep -B2 -A14 -m1 "Traceback" "$OUT/mmap-blocking.log" | grep -E 'File "|Error' | tail -14 \
     | cut -c1-200 | sed 's/^/   /'
