@@ -78,7 +78,7 @@ def test_the_residency_part_leaves_the_gpu_table_out_when_asked(tmp_path: Path) 
     assert [c.split()[1] for c in calls] == ["disk_res10", "disk_res00"]
     assert all("--backends disk,mmap --ref disk" in c for c in calls)
     # The first share's deadline has room for a fresh host's first start.
-    assert [c.split()[2] for c in calls] == ["480", "330"]
+    assert [c.split()[2] for c in calls] == ["540", "330"]
 
 
 def test_the_residency_part_holds_the_four_1_gib_tables_when_asked(tmp_path: Path) -> None:
