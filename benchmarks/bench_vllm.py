@@ -666,8 +666,8 @@ def _solo(
             continue
         start_s = time.monotonic() - t0
         if k == 0:
-            # The first start on a host compiles vLLM's kernels (206 s on a fresh H100 host
-            # where the next ones took 46-59 s): later starts are guessed at most the guess.
+            # The first start on a host also compiles vLLM's kernels (206 s on a fresh H100
+            # host, the next starts 46-59 s): later ones are estimated at most the guess.
             start_s = min(start_s, SOLO_START_GUESS_S)
         srv.facts = log_facts(srv.log_path)
         still = todo * stop_s + (todo - 1) * start_s

@@ -56,7 +56,10 @@ def main(
 ) -> int:
     import vllm_checkpoints as ckpts
 
-    overrides = json.loads(config)
+    try:
+        overrides = json.loads(config)
+    except json.JSONDecodeError:
+        overrides = None
     if not isinstance(overrides, dict) or (overrides and model != "qwen4exp"):
         print(f"CONFIG must be a JSON object, for qwen4exp only (got {config!r})")
         return 2
