@@ -1,7 +1,8 @@
 """scripts/gpu/detached.sh on this machine: a command started detached outlives the
 process group that started it (what a device call's end kills), runs in a copy of the
-repository (the next call rewrites the working tree), and `collect` hands back its
-outputs, its log and its exit status, or says it is still running."""
+repository (the next call rewrites the working tree; carried dot-folders come along, the
+bundle, .git and dist/ do not), and `collect` hands back its outputs, its log and its exit
+status, or says it is still running."""
 
 from __future__ import annotations
 
@@ -95,3 +96,15 @@ def test_refusals(tmp_path: Path) -> None:
     assert again.returncode == 2 and "already running" in again.stderr
     assert _run(tmp_path, "status", "busy").returncode == 3
     assert _run(tmp_path, "collect", "busy", "20").returncode == 0
+
+
+def test_the_copy_keeps_carried_dot_folders_and_leaves_the_bulk_out(tmp_path: Path) -> None:
+    repo, out = _repo(tmp_path), tmp_path / "out"
+    for folder in (".gemma3n-wheels", ".vllm-bundle", ".git", "dist"):
+        (repo / folder).mkdir()
+        (repo / folder / "f").write_text(folder)
+    listing = 'ls -A > "$OUT/listing.txt"'
+    assert _run(tmp_path, "start", "copy", "bash", "-c", listing).returncode == 0
+    assert _run(tmp_path, "collect", "copy", "30").returncode == 0
+    copied = set((out / "listing.txt").read_text().split())
+    assert copied == {".gemma3n-wheels", "marker.txt", "scripts"}, copied

@@ -50,12 +50,16 @@ case "$cmd" in
             exit 2
         fi
         rm -rf "$dir" && mkdir -p "$dir/out" "$dir/src" || exit 2
-        # It runs in a copy of the repository (the dot-folders and dist/ left out): the
-        # next call copies the working tree here again, under a script bash still reads.
-        shopt -s nullglob
+        # It runs in a copy of the repository (.git, .vllm-bundle and dist/ left out: the
+        # scripts read vLLM and the wheel from /tmp): the next call copies the working tree
+        # here again, under a script bash still reads. Other carried dot-folders (e.g.
+        # .gemma3n-wheels) come along.
+        shopt -s nullglob dotglob
         for f in *; do
-            [ "$f" = dist ] || cp -r "$f" "$dir/src/" || exit 2
+            case "$f" in .git | .vllm-bundle | dist) continue ;; esac
+            cp -r "$f" "$dir/src/" || exit 2
         done
+        shopt -u dotglob
         # The status file is written by the new session itself, so it is there however
         # the command ends; the command's own $OUT is the folder that survives the call.
         # The session's shell writes its own pid (setsid may fork, so $! would not be it).
