@@ -1035,6 +1035,45 @@ def test_a_step_is_one_scope_at_a_time_timed_once_and_its_failures_abort() -> No
         plan.arm(2)
 
 
+def test_a_served_step_reuses_its_scope_until_an_eager_forward_or_a_failure_used_it() -> None:
+    plan = RecordingPlan(["a"])
+    hk = PleRunnerHooks(plan, rows_per_token=2)  # served: no stats line
+    # One context a kind of step, made once; a replay's step leaves its scope as found.
+    assert hk.step(dummy=False) is hk.step(dummy=False)
+    assert hk.step(dummy=True) is not hk.step(dummy=False)
+    with hk.step(dummy=False):
+        first = hk._scope
+    with hk.step(dummy=False):
+        assert hk._scope is first
+        # Opening the same kind again inside is refused and changes nothing.
+        for dummy in (False, True):
+            with pytest.raises(StateError, match="already open"), hk.step(dummy=dummy):
+                pass
+        assert hk._scope is first
+    assert hk._scope is None
+
+    # An eager forward used the scope: the next step has a fresh one.
+    ids = torch.zeros((1, 2), dtype=torch.int64)
+    with hk.step(dummy=False):
+        out = hk.output("a", 1)
+        hk.stage("a", ids, out)
+        hk.join("a", out)
+        used = hk._scope
+        assert used is first and used.rows == 2 and used.staged == {"a"}
+    with hk.step(dummy=False):
+        fresh = hk._scope
+        assert fresh is not used and fresh.rows is None and not fresh.staged and not fresh.forks
+    assert plan.poisoned is None
+
+    # So does a failure (here a layer staged and never joined, which aborts).
+    with pytest.raises(StateError, match="never joined"), hk.step(dummy=False):
+        hk.stage("a", ids, hk.output("a", 1))
+    with pytest.raises(PoisonedError), hk.step(dummy=False):
+        assert hk._scope is not fresh and hk._scope.rows is None and not hk._scope.forks
+        plan.arm(2)
+    assert hk._scope is None
+
+
 def test_deferrable() -> None:
     assert deferrable(Desc(FULL, 8)) is None
     assert deferrable(Desc(FULL, 8, None)) is None

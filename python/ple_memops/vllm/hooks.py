@@ -201,6 +201,7 @@ class PleRunnerHooks:
         self._arm = steps.arm  # a replay's arming: the native call itself
         self.rows_per_token = int(rows_per_token)
         self._scope: _Capture | _SyncCapture | _NoDefer | _Step | None = None
+        self._step_contexts = (_StepContext(self, False), _StepContext(self, True))
         self._wait_descs: set[Any] = set()
         # The last replayed descriptor found in _wait_descs, held so that `is` is exact:
         # vLLM replays the captured descriptor objects themselves, so a run of one batch
@@ -313,7 +314,8 @@ class PleRunnerHooks:
         consumer (``dummy=False``) or publishes no data (``dummy=True``: profile, warm-up
         and dummy runs). A replay inside it is armed as :meth:`replay` says. Any
         exception aborts every table, so no GPU wait outlives a failed step."""
-        return _StepContext(self, bool(dummy))
+        # One context per kind of step, made once: a step allocates nothing.
+        return self._step_contexts[1 if dummy else 0]
 
     @contextlib.contextmanager
     def eager(self, *, dummy: bool) -> Iterator[None]:
@@ -526,7 +528,8 @@ class PleRunnerHooks:
         :meth:`raise_if_failed`. Counted, its time in ``get_output`` is ``results`` (the
         engine's, not ours: see :data:`~ple_memops.step_costs.ENGINE_KINDS`)."""
         result = get_output()
-        self.steps.raise_if_failed()
+        if self.steps.poison_cause is not None:  # one native read while nothing failed
+            self.steps.raise_if_failed()
         return result
 
     def drain_for_shutdown(self) -> None:
@@ -779,25 +782,30 @@ class PleRunnerHooks:
 
 
 class _StepContext:
-    """:meth:`PleRunnerHooks.step`'s context (a class, one made a step: entered on every
-    engine step, where each call costs cache misses after the engine's own work)."""
+    """:meth:`PleRunnerHooks.step`'s context, entered on every engine step, where each call
+    and allocation costs cache misses after the engine's own work: the served hooks make
+    one a kind of step, and its :class:`_Step` serves every step until an eager forward
+    or a failure used it (a fresh one replaces it then)."""
 
     __slots__ = ("_dummy", "_hooks", "_scope")
 
     def __init__(self, hooks: PleRunnerHooks, dummy: bool) -> None:
         self._hooks, self._dummy = hooks, dummy
+        self._scope = _Step(dummy)
 
     def __enter__(self) -> None:
         hooks = self._hooks
         if hooks._scope is not None:
             raise StateError(f"ple-memops: a {type(hooks._scope).__name__} scope is already open")
-        self._scope = hooks._scope = _Step(self._dummy)
+        hooks._scope = self._scope
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         hooks = self._hooks
         scope = self._scope
-        # A replay's step has nothing to end: no frame for it (the common case).
+        # A replay's step has nothing to end and leaves its scope as it found it: no frame
+        # and no allocation for it (the common case).
         if exc is None and (scope.pending or scope.ready or scope.rows is not None):
+            self._scope = _Step(self._dummy)
             try:
                 hooks._end_eager(scope)
             except BaseException as err:
@@ -811,6 +819,7 @@ class _StepContext:
         """As the steps' guard: no GPU wait outlives a failed step."""
         hooks = self._hooks
         hooks._scope = None
+        self._scope = _Step(self._dummy)
         hooks.steps.abort_on("an engine step", exc)
 
 
