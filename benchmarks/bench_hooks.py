@@ -30,12 +30,15 @@ everything the plugin adds to a step on the engine's thread, our subclasses' ove
 included.
 
 The cost this measures is Python's (call layers, context managers, locks) and the native
-calls', on this CPU, mostly in cache misses once evicted. It prints the table; it asserts
-nothing.
+calls', on this CPU, mostly in cache misses once evicted. ``--python-only`` times the
+hooks' own Python alone instead: the step's scope, the replay and the output check over a
+stub of the steps (no native call, no worker, no engine work between: caches warm),
+best of 5 x 20,000 steps, the only measure here steady enough to resolve a fraction of a
+microsecond on a shared VM. It prints the table; it asserts nothing.
 
     python3 benchmarks/bench_hooks.py [--steps 3000] [--repeats 3] [--tokens 64 \
         --row-bytes 15360] [--publish-at next-step] [--between sleep] [--evict-mib 96] \
-        [--native-split] [--through runner]
+        [--native-split] [--through runner] [--python-only]
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import argparse
 import statistics
 import tempfile
 import time
+import timeit
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,6 +161,44 @@ class FlatHooks:
 
     def shutdown(self) -> None:
         self.steps.shutdown()
+
+
+class _StubSteps:
+    """Stands for :class:`~ple_memops.steps.Steps` where the hooks' own Python is timed
+    alone (``--python-only``): arming and the failure read do nothing."""
+
+    poison_cause = None
+    names: tuple[str, ...] = ()
+
+    def arm(self, rows: int) -> tuple[int, int, int]:
+        return (rows, 0, 0)
+
+    def raise_if_failed(self) -> None:
+        pass
+
+
+def python_only(hooks_kind: str, number: int = 20_000) -> float:
+    """us a step of the hooks' own Python (scope, replay, output check), best of 5 runs of
+    ``number`` steps over :class:`_StubSteps`: ``ours`` as served (no stats line) or
+    ``flat``."""
+    desc = Descriptor("FULL", 8, 8, 1)
+    steps: Any = _StubSteps()
+    hooks: Any
+    if hooks_kind == "flat":
+        hooks = FlatHooks(steps, 1, desc)
+    else:
+        hooks = PleRunnerHooks(steps, rows_per_token=1)
+        hooks._wait_descs.add(desc)
+
+    def launch() -> None:
+        pass
+
+    def one() -> None:
+        with hooks.step(dummy=False):
+            hooks.replay(desc, launch)
+        hooks.hand_out(launch)
+
+    return min(timeit.repeat(one, number=number, repeat=5)) / number * 1e6
 
 
 def llc_bytes() -> int:
@@ -423,6 +465,11 @@ def main() -> None:
         help="drive the hooks as the runner calls them, or through our vLLM runner and graph "
         "manager (vLLM 0.33.0 installed; vLLM's own step stubbed out, its cost subtracted)",
     )
+    p.add_argument(
+        "--python-only",
+        action="store_true",
+        help="time the hooks' own Python alone (a stub of the steps, caches warm) instead",
+    )
     p.add_argument("--tables", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     p.add_argument("--tokens", type=int, default=8, help="rows a step (one a token)")
     p.add_argument(
@@ -455,6 +502,16 @@ def main() -> None:
         p.error(f"--hooks takes ours, ours-stats and/or flat, got {args.hooks!r}")
     if "flat" in hooks_kinds and args.native_split:
         p.error("--native-split times our hooks' native call: not with --hooks flat")
+    if args.python_only and "ours-stats" in hooks_kinds:
+        p.error("--python-only times ours and/or flat (a stats line reads the real steps)")
+    if args.python_only:
+        print("our hooks' own Python, us a step (best of 5 x 20,000; a stub of the steps)\n")
+        print("| repeat | hooks | us a step |")
+        print("|---|---|---|")
+        for r in range(args.repeats):
+            for hk in hooks_kinds if r % 2 == 0 else hooks_kinds[::-1]:
+                print(f"| {r + 1} | {hk} | {python_only(hk):.3f} |", flush=True)
+        return
     kinds: tuple[str, ...] = ("all in", "total", "step", "arm", "wait", "check")
     if args.native_split:
         kinds += ("native wait", "native arm")

@@ -66,6 +66,16 @@ def test_the_flat_floor_runs_beside_ours_in_alternating_order() -> None:
             assert c[4:] == ["-"] * len(c[4:])
 
 
+def test_the_hooks_own_python_alone_beside_the_floor() -> None:
+    out = _run("--python-only", "--repeats", "2", "--hooks", "ours,flat").stdout
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
+    assert [c[:2] for c in cells] == [["1", "ours"], ["1", "flat"], ["2", "flat"], ["2", "ours"]]
+    assert all(0 < float(c[2]) < 1000 for c in cells)  # us a step
+    got = _run("--python-only", "--hooks", "ours-stats", check=False)
+    assert got.returncode == 2 and "--python-only times ours and/or flat" in got.stderr
+
+
 def test_bench_hooks_refuses_a_bad_size() -> None:
     got = _run("--tokens", "0", check=False)
     assert got.returncode == 2 and "--tokens must be >= 1" in got.stderr
