@@ -168,7 +168,6 @@ class _StubSteps:
     alone (``--python-only``): arming and the failure read do nothing."""
 
     poison_cause = None
-    names: tuple[str, ...] = ()
 
     def arm(self, rows: int) -> tuple[int, int, int]:
         return (rows, 0, 0)
