@@ -84,6 +84,10 @@ def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _gib(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} GiB"
+
+
 def residency_io_table(docs: list[dict[str, Any]]) -> str:
     """A row per backend, load and share: tok/s, ITL p50, the engine's wait a step (p50 us;
     ``disk``: its staging call / the reads in it; ``mmap``: its wait for a step's results)
@@ -130,11 +134,18 @@ def servers_rows(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         bases = {base_backend(n) for n in names}
         if not (before and after and names and len(bases) == 1):
             continue
+        servers = doc["servers"].values()
+        table = [s["page_cache_gib"] for s in servers if s.get("page_cache_gib") is not None]
+        pinned = [s["rss_gib"]["shmem"] for s in servers if s.get("rss_gib")]
         rows.append({
             "backend": bases.pop(), "servers": len(names),
             "used_gib": after["used"] - before["used"],
             "page_cache_gib": after["cached"] - before["cached"],
             "shmem_gib": after["shmem"] - before["shmem"],
+            # the table files' resident pages (one set, whoever maps them) and every
+            # server's pinned memory (UVA: its copy of the tables; mmap: staging)
+            "table_cache_gib": max(table) if table else None,
+            "pinned_gib": sum(pinned) if len(pinned) == len(names) else None,
         })  # fmt: skip
     return sorted(rows, key=lambda r: (r["backend"], r["servers"]))
 
@@ -146,8 +157,9 @@ def servers_table(docs: list[dict[str, Any]]) -> str:
     one = {r["backend"]: r for r in rows if r["servers"] == 1}
     lines = [
         "| backend | servers | host memory in use, added | page cache, added | shared memory, "
-        "added | memory added against one server |",
-        "|---|---|---|---|---|---|",
+        "added | memory added against one server | table files in the page cache | pinned, "
+        "all servers | the table's host memory, in copies |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         base = one.get(r["backend"])
@@ -157,9 +169,13 @@ def servers_table(docs: list[dict[str, Any]]) -> str:
             if base and base["used_gib"] + base["page_cache_gib"] > 0
             else "-"
         )
+        cache, pinned = r["table_cache_gib"], r["pinned_gib"]
+        # Warm runs: the files' resident pages are one whole copy of the tables.
+        copies = f"{(cache + pinned) / cache:.2f}" if cache and pinned is not None else "-"
         lines.append(
             f"| {r['backend']} | {r['servers']} | {r['used_gib']:+.2f} GiB | "
-            f"{r['page_cache_gib']:+.2f} GiB | {r['shmem_gib']:+.2f} GiB | {ratio} |"
+            f"{r['page_cache_gib']:+.2f} GiB | {r['shmem_gib']:+.2f} GiB | {ratio} | "
+            f"{_gib(cache)} | {_gib(pinned)} | {copies} |"
         )
     return "\n".join(lines)
 

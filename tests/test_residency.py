@@ -191,10 +191,21 @@ def test_the_disk_offload_report_draws_the_residency_curve_and_the_servers_memor
     assert "| disk | c64 | 10% | 300 | 3.33 | 5,000 (reads 4,000) | 150.0 | 2,400 | 64 |" in io
     assert "| mmap | c64 | 10% | 800 | 1.25 | 700 | 150.0 | 2,400 | 64 |" in io
     assert "| mmap | c64 | 100% | 1,000 | 1.00 | 700 | - | - | - |" in io
+    # each server's view: the table files' resident pages and its pinned memory
+    for name in docs[3]["servers"]:
+        docs[3]["servers"][name] = {"page_cache_gib": 4.0, "rss_gib": {"shmem": 0.05}}
+    for name in docs[5]["servers"]:
+        docs[5]["servers"][name] = {"page_cache_gib": 4.0, "rss_gib": {"shmem": 8.0}}
     servers = rep.servers_table(docs)
-    assert "| mmap | 1 | +0.50 GiB | +4.00 GiB | +0.00 GiB | 1.00x |" in servers
-    assert "| mmap | 4 | +2.00 GiB | +4.00 GiB | +0.00 GiB | 1.33x |" in servers
-    assert "| uva | 2 | +9.00 GiB | +0.00 GiB | +0.00 GiB | 2.00x |" in servers
+    assert "| mmap | 1 | +0.50 GiB | +4.00 GiB | +0.00 GiB | 1.00x | - | - | - |" in servers
+    assert (
+        "| mmap | 4 | +2.00 GiB | +4.00 GiB | +0.00 GiB | 1.33x | 4.00 GiB | 0.20 GiB | 1.05 |"
+        in servers
+    )
+    assert (
+        "| uva | 2 | +9.00 GiB | +0.00 GiB | +0.00 GiB | 2.00x | 4.00 GiB | 16.00 GiB | 5.00 |"
+        in servers
+    )
 
     paths = []
     for i, doc in enumerate(docs):
