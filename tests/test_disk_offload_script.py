@@ -97,3 +97,12 @@ def test_an_unknown_part_is_refused(tmp_path: Path) -> None:
                        env=dict(os.environ, PART="nope", OUT=str(tmp_path / "o")),
                        capture_output=True, text=True, timeout=60)  # fmt: skip
     assert r.returncode == 2 and "unknown PART=nope" in r.stdout + r.stderr
+
+
+def test_the_residency_part_takes_its_servers_as_given(tmp_path: Path) -> None:
+    """``RES_BACKENDS`` names the servers at every share (an A/A pair of mmap servers here),
+    the GPU table added at 1.0 unless ``GPU_REF=0``, the first server the reference."""
+    calls = _run(_tree(tmp_path), "residency", SHARES="1.0 0.1", FLOOR="0",
+                 RES_BACKENDS="disk,mmap,mmap.2")  # fmt: skip
+    assert "--backends gpu-plugin,disk,mmap,mmap.2 --ref gpu-plugin" in calls[0]
+    assert "--backends disk,mmap,mmap.2 --ref disk" in calls[1]

@@ -15,7 +15,9 @@
 #                   the storage floor on the same disk (benchmarks/bench_cold.py host --quick;
 #                   FLOOR=first: before the shares, FLOOR=0: none; GPU_REF=0: no GPU-table
 #                   server at 1.0, mmap's own 1.0 being the warm figure; TABLES=4x1: the
-#                   four 1 GiB tables instead, tagged disk_res4x1_*)
+#                   four 1 GiB tables instead, tagged disk_res4x1_*; RES_BACKENDS: the
+#                   servers at every share, default disk,mmap, e.g. disk,mmap,mmap.2 for
+#                   an A/A pair of mmap servers)
 #   PART=servers    host memory as servers of one checkpoint are added: 1, 2 and 4 mmap
 #                   servers, then 1, 2 and 4 uva servers, c1 once each; the four 1 GiB
 #                   tables on an 8-layer, 16-expert model with 1 GiB KV caches, so four
@@ -75,8 +77,8 @@ residency)
     # on H100 hosts, the next starts 46-59 s): 210 s more for it.
     extra=210
     for share in ${SHARES:-1.0 0.5 0.1 0.0}; do
-        backends=disk,mmap
-        if [ "$share" = 1.0 ] && [ "${GPU_REF:-1}" != 0 ]; then backends=gpu-plugin,disk,mmap; fi
+        backends=${RES_BACKENDS:-disk,mmap}
+        if [ "$share" = 1.0 ] && [ "${GPU_REF:-1}" != 0 ]; then backends=gpu-plugin,$backends; fi
         bench "disk_res${TAG_TABLES}${share/./}" "$((${DEADLINE:-330} + extra))" "${COMMON[*]} ${RES_MODEL[*]} --dtype bf16 \
             --concurrency ${CONC:-1,8,64} --mixed-long 0 --residency $share --backends $backends \
             --ref ${backends%%,*}"
