@@ -521,6 +521,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs each engine spans (2 on a two-GPU host); every "
                         "server, or vllm bench command, uses all of them")  # fmt: skip
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine ranks each server runs, one a GPU (2 on a two-GPU host: "
+                        "its host memory against the same server with one rank)")  # fmt: skip
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--capture-sizes", type=ints, default=[1, 2, 4, 8, 16, 24, 32, 48, 64])
     p.add_argument("--kv-cache-gib", type=float, default=12.0)
@@ -822,6 +825,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_topology": cpu_topology(),
         "gpu": gpu_name(),
         "vllm": vllm_version(),
+        "data_parallel_size": args.data_parallel_size,
     }
     log(meta["model"])
     plugin_dir = write_plugin(Path(tempfile.mkdtemp(prefix="ple-bench-plugin-")))

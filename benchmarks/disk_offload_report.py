@@ -9,8 +9,9 @@
   staging call, its reads in it; ``mmap``: the wait for a step's results) and what the
   storage under the table files read during the load (MiB/s, reads/s, KiB a read);
 * several servers of one checkpoint: each run whose servers are one backend and its
-  replicas (``mmap``, ``mmap.2``, ...) gives the host memory in use before the servers and
-  with all of them healthy, and the page cache, per backend and server count.
+  replicas (``mmap``, ``mmap.2``, ...), or one server of several data-parallel ranks,
+  gives the host memory in use before the servers and with all of them healthy, and the
+  page cache, per backend and server count.
 
     python3 benchmarks/disk_offload_report.py OUT/bench_vllm_disk_res*.json \\
         OUT/bench_vllm_servers_*.json -o benchmarks/vllm_residency.png
@@ -139,6 +140,7 @@ def servers_rows(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         pinned = [s["rss_gib"]["shmem"] for s in servers if s.get("rss_gib")]
         rows.append({
             "backend": bases.pop(), "servers": len(names),
+            "ranks": int(meta.get("data_parallel_size") or 1),
             "used_gib": after["used"] - before["used"],
             "page_cache_gib": after["cached"] - before["cached"],
             "shmem_gib": after["shmem"] - before["shmem"],
@@ -147,18 +149,18 @@ def servers_rows(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "table_cache_gib": max(table) if table else None,
             "pinned_gib": sum(pinned) if len(pinned) == len(names) else None,
         })  # fmt: skip
-    return sorted(rows, key=lambda r: (r["backend"], r["servers"]))
+    return sorted(rows, key=lambda r: (r["backend"], r["servers"], r["ranks"]))
 
 
 def servers_table(docs: list[dict[str, Any]]) -> str:
     rows = servers_rows(docs)
     if not rows:
         return ""
-    one = {r["backend"]: r for r in rows if r["servers"] == 1}
+    one = {r["backend"]: r for r in rows if r["servers"] == 1 and r["ranks"] == 1}
     lines = [
-        "| backend | servers | host memory in use, added | page cache, added | shared memory, "
-        "added | memory added against one server | table files in the page cache | pinned, "
-        "all servers | the table's host memory, in copies |",
+        "| backend | servers (data-parallel ranks each) | host memory in use, added | page "
+        "cache, added | shared memory, added | memory added against one server | table files "
+        "in the page cache | pinned, all servers | the table's host memory, in copies |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -170,10 +172,11 @@ def servers_table(docs: list[dict[str, Any]]) -> str:
             else "-"
         )
         cache, pinned = r["table_cache_gib"], r["pinned_gib"]
+        ranks = f" ({r['ranks']})" if r["ranks"] > 1 else ""
         # Warm runs: the files' resident pages are one whole copy of the tables.
         copies = f"{(cache + pinned) / cache:.2f}" if cache and pinned is not None else "-"
         lines.append(
-            f"| {r['backend']} | {r['servers']} | {r['used_gib']:+.2f} GiB | "
+            f"| {r['backend']} | {r['servers']}{ranks} | {r['used_gib']:+.2f} GiB | "
             f"{r['page_cache_gib']:+.2f} GiB | {r['shmem_gib']:+.2f} GiB | {ratio} | "
             f"{_gib(cache)} | {_gib(pinned)} | {copies} |"
         )

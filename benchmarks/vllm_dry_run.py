@@ -395,6 +395,8 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
                 raise AssertionError(f"{b}: async scheduling {ea.async_scheduling}")
             if ea.tensor_parallel_size != args.tensor_parallel_size:
                 raise AssertionError(f"{b}: tensor parallel size {ea.tensor_parallel_size}")
+            if ea.data_parallel_size != args.data_parallel_size:
+                raise AssertionError(f"{b}: data parallel size {ea.data_parallel_size}")
             prof = ea.profiler_config
             want = str(profile_dir(args, b)) if args.profile_steps else ""
             if prof.torch_profiler_dir != want or (prof.profiler == "torch") != bool(want):

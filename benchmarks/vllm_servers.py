@@ -410,6 +410,7 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
         tables = ["--engram-config", json.dumps(engram)]
     return [
         "--dtype", "bfloat16", "--tensor-parallel-size", str(args.tensor_parallel_size),
+        "--data-parallel-size", str(args.data_parallel_size),
         "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--gpu-memory-utilization", str(args.gpu_memory_utilization),

@@ -506,6 +506,20 @@ def test_disk_is_vllms_own_disk_offload_and_the_rest_of_the_engine_is_gpus() -> 
         assert (cfg["hc_lowrank"] + cfg["hc_count"]) % 16 == 0, cfg["hc_lowrank"]
 
 
+def test_data_parallel_ranks_reach_every_server_and_the_results() -> None:
+    """``--data-parallel-size N``: every server runs N engine ranks (one a GPU); nothing
+    else of its command line changes."""
+    from vllm_servers import engine_argv
+
+    one = bench_vllm.parse_args(["--backends", "mmap,uva"])
+    two = bench_vllm.parse_args(["--backends", "mmap,uva", "--data-parallel-size", "2"])
+    for b in ("mmap", "uva"):
+        a, o = engine_argv(two, b), engine_argv(one, b)
+        at = a.index("--data-parallel-size") + 1
+        assert (a[at], o[at]) == ("2", "1")
+        assert a[:at] + a[at + 1 :] == o[:at] + o[at + 1 :]  # nothing else differs
+
+
 def test_a_replica_is_one_more_identical_server_and_host_memory_is_reported() -> None:
     """``NAME.K`` (K >= 2) serves as ``NAME`` does (several servers of one checkpoint); the
     report gives the host's memory before the servers and with all of them."""

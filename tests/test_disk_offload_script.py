@@ -106,3 +106,12 @@ def test_the_residency_part_takes_its_servers_as_given(tmp_path: Path) -> None:
                  RES_BACKENDS="disk,mmap,mmap.2")  # fmt: skip
     assert "--backends gpu-plugin,disk,mmap,mmap.2 --ref gpu-plugin" in calls[0]
     assert "--backends disk,mmap,mmap.2 --ref disk" in calls[1]
+
+
+def test_the_dp_part_runs_one_rank_then_several_per_backend(tmp_path: Path) -> None:
+    """``PART=dp``: per backend a server of one rank, then one of ``DP`` data-parallel
+    ranks, on the servers part's small model."""
+    calls = _run(_tree(tmp_path), "dp", DP="2")
+    assert [c.split()[1] for c in calls] == ["dp_mmap_1", "dp_mmap_2", "dp_uva_1", "dp_uva_2"]
+    assert "--backends mmap --ref mmap --data-parallel-size 2" in calls[1]
+    assert "--data-parallel-size 1" in calls[2] and "--layers 8 --experts 16" in calls[3]

@@ -196,7 +196,11 @@ def test_the_disk_offload_report_draws_the_residency_curve_and_the_servers_memor
         docs[3]["servers"][name] = {"page_cache_gib": 4.0, "rss_gib": {"shmem": 0.05}}
     for name in docs[5]["servers"]:
         docs[5]["servers"][name] = {"page_cache_gib": 4.0, "rss_gib": {"shmem": 8.0}}
+    # one server of two data-parallel ranks: its own row, not one server's reference
+    docs.append(_doc(None, ["mmap"], {("mmap", "c1"): 100.0}, mem=(1.0, 4.0)))
+    docs[-1]["meta"]["data_parallel_size"] = 2  # type: ignore[index]
     servers = rep.servers_table(docs)
+    assert "| mmap | 1 (2) | +1.00 GiB | +4.00 GiB | +0.00 GiB | 1.11x | - | - | - |" in servers
     assert "| mmap | 1 | +0.50 GiB | +4.00 GiB | +0.00 GiB | 1.00x | - | - | - |" in servers
     assert (
         "| mmap | 4 | +2.00 GiB | +4.00 GiB | +0.00 GiB | 1.33x | 4.00 GiB | 0.20 GiB | 1.05 |"

@@ -24,7 +24,12 @@
 #                   servers fit one H100
 #                   (~12 min; SERVERS="mmap uva" and COUNTS="1 2 4" choose); the report's
 #                   "Host memory in use" line per run
-#   PART=beyond-ram the two above in one detached job on a fresh host: the residency part
+#   PART=dp         the same model on a host of DP GPUs (default 2): per backend (SERVERS,
+#                   default "mmap uva") one server of one rank, then one of DP
+#                   data-parallel ranks (one a GPU), c1 and c8 once each (~10 min); the
+#                   report's servers table gives each one's host memory
+#   PART=beyond-ram the residency and servers parts in one detached job on a fresh host:
+#                   the residency part
 #                   (FLOOR=first, SHARES "1.0 0.0 0.5 0.1", CONC=1,64, REPEATS=1: the shares
 #                   in the order that tells most if the job is cut short), the benchmark
 #                   checkpoints removed (the 24 GiB one and the servers' do not both fit a
@@ -46,7 +51,7 @@ bench() {  # TAG DEADLINE ARGS...
     shift 2
     DEADLINE=$deadline TAG=$tag BENCH_ARGS="$* --ckpt-root $CKPT" bash scripts/gpu/vllm_bench.sh
 }
-case "${PART:?PART=warm4|warm24|fp8|residency|servers|beyond-ram}" in
+case "${PART:?PART=warm4|warm24|fp8|residency|servers|dp|beyond-ram}" in
 beyond-ram)
     PART=residency FLOOR=${FLOOR:-first} SHARES=${SHARES:-1.0 0.0 0.5 0.1} CONC=${CONC:-1,64} \
         REPEATS=${REPEATS:-1} bash "$0"
@@ -94,6 +99,15 @@ servers)
             bench "servers_${b}_$n" "${DEADLINE:-240}" "--layers 8 --experts 16 ${FOUR[*]} --dtype bf16 \
                 --kv-cache-gib 1 --concurrency 1 --mixed-long 0 --repeats 1 --backends $set \
                 --ref $b"
+        done
+    done
+    ;;
+dp)
+    for b in ${SERVERS:-mmap uva}; do
+        for ranks in 1 "${DP:-2}"; do
+            bench "dp_${b}_$ranks" "${DEADLINE:-240}" "--layers 8 --experts 16 ${FOUR[*]} --dtype bf16 \
+                --kv-cache-gib 1 --concurrency 1,8 --mixed-long 0 --repeats 1 --backends $b \
+                --ref $b --data-parallel-size $ranks"
         done
     done
     ;;
