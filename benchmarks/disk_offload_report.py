@@ -135,19 +135,15 @@ def servers_rows(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         bases = {base_backend(n) for n in names}
         if not (before and after and names and len(bases) == 1):
             continue
-        servers = doc["servers"].values()
-        table = [s["page_cache_gib"] for s in servers if s.get("page_cache_gib") is not None]
-        pinned = [s["rss_gib"]["shmem"] for s in servers if s.get("rss_gib")]
+        table = [s["page_cache_gib"] for s in doc["servers"].values() if s.get("page_cache_gib")]
         rows.append({
             "backend": bases.pop(), "servers": len(names),
             "ranks": int(meta.get("data_parallel_size") or 1),
             "used_gib": after["used"] - before["used"],
             "page_cache_gib": after["cached"] - before["cached"],
             "shmem_gib": after["shmem"] - before["shmem"],
-            # the table files' resident pages (one set, whoever maps them) and every
-            # server's pinned memory (UVA: its copy of the tables; mmap: staging)
+            # the table files' resident pages: one set, whoever maps them
             "table_cache_gib": max(table) if table else None,
-            "pinned_gib": sum(pinned) if len(pinned) == len(names) else None,
         })  # fmt: skip
     return sorted(rows, key=lambda r: (r["backend"], r["servers"], r["ranks"]))
 
@@ -159,9 +155,9 @@ def servers_table(docs: list[dict[str, Any]]) -> str:
     one = {r["backend"]: r for r in rows if r["servers"] == 1 and r["ranks"] == 1}
     lines = [
         "| backend | servers (data-parallel ranks each) | host memory in use, added | page "
-        "cache, added | shared memory, added | memory added against one server | table files "
-        "in the page cache | pinned, all servers | the table's host memory, in copies |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "cache, added | shared memory (pinned), added | memory added against one server | "
+        "table files in the page cache | the tables' host memory, in copies |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         base = one.get(r["backend"])
@@ -171,14 +167,16 @@ def servers_table(docs: list[dict[str, Any]]) -> str:
             if base and base["used_gib"] + base["page_cache_gib"] > 0
             else "-"
         )
-        cache, pinned = r["table_cache_gib"], r["pinned_gib"]
+        cache = r["table_cache_gib"]
         ranks = f" ({r['ranks']})" if r["ranks"] > 1 else ""
-        # Warm runs: the files' resident pages are one whole copy of the tables.
-        copies = f"{(cache + pinned) / cache:.2f}" if cache and pinned is not None else "-"
+        # Warm runs: the files' resident pages are one whole copy of the tables; the host's
+        # shared memory counts each pinned page once (UVA's tables, mmap's staging), where
+        # the servers' RSS would count a page its data-parallel ranks share in each.
+        copies = f"{(cache + max(r['shmem_gib'], 0.0)) / cache:.2f}" if cache else "-"
         lines.append(
             f"| {r['backend']} | {r['servers']}{ranks} | {r['used_gib']:+.2f} GiB | "
             f"{r['page_cache_gib']:+.2f} GiB | {r['shmem_gib']:+.2f} GiB | {ratio} | "
-            f"{_gib(cache)} | {_gib(pinned)} | {copies} |"
+            f"{_gib(cache)} | {copies} |"
         )
     return "\n".join(lines)
 

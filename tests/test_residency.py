@@ -148,12 +148,14 @@ def test_the_vllm_bench_holds_its_table_files_for_the_run(table: Path, tmp_path:
 
 
 def _doc(share: float | None, servers: list[str], tok: dict[tuple[str, str], float],
-         mem: tuple[float, float] | None = None) -> dict[str, object]:  # fmt: skip
+         mem: tuple[float, ...] | None = None) -> dict[str, object]:  # fmt: skip
+    """``mem``: host memory in use and page cache added by the servers, and shared memory."""
     meta: dict[str, object] = {"residency": share}
     if mem is not None:
+        shm = mem[2] if len(mem) > 2 else 0.0
         meta["host_memory_before"] = {"used": 10.0, "cached": 2.0, "shmem": 0.1}
         meta["host_memory_all_servers"] = {"used": 10.0 + mem[0], "cached": 2.0 + mem[1],
-                                           "shmem": 0.1}  # fmt: skip
+                                           "shmem": 0.1 + shm}  # fmt: skip
     runs = [{"ok": True, "backend": b, "load": load, "tok_s": t * f, "itl_p50_ms": 1000 / t / f}
             for (b, load), t in tok.items() for f in (0.99, 1.0, 1.01)]  # fmt: skip
     for r in runs:  # the engine's wait a step, and the storage's reads below a full share
@@ -181,7 +183,7 @@ def test_the_disk_offload_report_draws_the_residency_curve_and_the_servers_memor
         _doc(None, ["mmap"], {("mmap", "c1"): 100.0}, mem=(0.5, 4.0)),
         _doc(None, ["mmap", "mmap.2", "mmap.3", "mmap.4"], {("mmap", "c1"): 100.0}, mem=(2.0, 4.0)),
         _doc(None, ["uva"], {("uva", "c1"): 100.0}, mem=(4.5, 0.0)),
-        _doc(None, ["uva", "uva.2"], {("uva", "c1"): 100.0}, mem=(9.0, 0.0)),
+        _doc(None, ["uva", "uva.2"], {("uva", "c1"): 100.0}, mem=(9.0, 0.0, 16.0)),
     ]
     table = rep.residency_table(docs)
     assert "| 100% resident: tok/s, ITL p50 ms | 10% resident: tok/s, ITL p50 ms |" in table
@@ -191,25 +193,18 @@ def test_the_disk_offload_report_draws_the_residency_curve_and_the_servers_memor
     assert "| disk | c64 | 10% | 300 | 3.33 | 5,000 (reads 4,000) | 150.0 | 2,400 | 64 |" in io
     assert "| mmap | c64 | 10% | 800 | 1.25 | 700 | 150.0 | 2,400 | 64 |" in io
     assert "| mmap | c64 | 100% | 1,000 | 1.00 | 700 | - | - | - |" in io
-    # each server's view: the table files' resident pages and its pinned memory
-    for name in docs[3]["servers"]:
-        docs[3]["servers"][name] = {"page_cache_gib": 4.0, "rss_gib": {"shmem": 0.05}}
-    for name in docs[5]["servers"]:
-        docs[5]["servers"][name] = {"page_cache_gib": 4.0, "rss_gib": {"shmem": 8.0}}
+    # each server's view of the table files' resident pages
+    for i in (3, 5):
+        for name in docs[i]["servers"]:
+            docs[i]["servers"][name] = {"page_cache_gib": 4.0}
     # one server of two data-parallel ranks: its own row, not one server's reference
     docs.append(_doc(None, ["mmap"], {("mmap", "c1"): 100.0}, mem=(1.0, 4.0)))
     docs[-1]["meta"]["data_parallel_size"] = 2  # type: ignore[index]
     servers = rep.servers_table(docs)
-    assert "| mmap | 1 (2) | +1.00 GiB | +4.00 GiB | +0.00 GiB | 1.11x | - | - | - |" in servers
-    assert "| mmap | 1 | +0.50 GiB | +4.00 GiB | +0.00 GiB | 1.00x | - | - | - |" in servers
-    assert (
-        "| mmap | 4 | +2.00 GiB | +4.00 GiB | +0.00 GiB | 1.33x | 4.00 GiB | 0.20 GiB | 1.05 |"
-        in servers
-    )
-    assert (
-        "| uva | 2 | +9.00 GiB | +0.00 GiB | +0.00 GiB | 2.00x | 4.00 GiB | 16.00 GiB | 5.00 |"
-        in servers
-    )
+    assert "| mmap | 1 (2) | +1.00 GiB | +4.00 GiB | +0.00 GiB | 1.11x | - | - |" in servers
+    assert "| mmap | 1 | +0.50 GiB | +4.00 GiB | +0.00 GiB | 1.00x | - | - |" in servers
+    assert "| mmap | 4 | +2.00 GiB | +4.00 GiB | +0.00 GiB | 1.33x | 4.00 GiB | 1.00 |" in servers
+    assert "| uva | 2 | +9.00 GiB | +0.00 GiB | +16.00 GiB | 2.00x | 4.00 GiB | 5.00 |" in servers
 
     paths = []
     for i, doc in enumerate(docs):
