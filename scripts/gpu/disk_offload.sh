@@ -44,6 +44,10 @@ COMMON=(--layers 24 --kv-cache-gib 6 --solo --time-graphs --ref gpu-plugin
         --repeats "${REPEATS:-3}")
 FOUR=(--ple-layers 4 --table-gib 4)
 ONE24=(--ple-layers 1 --table-gib 24)
+# The servers and dp parts' model: the four 1 GiB tables, small enough that four servers fit
+# one H100, each load once.
+SMALL=(--layers 8 --experts 16 "${FOUR[@]}" --dtype bf16 --kv-cache-gib 1 --mixed-long 0
+       --repeats 1)
 ALL=${BACKENDS:-gpu-plugin,disk,mmap,uva,gpu-plugin-b}  # BACKENDS=...: the warm parts' servers, in order
 CKPT=${BENCH_CKPT_ROOT:-/tmp/ple-bench-ckpt}  # where bench_vllm.py keeps its checkpoints
 bench() {  # TAG DEADLINE ARGS...
@@ -96,18 +100,16 @@ servers)
         for n in ${COUNTS:-1 2 4}; do
             set=$b
             for k in $(seq 2 $n); do set="$set,$b.$k"; done
-            bench "servers_${b}_$n" "${DEADLINE:-240}" "--layers 8 --experts 16 ${FOUR[*]} --dtype bf16 \
-                --kv-cache-gib 1 --concurrency 1 --mixed-long 0 --repeats 1 --backends $set \
-                --ref $b"
+            bench "servers_${b}_$n" "${DEADLINE:-240}" "${SMALL[*]} --concurrency 1 \
+                --backends $set --ref $b"
         done
     done
     ;;
 dp)
     for b in ${SERVERS:-mmap uva}; do
         for ranks in 1 "${DP:-2}"; do
-            bench "dp_${b}_$ranks" "${DEADLINE:-240}" "--layers 8 --experts 16 ${FOUR[*]} --dtype bf16 \
-                --kv-cache-gib 1 --concurrency 1,8 --mixed-long 0 --repeats 1 --backends $b \
-                --ref $b --data-parallel-size $ranks"
+            bench "dp_${b}_$ranks" "${DEADLINE:-240}" "${SMALL[*]} --concurrency 1,8 \
+                --backends $b --ref $b --data-parallel-size $ranks"
         done
     done
     ;;
