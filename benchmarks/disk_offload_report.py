@@ -5,6 +5,8 @@
   output tok/s and ITL p50 at that share of the table files in the page cache; the table
   has a row per backend and load, a column per share, and the PNG (``-o``) draws tok/s
   against the share, a panel per load;
+* the pairs at each share and load: ``mmap`` against ``disk`` (ITL p50 and tok/s, %) and
+  each backend against its replica (``mmap.2``: the A/A pair, what the run resolves);
 * where each step's time goes at each share: the engine's wait a step (``disk``: vLLM's
   staging call, its reads in it; ``mmap``: the wait for a step's results) and what the
   storage under the table files read during the load (MiB/s, reads/s, KiB a read);
@@ -28,7 +30,13 @@ from typing import Any
 
 from vllm_servers import base_backend
 
-__all__ = ["main", "residency_io_table", "residency_table", "servers_table"]
+__all__ = [
+    "main",
+    "residency_io_table",
+    "residency_pairs_table",
+    "residency_table",
+    "servers_table",
+]
 
 
 def _ok_runs(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -73,6 +81,40 @@ def residency_table(docs: list[dict[str, Any]]) -> str:
             for s in shares
         ]
         lines.append(f"| {backend} | {load} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _pct(a: float, b: float) -> str:
+    return f"{(a / b - 1) * 100:+.1f}%"
+
+
+def residency_pairs_table(
+    docs: list[dict[str, Any]], ours: str = "mmap", theirs: str = "disk"
+) -> str:
+    """A row per load and share: ``ours`` against ``theirs`` (ITL p50 and tok/s, %), and
+    the A/A pair (every backend that has a replica, ``mmap.2`` against ``mmap``): what
+    the run resolves. A pair a run lacks is ``-``."""
+    points = residency_points(docs)
+    keys = sorted({(load, share) for (_, load), per in points.items() for share in per},
+                  key=lambda k: (len(k[0]), k[0], -k[1]))  # fmt: skip
+    replicas = sorted({b for b, _ in points if base_backend(b) != b})
+    if not keys or (ours not in {b for b, _ in points} and not replicas):
+        return ""
+
+    def pair(a: str, b: str, load: str, share: float) -> str:
+        pa, pb = points.get((a, load), {}).get(share), points.get((b, load), {}).get(share)
+        if pa is None or pb is None:
+            return "-"
+        itl = _pct(pa["itl_p50_ms"], pb["itl_p50_ms"])
+        return f"{itl}, {_pct(pa['tok_s'], pb['tok_s'])}"
+
+    head = f"| load | resident | {ours} vs {theirs}: ITL, tok/s |"
+    head += "".join(f" A/A {r} vs {base_backend(r)}: ITL, tok/s |" for r in replicas)
+    lines = [head, "|---|---|---|" + "---|" * len(replicas)]
+    for load, share in keys:
+        cells = [pair(ours, theirs, load, share)]
+        cells += [pair(r, base_backend(r), load, share) for r in replicas]
+        lines.append(f"| {load} | {share:.0%} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -192,13 +234,19 @@ def plot(docs: list[dict[str, Any]], out: Path, title: str) -> bool:
     import matplotlib.pyplot as plt
 
     loads = sorted({load for _, load in points}, key=lambda s: (len(s), s))
+    bases = sorted({base_backend(b) for b, _ in points})
+    color = {b: f"C{i}" for i, b in enumerate(bases)}  # a replica in its backend's colour
     fig, axes = plt.subplots(1, len(loads), figsize=(4.2 * len(loads), 3.6), squeeze=False)
     for ax, load in zip(axes[0], loads, strict=True):
         for (backend, ld), per in sorted(points.items()):
             if ld != load:
                 continue
             xs = sorted(per)
-            ax.plot([x * 100 for x in xs], [per[x]["tok_s"] for x in xs], marker="o", label=backend)
+            twin = base_backend(backend) != backend
+            ax.plot([x * 100 for x in xs], [per[x]["tok_s"] for x in xs],
+                    marker="x" if twin else "o", linestyle="--" if twin else "-",
+                    color=color[base_backend(backend)],
+                    label=f"{backend} (A/A)" if twin else backend)  # fmt: skip
         ax.set_title(load)
         ax.set_xlabel("table resident in the page cache (%)")
         ax.set_ylabel("output tok/s")
@@ -235,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if res:
         print("Residency\n\n" + res + "\n")
+        if pairs := residency_pairs_table(docs):
+            print("Pairs (the A/A: what the run resolves)\n\n" + pairs + "\n")
         print("Where a step waits, and what the storage read\n\n" + residency_io_table(docs) + "\n")
     if srv:
         print("Several servers of one checkpoint\n\n" + srv + "\n")

@@ -193,6 +193,20 @@ def test_the_disk_offload_report_draws_the_residency_curve_and_the_servers_memor
     assert "| disk | c64 | 10% | 300 | 3.33 | 5,000 (reads 4,000) | 150.0 | 2,400 | 64 |" in io
     assert "| mmap | c64 | 10% | 800 | 1.25 | 700 | 150.0 | 2,400 | 64 |" in io
     assert "| mmap | c64 | 100% | 1,000 | 1.00 | 700 | - | - | - |" in io
+    pairs = rep.residency_pairs_table(docs)
+    assert "| load | resident | mmap vs disk: ITL, tok/s |" in pairs
+    assert "| c64 | 100% | -10.0%, +11.1% |" in pairs and "| c64 | 10% | -62.5%, +166.7% |" in pairs
+    assert "A/A" not in pairs  # no replica in these runs
+    twin = _doc(
+        0.1,
+        ["disk", "mmap", "mmap.2"],
+        {("disk", "c64"): 300.0, ("mmap", "c64"): 800.0, ("mmap.2", "c64"): 820.0},
+    )
+    pairs = rep.residency_pairs_table([docs[0], twin])
+    assert "| A/A mmap.2 vs mmap: ITL, tok/s |" in pairs
+    assert "| c64 | 10% | -62.5%, +166.7% | -2.4%, +2.5% |" in pairs
+    assert "| c64 | 100% | -10.0%, +11.1% | - |" in pairs  # no replica at that share
+    assert rep.residency_pairs_table([docs[2]]) == ""  # no residency run
     # each server's view of the table files' resident pages
     for i in (3, 5):
         for name in docs[i]["servers"]:
