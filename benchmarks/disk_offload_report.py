@@ -39,6 +39,11 @@ __all__ = [
 ]
 
 
+def _load_key(load: str) -> tuple[int, str]:
+    """Loads in their natural order: c1, c8, c64 (then mixed)."""
+    return (len(load), load)
+
+
 def _ok_runs(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in doc.get("runs", []) if r.get("ok")]
 
@@ -96,7 +101,7 @@ def residency_pairs_table(
     the run resolves. A pair a run lacks is ``-``."""
     points = residency_points(docs)
     keys = sorted({(load, share) for (_, load), per in points.items() for share in per},
-                  key=lambda k: (len(k[0]), k[0], -k[1]))  # fmt: skip
+                  key=lambda k: (_load_key(k[0]), -k[1]))  # fmt: skip
     replicas = sorted({b for b, _ in points if base_backend(b) != b})
     if not keys or (ours not in {b for b, _ in points} and not replicas):
         return ""
@@ -233,7 +238,7 @@ def plot(docs: list[dict[str, Any]], out: Path, title: str) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    loads = sorted({load for _, load in points}, key=lambda s: (len(s), s))
+    loads = sorted({load for _, load in points}, key=_load_key)
     bases = sorted({base_backend(b) for b, _ in points})
     color = {b: f"C{i}" for i, b in enumerate(bases)}  # a replica in its backend's colour
     fig, axes = plt.subplots(1, len(loads), figsize=(4.2 * len(loads), 3.6), squeeze=False)
