@@ -122,6 +122,7 @@ from vllm_probes import (
     evict,
     gpu_name,
     gpu_used_total,
+    gpu_uuid,
     host_memory,
     page_cache,
     proc_tree,
@@ -824,6 +825,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": cfg,
         "cpu_topology": cpu_topology(),
         "gpu": gpu_name(),
+        "gpu_uuid": gpu_uuid(),
         "vllm": vllm_version(),
         "data_parallel_size": args.data_parallel_size,
     }

@@ -5,6 +5,8 @@
   output tok/s and ITL p50 at that share of the table files in the page cache; the table
   has a row per backend and load, a column per share, and the PNG (``-o``) draws tok/s
   against the share, a panel per load;
+* which GPU (and so which lent host) measured which shares, where they come from more
+  than one (``meta["gpu_uuid"]``): shares then compare only within a host;
 * the pairs at each share and load: ``mmap`` against ``disk`` (ITL p50 and tok/s, %) and
   each backend against its replica (``mmap.2``: the A/A pair, what the run resolves);
 * where each step's time goes at each share: the engine's wait a step (``disk``: vLLM's
@@ -32,6 +34,7 @@ from vllm_servers import base_backend
 
 __all__ = [
     "main",
+    "residency_hosts",
     "residency_io_table",
     "residency_pairs_table",
     "residency_table",
@@ -67,6 +70,27 @@ def residency_points(
                 "itl_p50_ms": statistics.median(float(r["itl_p50_ms"]) for r in runs),
             }
     return points
+
+
+def residency_hosts(docs: list[dict[str, Any]]) -> str:
+    """One line naming which GPU (and so which lent host, its disk and CPUs) measured which
+    shares, where the residency runs come from more than one: their shares then compare
+    only within a host. A run made before the bench recorded the card's UUID counts as
+    "unknown"; "" when every run is from one card (or none says)."""
+    by: dict[str, list[float]] = {}
+    for doc in docs:
+        meta = doc.get("meta", {})
+        if meta.get("residency") is None:
+            continue
+        by.setdefault(meta.get("gpu_uuid") or "unknown", []).append(float(meta["residency"]))
+    if len(by) < 2:
+        return ""
+    groups = sorted(by.items(), key=lambda kv: -max(kv[1]))
+    where = "; ".join(
+        ", ".join(f"{s:.0%}" for s in sorted(shares, reverse=True)) + f" on {uuid}"
+        for uuid, shares in groups
+    )
+    return f"The shares come from {len(by)} GPUs (hosts), to compare within one only: {where}"
 
 
 def residency_table(docs: list[dict[str, Any]]) -> str:
@@ -288,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if res:
         print("Residency\n\n" + res + "\n")
+        if hosts := residency_hosts(docs):
+            print(hosts + "\n")
         if pairs := residency_pairs_table(docs):
             print("Pairs (the A/A: what the run resolves)\n\n" + pairs + "\n")
         print("Where a step waits, and what the storage read\n\n" + residency_io_table(docs) + "\n")

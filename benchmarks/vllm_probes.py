@@ -217,6 +217,13 @@ def gpu_name() -> str | None:
     return _gpu_query("name")
 
 
+def gpu_uuid() -> str | None:
+    """The benchmarked GPU's UUID (``None`` without nvidia-smi): which card, and so which
+    host, made a run, where runs of one table are compared across lent machines (their
+    disks and CPUs differ while the card's name does not)."""
+    return _gpu_query("uuid")
+
+
 def gpu_used_total() -> float | None:
     """MiB of the benchmarked GPU's memory in use (``None`` without nvidia-smi)."""
     text = _gpu_query("memory.used")

@@ -789,12 +789,13 @@ def test_the_gpu_probes_read_nvidia_smis_answers(
 ) -> None:
     import vllm_probes
 
-    smi = tmp_path / "nvidia-smi"  # answers the two queries as the real one does
+    smi = tmp_path / "nvidia-smi"  # answers the three queries as the real one does
     smi.write_text(
         "#!/bin/sh\n"
         'case "$1" in\n'
         '  --query-gpu=name) echo "NVIDIA H100 80GB HBM3" ;;\n'
         '  --query-gpu=memory.used) echo "1234" ;;\n'
+        '  --query-gpu=uuid) echo "GPU-93b1ebec-c0aa-2539-1673-b7f6ee098134" ;;\n'
         "  *) exit 1 ;;\n"
         "esac\n"
     )
@@ -802,8 +803,10 @@ def test_the_gpu_probes_read_nvidia_smis_answers(
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     assert vllm_probes.gpu_name() == "NVIDIA H100 80GB HBM3"
     assert vllm_probes.gpu_used_total() == 1234.0
+    assert vllm_probes.gpu_uuid() == "GPU-93b1ebec-c0aa-2539-1673-b7f6ee098134"
     smi.write_text("#!/bin/sh\nexit 0\n")  # no answer: nothing recorded, no error
     assert vllm_probes.gpu_name() is None and vllm_probes.gpu_used_total() is None
+    assert vllm_probes.gpu_uuid() is None
 
 
 def test_the_disk_timer_times_vllms_staging_and_its_reads(

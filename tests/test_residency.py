@@ -207,6 +207,16 @@ def test_the_disk_offload_report_draws_the_residency_curve_and_the_servers_memor
     assert "| c64 | 10% | -62.5%, +166.7% | -2.4%, +2.5% |" in pairs
     assert "| c64 | 100% | -10.0%, +11.1% | - |" in pairs  # no replica at that share
     assert rep.residency_pairs_table([docs[2]]) == ""  # no residency run
+    # shares measured on two lent hosts are named as such; one host (or none known): nothing
+    assert rep.residency_hosts(docs) == ""
+    twin["meta"]["gpu_uuid"] = "GPU-b"  # type: ignore[index]
+    assert rep.residency_hosts([docs[0], twin]) == (
+        "The shares come from 2 GPUs (hosts), to compare within one only: "
+        "100% on unknown; 10% on GPU-b"
+    )
+    docs[0]["meta"]["gpu_uuid"] = "GPU-b"  # type: ignore[index]
+    assert rep.residency_hosts([docs[0], twin]) == ""
+    docs[0]["meta"]["gpu_uuid"] = "GPU-a"  # type: ignore[index]
     # each server's view of the table files' resident pages
     for i in (3, 5):
         for name in docs[i]["servers"]:
@@ -226,7 +236,9 @@ def test_the_disk_offload_report_draws_the_residency_curve_and_the_servers_memor
         paths[-1].write_text(json.dumps(doc))
     png = tmp_path / "res.png"
     assert rep.main([*map(str, paths), "-o", str(png)]) == 0
-    assert png.stat().st_size > 10_000 and "Several servers" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert png.stat().st_size > 10_000 and "Several servers" in out
+    assert "100% on GPU-a; 10% on unknown" in out  # docs[1], the 10% run, says no card
     assert rep.main([str(paths[2])]) == 0  # no residency run: the servers table only
     bad = tmp_path / "bad.json"
     bad.write_text("{")
