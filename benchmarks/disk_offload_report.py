@@ -54,8 +54,9 @@ def _ok_runs(doc: dict[str, Any]) -> list[dict[str, Any]]:
 def residency_points(
     docs: list[dict[str, Any]],
 ) -> dict[tuple[str, str], dict[float, dict[str, float]]]:
-    """``(backend, load) -> share -> {"tok_s", "itl_p50_ms"}`` (medians over the repeats)
-    of every run made with ``--residency``."""
+    """``(backend, load) -> share -> {"tok_s", "itl_p50_ms"}`` (medians over the repeats),
+    with ``"failed"`` of ``"requests"`` (sums over them), of every run made with
+    ``--residency``."""
     points: dict[tuple[str, str], dict[float, dict[str, float]]] = {}
     for doc in docs:
         share = doc.get("meta", {}).get("residency")
@@ -68,8 +69,16 @@ def residency_points(
             points.setdefault(key, {})[float(share)] = {
                 "tok_s": statistics.median(float(r["tok_s"]) for r in runs),
                 "itl_p50_ms": statistics.median(float(r["itl_p50_ms"]) for r in runs),
+                "failed": sum(int(r.get("failed") or 0) for r in runs),
+                "requests": sum(int(r["ok"]) + int(r.get("failed") or 0) for r in runs),
             }
     return points
+
+
+def _failed(failed: float, requests: float) -> str:
+    """What a load's figures leave out: requests that failed (timed out) are not in its
+    tok/s and ITL, so a backend that could not finish its load reads better than it ran."""
+    return f" ({failed:,.0f} of {requests:,.0f} requests failed)" if failed else ""
 
 
 def residency_hosts(docs: list[dict[str, Any]]) -> str:
@@ -106,7 +115,10 @@ def residency_table(docs: list[dict[str, Any]]) -> str:
     ]
     for (backend, load), per in sorted(points.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         cells = [
-            f"{per[s]['tok_s']:,.0f}, {per[s]['itl_p50_ms']:.2f}" if s in per else "-"
+            f"{per[s]['tok_s']:,.0f}, {per[s]['itl_p50_ms']:.2f}"
+            + _failed(per[s]["failed"], per[s]["requests"])
+            if s in per
+            else "-"
             for s in shares
         ]
         lines.append(f"| {backend} | {load} | " + " | ".join(cells) + " |")
@@ -185,9 +197,11 @@ def residency_io_table(docs: list[dict[str, Any]]) -> str:
         results = _median(runs, lambda r: (r.get("graphs") or {}).get("results_p50_us"))
         wait = (f"{stage:,.0f} (reads {_fmt(reads, ',.0f')})" if stage is not None
                 else _fmt(results, ",.0f"))  # fmt: skip
+        failed = _failed(sum(int(r.get("failed") or 0) for r in runs),
+                         sum(int(r["ok"]) + int(r.get("failed") or 0) for r in runs))  # fmt: skip
         lines.append(
             f"| {backend} | {load} | {share:.0%} "
-            f"| {_fmt(_median(runs, lambda r: r.get('tok_s')), ',.0f')} "
+            f"| {_fmt(_median(runs, lambda r: r.get('tok_s')), ',.0f')}{failed} "
             f"| {_fmt(_median(runs, lambda r: r.get('itl_p50_ms')), '.2f')} | {wait} "
             f"| {_fmt(_median(runs, lambda r: r.get('disk_read_mib_s')), ',.1f')} "
             f"| {_fmt(_median(runs, lambda r: r.get('disk_read_iops')), ',.0f')} "

@@ -207,6 +207,15 @@ def test_the_disk_offload_report_draws_the_residency_curve_and_the_servers_memor
     assert "| c64 | 10% | -62.5%, +166.7% | -2.4%, +2.5% |" in pairs
     assert "| c64 | 100% | -10.0%, +11.1% | - |" in pairs  # no replica at that share
     assert rep.residency_pairs_table([docs[2]]) == ""  # no residency run
+    # a load that did not finish: its requests that failed are named beside its figures
+    late = _doc(0.0, ["disk", "mmap"], {("disk", "c64"): 200.0, ("mmap", "c64"): 250.0})
+    for r in late["runs"]:  # type: ignore[union-attr]
+        r["ok"], r["failed"] = (100, 28) if r["backend"] == "disk" else (128, 0)
+    assert "| disk | c64 | 200, 5.00 (84 of 384 requests failed) |" in rep.residency_table([late])
+    assert "| mmap | c64 | 250, 4.00 |" in rep.residency_table([late])
+    assert "| disk | c64 | 0% | 200 (84 of 384 requests failed) | 5.00 |" in (
+        rep.residency_io_table([late])
+    )
     # shares measured on two lent hosts are named as such; one host (or none known): nothing
     assert rep.residency_hosts(docs) == ""
     twin["meta"]["gpu_uuid"] = "GPU-b"  # type: ignore[index]
