@@ -1,9 +1,10 @@
 """A deferred server's FULL graphs in the first stats interval of each load against the
 rest of the load, from the servers' logs of a ``bench_vllm.py --time-graphs`` run.
 
-Side by side with other servers (BENCHMARKS.md, run 7), a deferred server's graphs ran at
-the GPU table's span for the first ~0.5 s of every load and ~400 us (8%) longer after it;
-this reads that out of the ``ple-memops graphs`` lines (one every ``--stats-every`` s
+Side by side with other servers (Gemma 4 on an H200, docs/lab/vllm-gemma4.md, run 7), a
+deferred server's graphs ran at the GPU table's span for the first ~0.5 s of every load and
+~400 us (8%) longer after it (Qwen4Exp's on an H100 did not: BENCHMARKS.md, servers sharing
+one GPU); this reads that out of the ``ple-memops graphs`` lines (one every ``--stats-every`` s
 while the server runs steps). A line that covers more than ``--idle-s`` seconds spans the
 idle time before a load, so the line after it is the load's first window. Per server and
 batch size: the first windows' span p50 (the median over loads) against the later

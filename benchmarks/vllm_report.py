@@ -387,9 +387,10 @@ def breakdown_markdown(
         f"what two identical servers differ by)"
         if solo
         else f"each repeat's server against `{ref}` in the same round; the servers share "
-        "the GPU, and beside other servers a deferred server's FULL graphs ran 5-9% longer "
-        "than alone on the H200 while the GPU table's did not (BENCHMARKS.md, run 7): for "
-        "a lone server's cost, run with --solo"
+        "the GPU: beside other servers Gemma's deferred FULL graphs ran 5-9% longer than "
+        "alone (H200 hosts, vLLM 0.33.0) while the GPU table's did not, and Qwen4Exp's ran "
+        "as alone (H100, vLLM 0.34.0; BENCHMARKS.md, servers sharing one GPU): for a lone "
+        "server's cost, run with --solo"
     )
     lines = [
         f"Paired against `{ref}` ({how}; "

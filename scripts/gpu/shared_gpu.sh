@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Where the deferred graphs' excess beside other servers on one GPU comes from. Alone on
 # the GPU an mmap server's decode graphs run within ~20 us of the GPU table's at equal batch
-# sizes; with other (idle) servers started on the same GPU they ran +250-500 us longer,
+# sizes; Gemma's, with other (idle) servers started on the same H200, ran +250-500 us longer,
 # without any gather behind them too (docs/vllm.md, "Sharing the GPU with other
-# processes"). Each run below starts its servers together and measures them one at a time
+# processes"; this script's Qwen4Exp run on an H100: BENCHMARKS.md, "Servers sharing one
+# GPU"). Each run below starts its servers together and measures them one at a time
 # (the benchmark's side-by-side mode), graphs timed, on the benchmark's Qwen4Exp (four 1 GiB
 # BF16 tables), small KV caches so that the servers fit one card:
 #
@@ -19,12 +20,13 @@
 #
 # Run from the repository root after vLLM's setup.sh (scripts/vllm-h200/), our wheel in
 # /tmp/site; each run writes under $OUT as scripts/gpu/vllm_bench.sh does (TAG shared,
-# shared_mps). About 7 minutes a run on a warm host: start it with scripts/gpu/detached.sh.
+# shared_mps). About 7 minutes a run on a warm host (CONC=8,64 REPEATS=2: about 4): start it
+# with scripts/gpu/detached.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/ple-out}
 mkdir -p "$OUT"
 ARGS="--layers 24 --ple-layers 4 --table-gib 4 --dtype bf16 --kv-cache-gib 2 --time-graphs \
---concurrency 1,8,64 --mixed-long 0 --repeats ${REPEATS:-3} --ref gpu-plugin \
+--concurrency ${CONC:-1,8,64} --mixed-long 0 --repeats ${REPEATS:-3} --ref gpu-plugin \
 --backends gpu-plugin,mmap-kernel,mmap-memop"
 # The GPU's time-slice policy, read only (nothing here changes the card's settings).
 nvidia-smi compute-policy -l >"$OUT/shared_timeslice.txt" 2>&1 || true
