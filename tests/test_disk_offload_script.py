@@ -70,6 +70,9 @@ def test_the_residency_part_takes_its_floor_last_by_default_and_its_shares_as_gi
     calls = _run(_tree(tmp_path), "residency", SHARES="0.5", CONC="64")
     assert calls[-1] == "floor" and len(calls) == 2
     assert "disk_res05" in calls[0] and "--concurrency 64" in calls[0]
+    assert "--load-timeout 150" in calls[0]  # a cold load's slow backend finishes its requests
+    calls = _run(_tree(tmp_path / "t"), "residency", SHARES="0.0", FLOOR="0", LOAD_TIMEOUT="240")
+    assert "--load-timeout 240" in calls[0]
     assert _run(_tree(tmp_path / "b"), "residency", SHARES="0.0", FLOOR="0")[-1] != "floor"
 
 

@@ -17,7 +17,9 @@
 #                   server at 1.0, mmap's own 1.0 being the warm figure; TABLES=4x1: the
 #                   four 1 GiB tables instead, tagged disk_res4x1_*; RES_BACKENDS: the
 #                   servers at every share, default disk,mmap, e.g. disk,mmap,mmap.2 for
-#                   an A/A pair of mmap servers)
+#                   an A/A pair of mmap servers; LOAD_TIMEOUT=150: the seconds a load may
+#                   take before its unfinished requests count as failed, where `disk` at 0%
+#                   needed more than the bench's default 90 s for c64's 384 requests)
 #   PART=servers    host memory as servers of one checkpoint are added: 1, 2 and 4 mmap
 #                   servers, then 1, 2 and 4 uva servers, c1 once each; the four 1 GiB
 #                   tables on an 8-layer, 16-expert model with 1 GiB KV caches, so four
@@ -90,7 +92,7 @@ residency)
         if [ "$share" = 1.0 ] && [ "${GPU_REF:-1}" != 0 ]; then backends=gpu-plugin,$backends; fi
         bench "disk_res${TAG_TABLES}${share/./}" "$((${DEADLINE:-330} + extra))" "${COMMON[*]} ${RES_MODEL[*]} --dtype bf16 \
             --concurrency ${CONC:-1,8,64} --mixed-long 0 --residency $share --backends $backends \
-            --ref ${backends%%,*}"
+            --ref ${backends%%,*} --load-timeout ${LOAD_TIMEOUT:-150}"
         extra=0
     done
     if [ "${FLOOR:-last}" = last ]; then floor; fi
