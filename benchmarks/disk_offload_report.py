@@ -12,6 +12,9 @@
 * where each step's time goes at each share: the engine's wait a step (``disk``: vLLM's
   staging call, its reads in it; ``mmap``: the wait for a step's results) and what the
   storage under the table files read during the load (MiB/s, reads/s, KiB a read);
+* with ``--floor`` (the storage floor ``bench_cold.py host`` printed on the same host, as a
+  text file or inside a run's logs ``.tgz``), each load's reads/s as a share of the floor's
+  sustained QD64 random-read IOPS;
 * several servers of one checkpoint: each run whose servers are one backend and its
   replicas (``mmap``, ``mmap.2``, ...), or one server of several data-parallel ranks,
   gives the host memory in use before the servers and with all of them healthy, and the
@@ -25,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +39,7 @@ from vllm_servers import base_backend
 
 __all__ = [
     "main",
+    "read_floor",
     "residency_hosts",
     "residency_io_table",
     "residency_pairs_table",
@@ -172,10 +178,35 @@ def _gib(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f} GiB"
 
 
-def residency_io_table(docs: list[dict[str, Any]]) -> str:
+_FLOOR = re.compile(r"sustained QD16 (\d+) IOPS, QD64 (\d+) IOPS")
+
+
+def read_floor(path: Path) -> dict[int, float]:
+    """The storage floor's sustained random-read IOPS by queue depth (``{16: .., 64: ..}``)
+    from ``bench_cold.py host``'s output: a text file, or the ``storage_floor.txt`` inside a
+    run's logs ``.tgz``. Raises ``ValueError`` when there is no floor line in it."""
+    if path.name.endswith((".tgz", ".tar.gz")):
+        with tarfile.open(path) as tar:
+            floors = [m for m in tar.getmembers() if m.isfile()
+                      and m.name.endswith("storage_floor.txt")]  # fmt: skip
+            member = floors[0] if floors else None
+            handle = tar.extractfile(member) if member is not None else None
+            if handle is None:
+                raise ValueError(f"{path}: no storage_floor.txt in it")
+            text = handle.read().decode(errors="replace")
+    else:
+        text = path.read_text(errors="replace")
+    m = _FLOOR.search(text)
+    if m is None:
+        raise ValueError(f"{path}: no 'sustained QD16 .. IOPS, QD64 .. IOPS' line")
+    return {16: float(m.group(1)), 64: float(m.group(2))}
+
+
+def residency_io_table(docs: list[dict[str, Any]], floor: dict[int, float] | None = None) -> str:
     """A row per backend, load and share: tok/s, ITL p50, the engine's wait a step (p50 us;
     ``disk``: its staging call / the reads in it; ``mmap``: its wait for a step's results)
-    and the storage's reads during the load (medians over the repeats)."""
+    and the storage's reads during the load (medians over the repeats); with ``floor``
+    (:func:`read_floor`), the reads/s as a share of its QD64 IOPS too."""
     by: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
     for doc in docs:
         share = doc.get("meta", {}).get("residency")
@@ -185,10 +216,11 @@ def residency_io_table(docs: list[dict[str, Any]]) -> str:
             by.setdefault((r["backend"], r["load"], float(share)), []).append(r)
     if not by:
         return ""
+    qd64 = floor.get(64) if floor else None
     lines = [
         "| backend | load | resident | tok/s | ITL p50 ms | engine's wait p50 us | "
-        "storage MiB/s | reads/s | KiB a read |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "storage MiB/s | reads/s | KiB a read |" + (" of the QD64 floor |" if qd64 else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if qd64 else ""),
     ]
     order = sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0], -kv[0][2]))
     for (backend, load, share), runs in order:
@@ -207,6 +239,9 @@ def residency_io_table(docs: list[dict[str, Any]]) -> str:
             f"| {_fmt(_median(runs, lambda r: r.get('disk_read_iops')), ',.0f')} "
             f"| {_fmt(_median(runs, lambda r: r.get('disk_read_kib')), '.0f')} |"
         )
+        if qd64:
+            iops = _median(runs, lambda r: r.get("disk_read_iops"))
+            lines[-1] += f" {'-' if iops is None else format(iops / qd64, '.0%')} |"
     return "\n".join(lines)
 
 
@@ -312,7 +347,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("results", nargs="+", type=Path, help="bench_vllm.py --json outputs")
     p.add_argument("-o", "--png", type=Path, default=None, help="the residency plot")
     p.add_argument("--title", default="Qwen4Exp, tok/s against the table's resident share")
+    p.add_argument("--floor", type=Path, default=None,
+                   help="bench_cold.py host's output on the runs' host (a text file, or a "
+                        "run's logs .tgz holding storage_floor.txt): reads/s against its "
+                        "QD64 IOPS")  # fmt: skip
     args = p.parse_args(argv)
+    floor = None
+    if args.floor is not None:
+        try:
+            floor = read_floor(args.floor)
+        except (OSError, ValueError, tarfile.TarError) as exc:
+            print(f"disk_offload_report: --floor {exc}", file=sys.stderr)
+            return 2
     docs = []
     for path in args.results:
         try:
@@ -330,7 +376,10 @@ def main(argv: list[str] | None = None) -> int:
             print(hosts + "\n")
         if pairs := residency_pairs_table(docs):
             print("Pairs (the A/A: what the run resolves)\n\n" + pairs + "\n")
-        print("Where a step waits, and what the storage read\n\n" + residency_io_table(docs) + "\n")
+        if floor:
+            print(f"The storage floor: QD16 {floor[16]:,.0f} IOPS, QD64 {floor[64]:,.0f} IOPS\n")
+        io = residency_io_table(docs, floor)
+        print("Where a step waits, and what the storage read\n\n" + io + "\n")
     if srv:
         print("Several servers of one checkpoint\n\n" + srv + "\n")
     if args.png is not None and plot(docs, args.png, args.title):

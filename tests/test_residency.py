@@ -321,3 +321,43 @@ def test_the_evicted_table_benchmark_gathers_under_a_hold(tmp_path: Path) -> Non
     # Known but dropped: the copy stopped and the rows were read cold.
     dropped = cases[(0.0, "known, then dropped")]
     assert dropped["slow_copies"] >= 1 and dropped["rows_cold"] > 0, dropped
+
+
+def test_the_disk_offload_report_reads_the_storage_floor_beside_the_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--floor`` takes bench_cold.py host's output, as text or inside a run's logs .tgz,
+    and gives each load's reads/s as a share of the floor's QD64 IOPS; a file without a
+    floor line is refused."""
+    import json
+    import tarfile
+
+    import disk_offload_report as rep
+
+    line = "probe (io_uring, O_DIRECT): 1 read 30.0 us; sustained QD16 1800 IOPS, QD64 4800 IOPS\n"
+    text = tmp_path / "storage_floor.txt"
+    text.write_text("wrote the table\n" + line)
+    logs = tmp_path / "logs.tgz"
+    with tarfile.open(logs, "w:gz") as tar:
+        tar.add(text, arcname="out/storage_floor.txt")
+    assert rep.read_floor(text) == rep.read_floor(logs) == {16: 1800.0, 64: 4800.0}
+    empty = tmp_path / "empty.tgz"
+    with tarfile.open(empty, "w:gz") as tar:
+        tar.add(tmp_path / "storage_floor.txt", arcname="other.txt")
+    (tmp_path / "bench.log").write_text("no floor here\n")
+    for bad in (empty, tmp_path / "bench.log"):
+        with pytest.raises(ValueError, match=r"storage_floor\.txt|QD64 \.\. IOPS"):
+            rep.read_floor(bad)
+
+    doc = _doc(0.1, ["disk", "mmap"], {("disk", "c64"): 300.0, ("mmap", "c64"): 800.0})
+    io = rep.residency_io_table([doc], rep.read_floor(text))
+    assert "| KiB a read | of the QD64 floor |" in io
+    assert "| mmap | c64 | 10% | 800 | 1.25 | 700 | 150.0 | 2,400 | 64 | 50% |" in io
+    assert "of the QD64 floor" not in rep.residency_io_table([doc])
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(doc))
+    assert rep.main([str(path), "--floor", str(logs)]) == 0
+    out = capsys.readouterr().out
+    assert "The storage floor: QD16 1,800 IOPS, QD64 4,800 IOPS" in out and "| 50% |" in out
+    assert rep.main([str(path), "--floor", str(empty)]) == 2
+    assert "no storage_floor.txt" in capsys.readouterr().err
