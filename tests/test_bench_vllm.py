@@ -770,6 +770,34 @@ def test_the_verdict_judges_paired_itl_against_the_runs_reference() -> None:
     ), v
 
 
+def test_the_verdict_against_vllms_own_offload_as_the_reference_asks_for_ahead() -> None:
+    """With ``disk`` as the run's reference (the residency runs), mmap must be ahead of it
+    (ITL below, tok/s above), not within +1%; a second mmap server (``mmap.2``) resolves
+    a difference only when both lie beyond their own distance, on the same side."""
+    from vllm_report import summarize, verdict
+
+    def row(load: str, b: str, itl: float) -> dict[str, object]:
+        return {"load": load, "repeat": 1, "backend": b, "ok": True, "itl_p50_ms": itl,
+                "tok_s": 1000.0 / itl, "ttft_p50_ms": 150.0}  # fmt: skip
+
+    itls = {("c1", "disk"): 5.94, ("c1", "mmap"): 4.74, ("c1", "mmap.2"): 4.75,
+            ("c64", "disk"): 53.78, ("c64", "mmap"): 56.32, ("c64", "mmap.2"): 53.62}  # fmt: skip
+    rows = [row(load, b, x) for (load, b), x in itls.items()]
+    backends = ["disk", "mmap", "mmap.2"]
+    v = verdict(rows, summarize(rows, backends), "disk", "disk", solo=True)
+    head = v.split("[")[0]
+    assert "no target missed" in head and "c1:" not in head, v  # both -20%, 0.2 points apart
+    assert "not resolved: c64: ITL vs disk (two mmap servers +4.72% and -0.30%" in head, v
+    assert "c64: tok/s vs disk (two mmap servers" in head  # -4.5% and +0.3%: either side
+    assert "(target <= +1%)" not in v
+
+    # Without a second server, mmap behind the reference is a miss, whatever its size.
+    alone = [r for r in rows if r["backend"] != "mmap.2"]
+    v = verdict(alone, summarize(alone, backends[:2]), "disk", "disk", solo=True)
+    assert "targets missed: c64: ITL p50 +4.72% vs disk" in v and "(target: below it)" in v
+    assert "c64: tok/s -4.51% vs disk (target >= 0)" in v and "c1: ITL" not in v.split("[")[0]
+
+
 def test_the_plots_title_names_the_gpu_the_runs_recorded() -> None:
     import plot_vllm
 
