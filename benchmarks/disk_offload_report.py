@@ -75,15 +75,21 @@ def residency_points(
             points.setdefault(key, {})[float(share)] = {
                 "tok_s": statistics.median(float(r["tok_s"]) for r in runs),
                 "itl_p50_ms": statistics.median(float(r["itl_p50_ms"]) for r in runs),
-                "failed": sum(int(r.get("failed") or 0) for r in runs),
-                "requests": sum(int(r["ok"]) + int(r.get("failed") or 0) for r in runs),
+                **_requests(runs),
             }
     return points
 
 
-def _failed(failed: float, requests: float) -> str:
+def _requests(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """``{"failed", "requests"}``: a load's requests that failed, of all, over its repeats."""
+    failed = sum(int(r.get("failed") or 0) for r in runs)
+    return {"failed": failed, "requests": failed + sum(int(r["ok"]) for r in runs)}
+
+
+def _failed(counts: dict[str, float]) -> str:
     """What a load's figures leave out: requests that failed (timed out) are not in its
     tok/s and ITL, so a backend that could not finish its load reads better than it ran."""
+    failed, requests = counts["failed"], counts["requests"]
     return f" ({failed:,.0f} of {requests:,.0f} requests failed)" if failed else ""
 
 
@@ -121,8 +127,7 @@ def residency_table(docs: list[dict[str, Any]]) -> str:
     ]
     for (backend, load), per in sorted(points.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         cells = [
-            f"{per[s]['tok_s']:,.0f}, {per[s]['itl_p50_ms']:.2f}"
-            + _failed(per[s]["failed"], per[s]["requests"])
+            f"{per[s]['tok_s']:,.0f}, {per[s]['itl_p50_ms']:.2f}" + _failed(per[s])
             if s in per
             else "-"
             for s in shares
@@ -229,8 +234,7 @@ def residency_io_table(docs: list[dict[str, Any]], floor: dict[int, float] | Non
         results = _median(runs, lambda r: (r.get("graphs") or {}).get("results_p50_us"))
         wait = (f"{stage:,.0f} (reads {_fmt(reads, ',.0f')})" if stage is not None
                 else _fmt(results, ",.0f"))  # fmt: skip
-        failed = _failed(sum(int(r.get("failed") or 0) for r in runs),
-                         sum(int(r["ok"]) + int(r.get("failed") or 0) for r in runs))  # fmt: skip
+        failed = _failed(_requests(runs))
         lines.append(
             f"| {backend} | {load} | {share:.0%} "
             f"| {_fmt(_median(runs, lambda r: r.get('tok_s')), ',.0f')}{failed} "
