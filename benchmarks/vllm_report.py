@@ -389,8 +389,8 @@ def breakdown_markdown(
         else f"each repeat's server against `{ref}` in the same round; the servers share "
         "the GPU: beside other servers Gemma's deferred FULL graphs ran 5-9% longer than "
         "alone (H200 hosts, vLLM 0.33.0) while the GPU table's did not, and Qwen4Exp's ran "
-        "as alone (H100, vLLM 0.34.0; BENCHMARKS.md, servers sharing one GPU): for a lone "
-        "server's cost, run with --solo"
+        "within 0.1 ms of the GPU table's (H100, vLLM 0.34.0; BENCHMARKS.md, servers sharing "
+        "one GPU): for a lone server's cost, run with --solo"
     )
     lines = [
         f"Paired against `{ref}` ({how}; "

@@ -26,8 +26,8 @@
 #                  gpu-plugin,mmap,mmap-split,mmap-nogather: the default (split rows, the
 #                  rest's table on 8 gather threads of its own held awake while a step is
 #                  armed), the same on the shared pool's threads only, and the protocol
-#                  without a gather. Gemma 4 runs only where vLLM does not route its attention to
-#                  FlashAttention 4 (not in the 0.34.0 bundle on Hopper).
+#                  without a gather. Gemma 4 runs only where vLLM does not route its
+#                  attention to FlashAttention 4 (not in the 0.34.0 bundle on Hopper).
 # The outputs' TAG is shared (shared_mps) for qwen4exp, shared_<model> (shared_<model>_mps)
 # otherwise.
 #
