@@ -143,6 +143,53 @@ def test_arm_completes_at_depth_then_arms_every_table_timed(table: Any) -> None:
         s.arm(1)
 
 
+def test_read_in_order_fills_cold_tables_with_their_rows_the_first_never_waiting(
+    tmp_path: Path,
+) -> None:
+    """Each step's reads from storage table by table: every step of tables evicted before
+    it gets its rows; the first table never waits for another; the waits are counted per
+    worker; host tables (no workers) have no order to keep."""
+    rng = np.random.default_rng(5)
+    n_rows, width = 8192, 256  # 2 MiB a table: pages POSIX_FADV_DONTNEED can evict
+    data = {f"t{i}": rng.integers(0, 255, (n_rows, width), dtype=np.uint8) for i in range(3)}
+    path = tmp_path / "three.safetensors"
+    save_file({k: v.view(np.float16) for k, v in data.items()}, str(path))
+    tables = [pm.MmapTable.open(path, f"t{i}") for i in range(3)]
+    made = []
+    for i, t in enumerate(tables):
+        rows = pm.DeferredRows(64, t.row_bytes, device="cpu", watchdog=None)
+        made.append(StepTable(f"t{i}", t, rows, pm.GatherWorker(rows, t, depth=2)))
+    s = Steps(made, "deferred", None, None, 1, 5.0, read_in_order=True)
+    assert s.reads_in_order
+    for _ in range(6):
+        for t in tables:
+            t.drop_pages()
+        ids = {n: rng.integers(0, n_rows, 64) for n in s.names}
+        s.arm(64)
+        for n in s.names:
+            s.publish_host(n, ids[n])
+        s.drain()
+        for n in s.names:
+            np.testing.assert_array_equal(s.staging(n, 64), data[n][ids[n]])
+    stats = {n: w for n, (_, w) in s.stats().items()}
+    assert stats["t0"].ordered_waits == 0 and stats["t0"].ordered_passed_over == 0
+    assert all(t.page_stats()["row_misses"] > 0 for t in tables)
+    for n in ("t1", "t2"):
+        w = stats[n]
+        assert w.ordered_waits + w.ordered_passed_over <= 6, w
+        assert (w.ordered_wait_ns_total > 0) == (w.ordered_waits > 0), w
+    # A worker already in one order cannot join another.
+    with pytest.raises(pm.InvalidArgumentError, match="another step object's order"):
+        Steps(made[:2], "deferred", None, None, 1, 5.0, read_in_order=True)
+    s.shutdown()
+    # Tables that gather on the host have no workers: nothing to order.
+    h = Steps.build({"a": tables[0], "b": tables[1]}, max_rows=8, device="cpu", read_in_order=True)
+    assert h.mode == "host" and not h.reads_in_order
+    h.shutdown()
+    for t in tables:
+        t.close()
+
+
 def test_a_failure_aborts_every_table_in_the_native_step(table: Any) -> None:
     """All or none, owned by the native step: a fill that failed in one table completes
     every table's step, poisons all of them and raises the worker's typed error; no caller

@@ -77,6 +77,14 @@ class WorkerStats:
     expected_rows_wrong: int = 0
     """Their rows gathered again at READY because the GPU published another id than the
     expected one: the published ids always win; non-zero means the expectation is wrong."""
+    ordered_waits: int = 0
+    """With ``Steps.build(read_in_order=True)``: steps whose reads from storage waited for an
+    earlier table's reads of the same step."""
+    ordered_wait_ns_total: int = 0
+    """How long those waits took in all."""
+    ordered_passed_over: int = 0
+    """Steps that read without waiting for an earlier table any longer: its READY did not
+    come within 0.5 ms, or its reads were not done within 100 ms."""
 
 
 class GatherWorker:

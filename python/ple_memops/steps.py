@@ -216,12 +216,18 @@ class Steps:
         device: int | None,
         depth: int,
         timeout: float,
+        *,
+        read_in_order: bool = False,
     ) -> None:
         self._tables = {t.name: t for t in tables}
         self._index = {t.name: i for i, t in enumerate(tables)}
         workers = tuple(native_worker(t.worker) for t in tables if t.worker is not None)
         self._native = _native.Steps(
-            tuple(native_rows(t.rows) for t in tables), workers, depth, timeout
+            tuple(native_rows(t.rows) for t in tables),
+            workers,
+            depth,
+            timeout,
+            read_in_order and bool(workers),
         )
         self.arm = self._native
         self._mode = mode
@@ -255,6 +261,7 @@ class Steps:
         track_arrival: bool = False,
         time_stalls: bool = False,
         skip_gather: bool = False,
+        read_in_order: bool = False,
         log_fallback: bool = True,
     ) -> Steps:
         """One staging buffer of ``max_rows`` rows per table on ``device`` (``"cpu"``,
@@ -267,7 +274,11 @@ class Steps:
         for; ``time_stalls`` times each step's consumer stall on the GPU
         (:meth:`stall_samples`); ``skip_gather`` (diagnostics only: wrong rows) fills
         without reading the tables, and ``predict_ready`` places each worker's hot window
-        where READY is expected, see :class:`~ple_memops.GatherWorker`. Raises only for
+        where READY is expected, see :class:`~ple_memops.GatherWorker`. ``read_in_order``
+        (deferred tables): each step's reads from storage are taken table by table in the
+        order of ``tables``, which must be the order the GPU consumes their rows, for a
+        model that publishes every table's ids before it consumes any (see
+        :attr:`reads_in_order`). Raises only for
         bad arguments; a device that cannot defer gives ``sync`` tables with
         :attr:`reason`, logged once unless ``log_fallback=False`` (for a caller that says
         it in its own words)."""
@@ -335,7 +346,15 @@ class Steps:
                 "ple_memops: PLE rows of %d table(s) use the %s path: %s", len(made), mode, reason
             )
         try:
-            return cls(made, mode, reason if mode != "deferred" else None, ordinal, depth, timeout)
+            return cls(
+                made,
+                mode,
+                reason if mode != "deferred" else None,
+                ordinal,
+                depth,
+                timeout,
+                read_in_order=read_in_order,
+            )
         except BaseException:
             _close_tables(made)
             raise
@@ -367,6 +386,18 @@ class Steps:
     @property
     def names(self) -> list[str]:
         return list(self._tables)
+
+    @property
+    def reads_in_order(self) -> bool:
+        """Whether each step's reads from storage are taken table by table, in the order
+        the tables were given: a table that misses the page cache waits (bounded) for the
+        earlier tables' reads of the same step, so the first table's rows, which the GPU
+        needs first, are not read behind the later tables'. Only cold reads wait, and only
+        for an earlier table reading at most 128 rows (a larger batch reads beside the
+        others: together they keep more reads in flight); a table whose READY comes more
+        than 0.5 ms late is passed over, so the order never waits on the GPU. Deferred
+        tables only; ``False`` for synchronous ones."""
+        return bool(self._native.reads_in_order)
 
     @property
     def depth(self) -> int:

@@ -210,6 +210,9 @@ impl PyGatherWorker {
                 ("expected_rows_early", s.expected_rows_early),
                 ("expected_rows_late", s.expected_rows_late),
                 ("expected_rows_wrong", s.expected_rows_wrong),
+                ("ordered_waits", s.ordered_waits),
+                ("ordered_wait_ns_total", s.ordered_wait_ns_total),
+                ("ordered_passed_over", s.ordered_passed_over),
             ],
         )
     }
@@ -232,14 +235,17 @@ fn waiting(py: Python<'_>) -> impl FnMut(&GatherWorker, Duration) -> crate::erro
 #[pymethods]
 impl PySteps {
     /// `rows`: every table's rows object; `workers`: each table's worker in the same
-    /// order, or empty (the tables gather synchronously).
+    /// order, or empty (the tables gather synchronously). `read_in_order`: each step's
+    /// reads from storage taken table by table in this order (needs workers).
     #[new]
+    #[pyo3(signature = (rows, workers, depth, timeout_s, read_in_order=false))]
     fn new(
         py: Python<'_>,
         rows: &Bound<'_, PyTuple>,
         workers: &Bound<'_, PyTuple>,
         depth: usize,
         timeout_s: f64,
+        read_in_order: bool,
     ) -> PyResult<Self> {
         let timeout = secs(timeout_s, "timeout").py(py)?;
         let rows = rows
@@ -268,7 +274,10 @@ impl PySteps {
                 worker: workers.next(),
             })
             .collect();
-        let inner = Steps::new(tables, depth, timeout).py(py)?;
+        let mut inner = Steps::new(tables, depth, timeout).py(py)?;
+        if read_in_order {
+            inner = inner.read_in_order().py(py)?;
+        }
         Ok(Self { inner })
     }
 
@@ -382,6 +391,12 @@ impl PySteps {
     #[getter]
     fn closed(&self) -> bool {
         self.inner.is_closed()
+    }
+
+    /// Whether each step's reads from storage are taken in table order.
+    #[getter]
+    fn reads_in_order(&self) -> bool {
+        self.inner.reads_in_order()
     }
 }
 

@@ -655,6 +655,28 @@ impl MmapTable {
     /// the table, an I/O error on a mapped page: see `sigbus`), on every way. On any
     /// [`Error::Io`] `dst` is zeroed.
     pub fn gather_into(&self, ids: RowIds<'_>, dst: &mut [u8]) -> Result<()> {
+        self.gather_gated(ids, dst, None)
+    }
+
+    /// [`Self::gather_into`], calling `before_reads` (which may wait: a worker's turn among
+    /// a step's tables, see [`crate::worker::ReadOrder`]) with the number of cold rows
+    /// after the rows known resident are copied and before the cold ones are read; its
+    /// error is returned without reading (`dst` zeroed). A gather whose rows are all known resident never calls it.
+    pub fn gather_into_ordered(
+        &self,
+        ids: RowIds<'_>,
+        dst: &mut [u8],
+        before_reads: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        self.gather_gated(ids, dst, Some(before_reads))
+    }
+
+    fn gather_gated(
+        &self,
+        ids: RowIds<'_>,
+        dst: &mut [u8],
+        before_reads: Option<&mut dyn FnMut(usize) -> Result<()>>,
+    ) -> Result<()> {
         let rb = self.row_bytes();
         if Some(dst.len()) != ids.len().checked_mul(rb) {
             return Err(Error::invalid(format!(
@@ -666,8 +688,8 @@ impl MmapTable {
         }
         self.check_ids(ids)?;
         let r = match ids {
-            RowIds::I32(v) => self.gather_checked(v, dst),
-            RowIds::I64(v) => self.gather_checked(v, dst),
+            RowIds::I32(v) => self.gather_checked(v, dst, before_reads),
+            RowIds::I64(v) => self.gather_checked(v, dst, before_reads),
         };
         if r.is_err() {
             // An I/O error: nothing in `dst` that could pass for rows.
@@ -694,14 +716,19 @@ impl MmapTable {
         Ok(())
     }
 
-    fn gather_checked<T: Id>(&self, ids: &[T], dst: &mut [u8]) -> Result<()> {
+    fn gather_checked<T: Id>(
+        &self,
+        ids: &[T],
+        dst: &mut [u8],
+        before_reads: Option<&mut dyn FnMut(usize) -> Result<()>>,
+    ) -> Result<()> {
         let src = self.mapped_rows();
         let pm = &self.inner.pages;
         let rb = src.row_bytes;
         let distrust = self.inner.distrust_until.load(Ordering::Relaxed);
         if distrust != 0 && epoch_ns() < distrust {
             // A copy was slow a moment ago: read every row.
-            return self.gather_cold(&src, ids, dst, true);
+            return self.gather_cold(&src, ids, dst, true, before_reads);
         }
         // The warm path: copy while every row's pages are known resident (a bit test or
         // two a row, fused into the copy loop; access counts only under a budget).
@@ -731,13 +758,13 @@ impl MmapTable {
             // Some row is cold: start over with the cold path (rows already copied are
             // copied again, for nothing next to the reads; their access counts are
             // counted twice).
-            Copied::Unknown => self.gather_cold(&src, ids, dst, false),
+            Copied::Unknown => self.gather_cold(&src, ids, dst, false, before_reads),
             // Rows known resident are being faulted in from storage one page at a time:
             // the kernel dropped them behind the table's back. Read every row of the
             // gather together instead (a page still cached completes at once).
             Copied::Slow => {
                 self.note_slow_copy();
-                self.gather_cold(&src, ids, dst, true)
+                self.gather_cold(&src, ids, dst, true, before_reads)
             }
         }
     }
@@ -760,12 +787,16 @@ impl MmapTable {
     /// back is copied here, faulted in (slower, still correct); a warm copy that meets
     /// many such pages stops and comes back with `all_cold`, and the known set is bounded
     /// (see [`PageStats::pages_forgotten`]).
+    ///
+    /// `before_reads`, if given, runs (with the number of cold rows) once the known rows
+    /// are copied, before any read; its error is returned at once.
     fn gather_cold<T: Id>(
         &self,
         src: &MappedRows<'_>,
         ids: &[T],
         dst: &mut [u8],
         all_cold: bool,
+        before_reads: Option<&mut dyn FnMut(usize) -> Result<()>>,
     ) -> Result<()> {
         let pm = &self.inner.pages;
         let rb = src.row_bytes;
@@ -802,6 +833,15 @@ impl MmapTable {
             })
         };
         let mut copy_hits = Some(copy_hits);
+        if let Some(wait) = before_reads {
+            if !cold.is_empty() {
+                // The known rows first: the wait may be long, the copy is not.
+                if let Some(f) = copy_hits.take() {
+                    f();
+                }
+                wait(cold.len())?;
+            }
+        }
         let res = match self.inner.cold {
             ColdReads::Uring => match coldread::read_uring(&mut cold, &mut copy_hits) {
                 Uring::Done(r) => r,

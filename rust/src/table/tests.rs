@@ -1423,7 +1423,7 @@ fn a_gather_whose_known_pages_were_dropped_reads_every_row_and_gets_them_right()
     // The path a slow copy takes: every row read, known or not, none copied from the map.
     let src = t.mapped_rows();
     let mut dst = vec![0u8; ids.len() * src.row_bytes];
-    t.gather_cold(&src, &ids, &mut dst, true).unwrap();
+    t.gather_cold(&src, &ids, &mut dst, true, None).unwrap();
     let after = t.page_stats();
     assert_eq!(after.row_misses - before.row_misses, ids.len() as u64);
     assert_eq!(after.row_hits, before.row_hits);
@@ -1505,4 +1505,45 @@ fn in_page_cache_answers_for_spans_of_any_length() {
             "{off}+{len}"
         );
     }
+}
+
+#[test]
+fn an_ordered_gather_waits_only_before_reading_cold_rows() {
+    let d = TempDir::new();
+    let p = big_table(&d, 16384);
+    let t = open(&p, &name("w")).unwrap();
+    let ids: Vec<i64> = (0..64).map(|i| i * 251 % 16384).collect();
+    let want = t.gather(RowIds::I64(&ids)).unwrap();
+    let mut calls = Vec::new();
+    let mut count = |n| {
+        calls.push(n);
+        Ok(())
+    };
+    let mut got = vec![0u8; want.len()];
+    // Every row read before: known resident, so nothing to wait for.
+    t.gather_into_ordered(RowIds::I64(&ids), &mut got, &mut count)
+        .unwrap();
+    assert_eq!(got, want);
+    // Evicted, half read again: one call (with the cold rows' count) before they are read.
+    t.drop_pages().unwrap();
+    t.gather(RowIds::I64(&ids[..32])).unwrap();
+    let mut got = vec![0u8; want.len()];
+    t.gather_into_ordered(RowIds::I64(&ids), &mut got, &mut count)
+        .unwrap();
+    assert_eq!(got, want);
+    // A bad id is refused before anything, the call included.
+    let e = t
+        .gather_into_ordered(RowIds::I64(&[1 << 40]), &mut got[..256], &mut count)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::RowId);
+    assert_eq!(calls, [32]);
+    // The call's error ends the gather before any read: returned, the rows zeroed.
+    t.drop_pages().unwrap();
+    let before = t.page_stats();
+    let e = t
+        .gather_into_ordered(RowIds::I64(&ids), &mut got, &mut |_| Err(Error::Closed))
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Closed);
+    assert!(got.iter().all(|&b| b == 0));
+    assert_eq!(t.page_stats().pages_read, before.pages_read);
 }

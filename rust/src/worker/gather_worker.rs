@@ -2,7 +2,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -107,6 +107,7 @@ impl GatherWorker {
             armed_seq: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             host_publish: Mutex::new(()),
+            place: OnceLock::new(),
         });
         let sh = shared.clone();
         let thread = std::thread::Builder::new()

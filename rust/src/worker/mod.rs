@@ -24,6 +24,8 @@
 //! * `shared.rs`: the state the handle and the thread share, and its lock order.
 //! * `thread.rs`: the worker thread's loop: wait for a step and its READY, map, gather,
 //!   fill.
+//! * `turn.rs`: [`ReadOrder`], a step's cold reads taken table by table in the order the
+//!   GPU consumes the tables.
 //! * `warm.rs`: [`WarmThreads`], a source's own gather threads held awake while a step
 //!   is armed.
 //! * `pace.rs`: how the worker waits (spin, yield, nap).
@@ -40,6 +42,7 @@ mod shared;
 mod source;
 mod steps;
 mod thread;
+mod turn;
 mod warm;
 
 #[cfg(test)]
@@ -53,4 +56,5 @@ pub use options::{
 pub use row_map::RowMap;
 pub use source::RowSource;
 pub use steps::{Advanced, StepCounts, StepTable, Steps};
+pub use turn::{Place, ReadOrder, ORDER_MAX_READS, READY_GRACE, TURN_LIMIT};
 pub use warm::{WarmThreads, WARM_MAX};

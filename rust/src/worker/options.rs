@@ -63,6 +63,14 @@ pub struct WorkerStats {
     pub expected_rows_early: u64,
     pub expected_rows_late: u64,
     pub expected_rows_wrong: u64,
+    /// In a step object that reads in order
+    /// ([`Steps::read_in_order`](super::Steps::read_in_order)): the steps whose reads
+    /// from storage waited for an earlier table's, how long in all (nanoseconds), and
+    /// the steps that passed an earlier table over (its READY late, or its reads past
+    /// [`TURN_LIMIT`](super::TURN_LIMIT)).
+    pub ordered_waits: u64,
+    pub ordered_wait_ns_total: u64,
+    pub ordered_passed_over: u64,
 }
 
 /// How a worker is set up (beyond its rows, table and row map).

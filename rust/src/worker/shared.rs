@@ -2,12 +2,13 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use super::options::{WorkerOptions, WorkerStats};
 use super::row_map::RowMap;
 use super::source::RowSource;
+use super::turn::Place;
 use crate::cuda::driver::{Kernels, PrimaryContext};
 use crate::cuda::pinned::IdMailbox;
 use crate::deferred::DeferredRows;
@@ -104,6 +105,9 @@ pub(super) struct Shared {
     /// Serialises host publishers: the mailbox holds one step's ids, and the ids must
     /// enter it in step order.
     pub(super) host_publish: Mutex<()>,
+    /// This table's place in its step object's read order, if it has one
+    /// ([`Steps::read_in_order`](super::Steps::read_in_order)).
+    pub(super) place: OnceLock<Place>,
 }
 
 impl Shared {

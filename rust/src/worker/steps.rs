@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::GatherWorker;
+use super::{GatherWorker, Place, ReadOrder};
 use crate::deferred::DeferredRows;
 use crate::error::{Error, ErrorKind, Op, Result};
 
@@ -69,6 +69,7 @@ pub struct Steps {
     armed: AtomicUsize,
     eager: AtomicUsize,
     completed: AtomicUsize,
+    ordered: bool,
 }
 
 impl Steps {
@@ -112,7 +113,55 @@ impl Steps {
             armed: AtomicUsize::new(0),
             eager: AtomicUsize::new(0),
             completed: AtomicUsize::new(0),
+            ordered: false,
         })
+    }
+
+    /// Take each step's reads from storage table by table, in the order the tables were
+    /// given (which must be the order the GPU consumes their rows): see
+    /// [`super::ReadOrder`]. For a model that publishes every table's ids of a step
+    /// before any table's rows are consumed (bounded either way: a table whose READY is
+    /// late is passed over). Refused for tables without workers, with a step in flight,
+    /// or with a worker already in another order.
+    pub fn read_in_order(self) -> Result<Self> {
+        let workers = self.deferred_workers("reading in order")?;
+        if workers.iter().any(|w| w.in_flight() > 0) {
+            return Err(Error::state(
+                Op::Begin,
+                "reading in order starts with no step in flight; complete them first",
+            ));
+        }
+        if workers.iter().any(|w| w.shared.place.get().is_some()) {
+            return Err(Error::invalid(
+                "a worker of these tables already reads in another step object's order",
+            ));
+        }
+        let twice = workers
+            .iter()
+            .enumerate()
+            .any(|(i, w)| workers[..i].iter().any(|v| Arc::ptr_eq(v, w)));
+        if twice {
+            return Err(Error::invalid(
+                "a worker appears twice among the tables of one step object",
+            ));
+        }
+        let order = ReadOrder::new(workers.len());
+        for (i, w) in workers.iter().enumerate() {
+            if w.shared.place.set(Place::new(order.clone(), i)).is_err() {
+                return Err(Error::invalid(
+                    "a worker of these tables joined another step object's order meanwhile",
+                ));
+            }
+        }
+        Ok(Self {
+            ordered: true,
+            ..self
+        })
+    }
+
+    /// Whether the tables read in order ([`Self::read_in_order`]).
+    pub fn reads_in_order(&self) -> bool {
+        self.ordered
     }
 
     pub fn depth(&self) -> usize {

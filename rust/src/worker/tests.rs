@@ -1151,3 +1151,183 @@ fn arming_wakes_a_blocked_worker_and_a_napping_one_sees_it_unwoken() {
     assert_eq!(w.stats().fills, 20);
     w.close();
 }
+
+/// A source whose every gather "reads from storage": `before_reads`, then `read` of
+/// sleep, logging when its read started and ended (table `tag`).
+struct Reading {
+    tag: usize,
+    read: Duration,
+    log: ReadLog,
+}
+
+impl RowSource for Reading {
+    fn rows(&self) -> u64 {
+        10
+    }
+    fn row_bytes(&self) -> usize {
+        4
+    }
+    fn name(&self) -> String {
+        format!("reading{}", self.tag)
+    }
+    fn gather_rows(&self, ids: &[i64], dst: &mut [u8]) -> Result<()> {
+        self.gather_rows_ordered(ids, dst, &mut |_| Ok(()))
+    }
+    fn gather_rows_ordered(
+        &self,
+        ids: &[i64],
+        dst: &mut [u8],
+        before_reads: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        before_reads(ids.len())?;
+        let at = {
+            let mut log = self.log.lock().unwrap();
+            log.push((self.tag, Instant::now(), None));
+            log.len() - 1
+        };
+        std::thread::sleep(self.read);
+        for (row, id) in dst.chunks_mut(4).zip(ids) {
+            row.fill(*id as u8 + 10 * self.tag as u8);
+        }
+        self.log.lock().unwrap()[at].2 = Some(Instant::now());
+        Ok(())
+    }
+}
+
+type ReadLog = Arc<std::sync::Mutex<Vec<(usize, Instant, Option<Instant>)>>>;
+
+/// Three tables of [`Reading`] sources (`read` each), staging `4 x 4` bytes each.
+fn reading_tables(staging: &mut [Vec<u8>; 3], read: Duration) -> (Vec<StepTable>, ReadLog) {
+    let log: ReadLog = Arc::default();
+    let tables = staging
+        .iter_mut()
+        .enumerate()
+        .map(|(tag, s)| {
+            let rows = host_rows(4, 4, s);
+            let src = Arc::new(Reading {
+                tag,
+                read,
+                log: log.clone(),
+            });
+            let w = GatherWorker::new(rows.clone(), src, RowMap::Identity, opts(4, 8));
+            StepTable {
+                rows,
+                worker: Some(Arc::new(w.unwrap())),
+            }
+        })
+        .collect();
+    (tables, log)
+}
+
+/// One step: table 0's ids first and, once its read started, the others' (later first).
+fn publish_step(steps: &Steps, log: &ReadLog, step: usize) {
+    steps.advance(2, false, never).unwrap();
+    steps.publish_host(0, &[1, 2]).unwrap();
+    wait_for("table 0's read", || {
+        log.lock().unwrap().len() > step * 3 || steps.in_flight() == 0
+    });
+    std::thread::sleep(Duration::from_millis(1));
+    steps.publish_host(2, &[3]).unwrap();
+    steps.publish_host(1, &[4, 5]).unwrap();
+    steps.settle(0, waits).unwrap();
+}
+
+#[test]
+fn reading_in_order_takes_a_steps_reads_table_by_table() {
+    let read = Duration::from_millis(8);
+    // Unordered: the later tables read while table 0 still reads.
+    let mut staging = [vec![0u8; 16], vec![0u8; 16], vec![0u8; 16]];
+    let (tables, log) = reading_tables(&mut staging, read);
+    let steps = Steps::new(tables.clone(), 1, T).unwrap();
+    assert!(!steps.reads_in_order());
+    // Table 0's read starts only once the others' ids are in (its gather logs at the end).
+    publish_step(&steps, &log, 0);
+    let l = log.lock().unwrap().clone();
+    let start = |tag: usize| l.iter().find(|e| e.0 == tag).unwrap().1;
+    let end = |tag: usize| l.iter().find(|e| e.0 == tag).unwrap().2.unwrap();
+    assert!(
+        start(1) < end(0) && start(2) < end(0),
+        "unordered reads overlap"
+    );
+    steps.close();
+    // In order: each table's read starts after the one before it ended, step after step,
+    // and the waits are counted.
+    let mut staging = [vec![0u8; 16], vec![0u8; 16], vec![0u8; 16]];
+    let (tables, log) = reading_tables(&mut staging, read);
+    let ws = workers_of(&tables);
+    let steps = Steps::new(tables.clone(), 1, T)
+        .unwrap()
+        .read_in_order()
+        .unwrap();
+    assert!(steps.reads_in_order());
+    for step in 0..3 {
+        publish_step(&steps, &log, step);
+        let l = log.lock().unwrap().clone();
+        let this = &l[step * 3..];
+        let at = |tag: usize| *this.iter().find(|e| e.0 == tag).unwrap();
+        assert!(
+            at(1).1 >= at(0).2.unwrap() && at(2).1 >= at(1).2.unwrap(),
+            "step {step}: {this:?}"
+        );
+    }
+    assert_eq!(staging[1][..8], [14, 14, 14, 14, 15, 15, 15, 15]);
+    let st: Vec<WorkerStats> = ws.iter().map(|w| w.stats()).collect();
+    assert_eq!(st[0].ordered_waits, 0, "the first table never waits");
+    for s in &st[1..] {
+        assert_eq!((s.ordered_waits, s.ordered_passed_over), (3, 0), "{s:?}");
+        assert!(s.ordered_wait_ns_total >= 3 * 5_000_000, "{s:?}");
+    }
+    // Refused: twice, and once closed.
+    let e = Steps::new(tables.clone(), 1, T)
+        .unwrap()
+        .read_in_order()
+        .err()
+        .unwrap();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    steps.close();
+}
+
+#[test]
+fn a_table_whose_ready_never_comes_is_passed_over_and_an_abort_ends_a_wait() {
+    let mut staging = [vec![0u8; 16], vec![0u8; 16], vec![0u8; 16]];
+    let (tables, log) = reading_tables(&mut staging, Duration::from_millis(1));
+    let ws = workers_of(&tables);
+    let steps = Steps::new(tables.clone(), 1, T)
+        .unwrap()
+        .read_in_order()
+        .unwrap();
+    steps.advance(2, false, never).unwrap();
+    // Table 0's ids never come: tables 1 and 2 read after the grace, not after the GPU.
+    let t0 = Instant::now();
+    steps.publish_host(1, &[1]).unwrap();
+    steps.publish_host(2, &[1]).unwrap();
+    wait_for("two reads", || log.lock().unwrap().len() == 2);
+    assert!(t0.elapsed() < TURN_LIMIT, "{:?}", t0.elapsed());
+    wait_for("both counted", || {
+        ws[1..].iter().all(|w| w.stats().ordered_passed_over == 1)
+    });
+    steps.abort("test");
+    steps.close();
+    // A wait for a table that is reading ends at an abort of the waiting table's rows.
+    let mut staging = [vec![0u8; 16], vec![0u8; 16], vec![0u8; 16]];
+    let (tables, log) = reading_tables(&mut staging, Duration::from_millis(1500));
+    let steps = Steps::new(tables.clone(), 1, T)
+        .unwrap()
+        .read_in_order()
+        .unwrap();
+    steps.advance(2, false, never).unwrap();
+    steps.publish_host(0, &[1]).unwrap();
+    std::thread::sleep(Duration::from_millis(5));
+    steps.publish_host(1, &[1]).unwrap();
+    std::thread::sleep(Duration::from_millis(5));
+    let t0 = Instant::now();
+    tables[1].rows.abort("test");
+    tables[1].worker.as_ref().unwrap().close();
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    assert!(
+        log.lock().unwrap().iter().all(|e| e.0 != 1),
+        "table 1 never read"
+    );
+    steps.abort("done");
+    steps.close();
+}

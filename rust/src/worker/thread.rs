@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use super::options::IDLE_NAP;
 use super::pace::{pause, ReadyPredictor, NAP, SLEEP_CHUNK};
 use super::shared::{Ctl, Shared};
+use super::turn::Waited;
 use super::warm::WarmThreads;
 use crate::error::{Error, Op, Result};
 
@@ -117,7 +118,63 @@ impl Shared {
         }
     }
 
-    pub(super) fn fill_step(&self, ids: &mut Vec<i64>, rows: &mut Vec<i64>) -> Result<usize> {
+    /// The wait for this worker's turn among its step object's tables before a step's
+    /// reads from storage: once a step (`waited` keeps what it did), nothing without a
+    /// place in a read order. A step given up meanwhile (stopping, its rows released) is
+    /// not read: the rows' cause is the error.
+    fn before_reads<'a>(
+        &'a self,
+        waited: &'a mut Option<Waited>,
+    ) -> impl FnMut(usize) -> Result<()> + 'a {
+        move |reads| {
+            let Some(place) = self.place.get() else {
+                return Ok(());
+            };
+            if waited.is_none() {
+                *waited = Some(place.wait(reads, || self.giving_up()));
+            }
+            if self.giving_up() {
+                return Err(self.given_up());
+            }
+            Ok(())
+        }
+    }
+
+    /// Why a step was given up: its rows' abort cause, else closed.
+    fn given_up(&self) -> Error {
+        self.rows
+            .poison_cause()
+            .map_or(Error::Closed, |cause| Error::Poisoned { cause })
+    }
+
+    /// The worker saw READY of its step (for the tables after it in a read order).
+    fn saw_ready(&self) {
+        if let Some(p) = self.place.get() {
+            p.saw_ready();
+        }
+    }
+
+    /// The worker is done with its step: mark it handled and pass its turn, under `ctl`.
+    fn handled(&self, ctl: &mut Ctl, step: u64, waited: Option<Waited>) {
+        ctl.handled = ctl.handled.max(step);
+        if let Some(p) = self.place.get() {
+            p.done();
+        }
+        if let Some(w) = waited.filter(|w| w.ns > 0 || w.passed_over) {
+            let st = &mut ctl.stats;
+            st.ordered_waits += u64::from(w.ns > 0);
+            st.ordered_wait_ns_total += w.ns;
+            st.ordered_passed_over += u64::from(w.passed_over);
+        }
+        self.cv.notify_all();
+    }
+
+    pub(super) fn fill_step(
+        &self,
+        ids: &mut Vec<i64>,
+        rows: &mut Vec<i64>,
+        waited: &mut Option<Waited>,
+    ) -> Result<usize> {
         let count = self.mailbox().take(ids);
         let Some(extent) = self.rows.step_rows() else {
             // Aborted (or closed) since READY was seen: the abort's cause is the error,
@@ -137,12 +194,13 @@ impl Shared {
             .map(ids, rows, self.source.rows(), &self.source.name())?;
         let src = &self.source;
         let skip = self.opts.skip_gather;
+        let mut before_reads = self.before_reads(waited);
         self.rows
             .fill_with(rows.len(), Duration::from_secs(1), |dst| {
                 if skip {
                     return Ok(());
                 }
-                src.gather_rows(rows, dst)
+                src.gather_rows_ordered(rows, dst, &mut before_reads)
             })?;
         Ok(count)
     }
@@ -157,13 +215,15 @@ pub(super) struct ExpectedFill {
 }
 
 /// Gather `rows[a..b]` into `dst`'s rows `a..b` for every maximal run of positions where
-/// `pick` holds (rows are contiguous per run, so a prompt's chunk is one gather).
+/// `pick` holds (rows are contiguous per run, so a prompt's chunk is one gather);
+/// `before_reads` as for [`super::RowSource::gather_rows_ordered`].
 fn gather_runs(
     src: &dyn super::source::RowSource,
     rows: &[i64],
     dst: &mut [u8],
     rb: usize,
     pick: impl Fn(usize) -> bool,
+    before_reads: &mut dyn FnMut(usize) -> Result<()>,
 ) -> Result<usize> {
     let (mut i, mut done) = (0, 0);
     while i < rows.len() {
@@ -175,7 +235,7 @@ fn gather_runs(
         while i < rows.len() && pick(i) {
             i += 1;
         }
-        src.gather_rows(&rows[a..i], &mut dst[a * rb..i * rb])?;
+        src.gather_rows_ordered(&rows[a..i], &mut dst[a * rb..i * rb], before_reads)?;
         done += i - a;
     }
     Ok(done)
@@ -208,6 +268,7 @@ impl Shared {
         ids: &mut Vec<i64>,
         rows: &mut Vec<i64>,
         t_ready: &mut Option<Instant>,
+        waited: &mut Option<Waited>,
     ) -> Result<Option<ExpectedFill>> {
         let t0 = Instant::now();
         while !self.rows.slot_free() {
@@ -231,9 +292,11 @@ impl Shared {
             late: 0,
             wrong: 0,
         };
+        let mut before_reads = self.before_reads(waited);
         let filled = self.rows.fill_with(k, Duration::from_secs(1), |dst| {
             if !skip {
-                out.early = gather_runs(src, &guess, dst, rb, |i| guess[i] >= 0)?;
+                // Before READY: no turn (the earlier tables may not have theirs yet).
+                out.early = gather_runs(src, &guess, dst, rb, |i| guess[i] >= 0, &mut |_| Ok(()))?;
             }
             let t = Instant::now();
             while !self.mailbox().is_ready() {
@@ -245,6 +308,7 @@ impl Shared {
             }
             *t_ready = Some(Instant::now());
             self.rows.watch(step);
+            self.saw_ready();
             let count = self.mailbox().take(ids);
             if count > ids.len() || count > k {
                 return Err(Error::rows(format!(
@@ -262,7 +326,7 @@ impl Shared {
                 .count();
             out.count = count;
             if !skip {
-                gather_runs(src, rows, dst, rb, differs)?;
+                gather_runs(src, rows, dst, rb, differs, &mut before_reads)?;
             }
             dst[count * rb..].fill(0);
             Ok(())
@@ -304,8 +368,7 @@ pub(super) fn run(sh: &Shared) {
             // complete() returns (it then reports the rows' own state).
             let mut ctl = sh.ctl();
             ctl.stats.warmed_steps += warmed;
-            ctl.handled = ctl.handled.max(step);
-            sh.cv.notify_all();
+            sh.handled(&mut ctl, step, None);
             continue;
         }
         let t_ready = Instant::now();
@@ -314,9 +377,11 @@ pub(super) fn run(sh: &Shared) {
         }
         // The GPU reached the step: from now on it may be waiting for these rows.
         sh.rows.watch(step);
+        sh.saw_ready();
+        let mut waited = None;
         // A panic here (a bug) must still release the GPU: it becomes the step's error.
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            sh.fill_step(&mut ids, &mut rows)
+            sh.fill_step(&mut ids, &mut rows, &mut waited)
         }))
         .unwrap_or_else(|_| {
             Err(Error::state(
@@ -334,8 +399,7 @@ pub(super) fn run(sh: &Shared) {
             Ok(count) => ctl.count_fill(step, count, ns, t_ready - armed_at),
             Err(e) => sh.fail_step(&mut ctl, e),
         }
-        ctl.handled = ctl.handled.max(step);
-        sh.cv.notify_all();
+        sh.handled(&mut ctl, step, waited);
     }
 }
 
@@ -349,9 +413,9 @@ fn run_expected(
     rows: &mut Vec<i64>,
     armed_at: Instant,
 ) {
-    let mut t_ready = None;
+    let (mut t_ready, mut waited) = (None, None);
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        sh.fill_expected(step, expected, ids, rows, &mut t_ready)
+        sh.fill_expected(step, expected, ids, rows, &mut t_ready, &mut waited)
     }))
     .unwrap_or_else(|_| {
         Err(Error::state(
@@ -374,6 +438,5 @@ fn run_expected(
         Ok(None) => {} // released or stopping before READY: nothing to fill
         Err(e) => sh.fail_step(&mut ctl, e),
     }
-    ctl.handled = ctl.handled.max(step);
-    sh.cv.notify_all();
+    sh.handled(&mut ctl, step, waited);
 }
