@@ -167,6 +167,9 @@ MMAP_VARIANTS: dict[str, dict[str, Any]] = {
     # Diagnostics: the protocol (publish, waits, copies) without the host's gather; the
     # rows are stale and the tokens wrong, only the timing counts.
     "mmap-nogather": {"diag_skip_gather": True},
+    # Every table's reads from storage of a step at once, as before reads took the layers'
+    # order (read_in_order off): what the order saves on a table that misses the page cache.
+    "mmap-unordered": {"read_in_order": False},
     # A Gemma model's rows joined after the projection at the top of the forward, as before
     # the late join (which, in a model run eagerly, joins them at decoder layer 0's gate).
     "mmap-early": {"diag_early_join": True},
@@ -373,6 +376,7 @@ def engine_argv(args: argparse.Namespace, backend: str) -> list[str]:
             "predict_ready",
             "diag_early_join",
             "split_rows",
+            "read_in_order",
         ):
             if key in variant:
                 ours[key] = variant[key]

@@ -11,6 +11,8 @@ for token:
 * the GPU table (``cpu_offload=False``), the mmap backend with async scheduling on and
   off, BF16 and FP8 tables; the mmap engines must really have deferred (armed replays);
 * a KV cache small enough that running requests are preempted and recomputed;
+* the checkpoint evicted from the page cache every 2 ms while an engine serves: steps read
+  their rows from storage, the tables in layer order;
 * engines shut down and built again in one process, one after the other;
 * faults: a table file removed under a running engine (nothing changes: the open file
   holds it), then one truncated (a typed error naming the file comes out of the engine, no
@@ -124,6 +126,10 @@ def _rows_stats(worker: Any) -> dict[str, Any]:
         # Steps that kept a table's own gather threads awake while armed (per layer).
         "warmed": {n: int(w.warmed_steps) for n, (_, w) in stats.items() if w is not None},
         "own_threads": {n: layer.table.gather_threads for n, layer in hooks.steps.tables.items()},
+        # The tables' reads from storage in layer order, and each worker's waits for them.
+        "in_order": hooks.steps.reads_in_order,
+        "tables": list(hooks.steps.names),
+        "ordered_waits": {n: int(w.ordered_waits) for n, (_, w) in stats.items() if w is not None},
         "copy": sorted({layer.rows.copy for layer in hooks.steps}),
     }
 
@@ -197,8 +203,49 @@ def test_tokens_equal_the_stock_engine(
             n: (lead if n == first else None) for n in stats["own_threads"]
         }, stats
         assert all(v == 0 for v in stats["warmed"].values()), stats
+        # Qwen4Exp stages every table at the top: its tables read in layer order.
+        layers = [int(n.split("layers.")[1].split(".")[0]) for n in stats["tables"]]
+        assert stats["in_order"] and layers == sorted(layers), stats
     else:
         assert stats == {"hooks": False}
+
+
+def test_tables_evicted_while_serving_read_in_layer_order_with_the_stock_engines_tokens(
+    checkpoints: dict[str, Path], stock_bf16: list[list[list[int]]]
+) -> None:
+    """A thread evicts the checkpoint's files from the page cache every 2 ms while the
+    engine serves (``POSIX_FADV_DONTNEED``, behind the tables' back, as memory pressure
+    would): steps read their rows from storage, the later tables after the earlier ones,
+    and the tokens stay the stock engine's."""
+    import threading
+
+    files = sorted(checkpoints["bf16"].glob("*.safetensors"))
+    stop = threading.Event()
+
+    def evict() -> None:
+        while not stop.wait(0.002):
+            for f in files:
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+    llm = _engine(checkpoints["bf16"], "mmap")
+    evictor = threading.Thread(target=evict, daemon=True)
+    evictor.start()
+    try:
+        got, stats, _ = _serve(llm)
+    finally:
+        stop.set()
+        evictor.join()
+    print(f"\nevicted while serving: {stats}")
+    assert_same_tokens(stock_bf16, got)
+    assert stats["mode"] == "deferred" and stats["in_order"], stats
+    assert stats["aborts"] == 0 and stats["watchdog_releases"] == 0, stats
+    first, *later = stats["tables"]
+    assert stats["ordered_waits"][first] == 0, stats
+    assert sum(stats["ordered_waits"][n] for n in later) > 0, stats
 
 
 @pytest.fixture(scope="module")

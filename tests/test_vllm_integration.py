@@ -1321,6 +1321,20 @@ def test_settings_split_rows() -> None:
         S.for_engine({"ple_memops": {"split_rows": 2}}, {})
 
 
+def test_settings_read_in_order() -> None:
+    S = settings.Settings
+    assert S.from_env({}).read_in_order and S().read_in_order  # on by default
+    assert not S.from_env({"PLE_MEMOPS_READ_IN_ORDER": "0"}).read_in_order
+    assert S.from_env({"PLE_MEMOPS_READ_IN_ORDER": ""}).read_in_order
+    off = S.for_engine({"ple_memops": {"read_in_order": False}}, {})
+    assert not off.read_in_order and off == S(read_in_order=False)
+    assert S.for_engine({"ple_memops": {"read_in_order": None}}, {}).read_in_order
+    with pytest.raises(InvalidArgumentError, match="PLE_MEMOPS_READ_IN_ORDER must be"):
+        S.from_env({"PLE_MEMOPS_READ_IN_ORDER": "maybe"})
+    with pytest.raises(InvalidArgumentError, match=r"\['read_in_order'\] must be 1 or 0"):
+        S.for_engine({"ple_memops": {"read_in_order": 2}}, {})
+
+
 def test_settings_first_layer_threads() -> None:
     S = settings.Settings
     assert S.from_env({}).first_layer_threads is None

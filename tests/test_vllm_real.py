@@ -743,6 +743,14 @@ def test_model_loads_without_its_tables_and_rows_match_the_device_table(
     ours = logging.getLogger("ple_memops")
     ours.addHandler(caplog.handler)  # the plugin routes it to vLLM's handler, not the root's
     monkeypatch.setenv("PLE_MEMOPS_FIRST_LAYER_THREADS", "3")
+    built: list[tuple[list[str], bool]] = []
+
+    def spy(tables: Any, **kw: Any) -> Any:
+        built.append((list(tables), kw["read_in_order"]))
+        return build_hooks(tables, **kw)
+
+    build_hooks = runner.build_hooks
+    monkeypatch.setattr(runner, "build_hooks", spy)
     try:
         with caplog.at_level(logging.WARNING, logger="ple_memops"):
             with set_current_vllm_config(mmap_cfg):
@@ -750,6 +758,12 @@ def test_model_loads_without_its_tables_and_rows_match_the_device_table(
     finally:
         ours.removeHandler(caplog.handler)
         monkeypatch.delenv("PLE_MEMOPS_FIRST_LAYER_THREADS")
+        monkeypatch.setattr(runner, "build_hooks", build_hooks)
+    # Qwen4Exp stages every table at the top: its tables read in layer order (the steps'
+    # tables in that order; host tables here, with no workers, have none to keep).
+    ((names, in_order),) = built
+    layer_of = [int(n.split("layers.")[1].split(".")[0]) for n in names]
+    assert in_order and layer_of == sorted(layer_of) and len(layer_of) > 1, names
     assert hooks is not None and hooks.steps.mode == "host"
     by_layer = sorted(
         (

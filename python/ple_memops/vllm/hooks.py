@@ -995,6 +995,7 @@ def build_hooks(
     stats_every: float | None = None,
     time_stalls: bool = False,
     skip_gather: bool = False,
+    read_in_order: bool = False,
 ) -> PleRunnerHooks:
     """Build the tables' :class:`~ple_memops.steps.Steps` (name ->
     :class:`~ple_memops.MmapTable`, outside any capture) and the runner hooks around them.
@@ -1004,7 +1005,9 @@ def build_hooks(
     default), ``predict_ready``: placed where READY is expected
     (:class:`~ple_memops.GatherWorker`); ``stats_every``: see :class:`PleRunnerHooks`;
     ``time_stalls``: time each layer's consumer stall on the GPU (in the stats line);
-    ``skip_gather``: diagnostics only (wrong rows), see :class:`~ple_memops.GatherWorker`."""
+    ``skip_gather``: diagnostics only (wrong rows), see :class:`~ple_memops.GatherWorker`;
+    ``read_in_order``: each step's reads from storage in the order of ``tables``, which
+    must be the order their layers consume them (:attr:`Steps.reads_in_order`)."""
     steps = Steps.build(
         dict(tables),
         max_rows=max_rows,
@@ -1019,6 +1022,7 @@ def build_hooks(
         predict_ready=predict_ready,
         time_stalls=time_stalls,
         skip_gather=skip_gather,
+        read_in_order=read_in_order,
         log_fallback=False,  # the engine's integration says it once, with what it changes
     )
     try:

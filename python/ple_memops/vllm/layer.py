@@ -49,6 +49,10 @@ class MmapTableLayer(ABC):
         ple_memops_own_threads: the gather threads of its own this table takes when it
             is the one that gets ``first_layer_threads`` and that setting is unset
             (``None``, the default: the shared pool; a split Gemma row's rest: 8).
+        ple_memops_staged_first: whether the model stages every table's rows of a step
+            before it joins any (all at the top of the forward): its tables may then read
+            from storage in layer order (the ``read_in_order`` setting), which is for such
+            models only.
     """
 
     ple_memops_name: str
@@ -57,6 +61,7 @@ class MmapTableLayer(ABC):
     ple_memops_ids_source: ClassVar[bool] = False
     ple_memops_lead_threads: bool = True
     ple_memops_own_threads: int | None = None
+    ple_memops_staged_first: ClassVar[bool] = False
 
     @abstractmethod
     def ple_memops_layer_index(self) -> int:

@@ -73,6 +73,8 @@ class Qwen4ExpPLEMmapEmbedding(Qwen4ExpPLEEmbedding, MmapTableLayer):
     supports_prefetch: ClassVar[bool] = True
     # `_note_ids_source` gives synchronous tables' FULL graphs vLLM's own id computation.
     ple_memops_ids_source: ClassVar[bool] = True
+    # `_stage_all_at_top` stages every PLE layer before decoder layer 0.
+    ple_memops_staged_first: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -156,7 +156,8 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
     gather synchronously before their consumer and FULL CUDA graphs are kept where the
     model can recompute its ids before a replay (else turned off), with one warning naming
     the reason. ``None`` when the model has no mmap PLE table."""
-    layers = find_tables(runner.model)
+    # In the order the forward consumes their rows (the order reads take, when in order).
+    layers = sorted(find_tables(runner.model), key=lambda m: m.ple_memops_layer_index())
     if not layers:
         return None
     settings = engine_settings(runner.vllm_config)
@@ -213,6 +214,7 @@ def attach_runner(runner: Any) -> PleRunnerHooks | None:
             time_stalls=settings.time_stalls,
             skip_gather=settings.diag_skip_gather,
             sync_graphs=ids_source,
+            read_in_order=settings.read_in_order and all(m.ple_memops_staged_first for m in layers),
         )
         raw = os.environ.get(FORCE_SYNC_ENV)
         forced = forced_sync(raw, _world_rank())

@@ -7,8 +7,9 @@ Two sources, the second overriding the first field by field:
   ``PLE_MEMOPS_TABLE_BACKEND=mmap`` (``default`` or unset: off), ``PLE_MEMOPS_TIMEOUT``
   (seconds, default 30), ``PLE_MEMOPS_COPY``, ``PLE_MEMOPS_SPIN``,
   ``PLE_MEMOPS_STATS_EVERY``, ``PLE_MEMOPS_FIRST_LAYER_THREADS``, ``PLE_MEMOPS_TIME_STALLS``,
-  ``PLE_MEMOPS_PREDICT_READY``, ``PLE_MEMOPS_TIME_GRAPHS``, ``PLE_MEMOPS_SPLIT_ROWS`` and
-  the diagnostic ``PLE_MEMOPS_DIAG_SKIP_GATHER`` (see :class:`Settings`);
+  ``PLE_MEMOPS_PREDICT_READY``, ``PLE_MEMOPS_TIME_GRAPHS``, ``PLE_MEMOPS_SPLIT_ROWS``,
+  ``PLE_MEMOPS_READ_IN_ORDER`` and the diagnostic ``PLE_MEMOPS_DIAG_SKIP_GATHER`` (see
+  :class:`Settings`);
 * an engine's ``additional_config={"ple_memops": {"table_backend": "mmap", "timeout": 60}}``
   (``--additional-config`` on the command line), which is part of vLLM's config hash.
 
@@ -69,6 +70,7 @@ PREDICT_READY_ENV = "PLE_MEMOPS_PREDICT_READY"
 TIME_GRAPHS_ENV = "PLE_MEMOPS_TIME_GRAPHS"
 EARLY_JOIN_ENV = "PLE_MEMOPS_DIAG_EARLY_JOIN"
 SPLIT_ROWS_ENV = "PLE_MEMOPS_SPLIT_ROWS"
+READ_IN_ORDER_ENV = "PLE_MEMOPS_READ_IN_ORDER"
 
 REMOVED = {
     "expect_prefill": (
@@ -244,6 +246,16 @@ class Settings:
     compiled model (Inductor places its join) or on Qwen4Exp (a row is one layer's).
     Measured on Gemma 4 E4B at c64 on an H200: +4.1% ITL p50 over the GPU table with
     whole rows, +0.4% split with the rest on threads of its own (BENCHMARKS.md)."""
+    read_in_order: bool = True
+    """On by default (``0`` turns it off). The tables' reads from storage of a step are
+    taken table by table in the order of the layers that consume them
+    (:attr:`~ple_memops.steps.Steps.reads_in_order`): a table that misses the page cache
+    waits (bounded) for the earlier layers' reads of the same step, so the first PLE
+    layer's rows, which the GPU waits for first, are not read behind every later layer's
+    and the later reads overlap the layers before their consumers. Batches of more than
+    128 cold rows a table read together as before. For models that stage every table at
+    the top of the forward (Qwen4Exp, a split Gemma row); no effect while the tables are
+    resident."""
 
     @property
     def mmap(self) -> bool:
@@ -272,6 +284,7 @@ class Settings:
             _switch(env.get(TIME_GRAPHS_ENV), TIME_GRAPHS_ENV),
             _switch(env.get(EARLY_JOIN_ENV), EARLY_JOIN_ENV),
             _switch(env.get(SPLIT_ROWS_ENV), SPLIT_ROWS_ENV, default=True),
+            _switch(env.get(READ_IN_ORDER_ENV), READ_IN_ORDER_ENV, default=True),
         )
 
     @classmethod
@@ -315,6 +328,7 @@ class Settings:
                 "time_graphs",
                 "diag_early_join",
                 "split_rows",
+                "read_in_order",
             ):
                 # Empty is the field's default (a class attribute of the dataclass).
                 changes[key] = _switch(value, where, default=getattr(cls, key))
@@ -336,6 +350,7 @@ KEYS = (
     "time_graphs",
     "diag_early_join",
     "split_rows",
+    "read_in_order",
 )
 """The keys ``additional_config["ple_memops"]`` may hold (:class:`Settings`' fields)."""
 

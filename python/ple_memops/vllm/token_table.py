@@ -84,6 +84,8 @@ class PerLayerTokenTable(nn.Module, MmapTableLayer):
     module). Built with ``VocabParallelEmbedding``'s arguments."""
 
     ple_memops_heads = 1
+    # stage() stages a split row's rest with decoder layer 0's slice, before either joins.
+    ple_memops_staged_first: ClassVar[bool] = True
 
     def __init__(
         self,
