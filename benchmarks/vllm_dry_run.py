@@ -372,6 +372,8 @@ def check_serve_args(args: argparse.Namespace, ckpt: Path) -> bool:
                 raise AssertionError(f"{b}: predict_ready {ours.predict_ready}")
             if ours.split_rows != (b != "mmap-whole"):
                 raise AssertionError(f"{b}: split_rows {ours.split_rows}")
+            if ours.read_in_order != (b != "mmap-unordered"):
+                raise AssertionError(f"{b}: read_in_order {ours.read_in_order}")
             if ours.first_layer_threads != variant.get("first_layer_threads"):
                 raise AssertionError(f"{b}: first_layer_threads {ours.first_layer_threads}")
             engram = ea.engram_config
