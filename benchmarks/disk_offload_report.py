@@ -7,7 +7,8 @@
   against the share, a panel per load;
 * which GPU (and so which lent host) measured which shares, where they come from more
   than one (``meta["gpu_uuid"]``): shares then compare only within a host;
-* the pairs at each share and load: ``mmap`` against ``disk`` (ITL p50 and tok/s, %) and
+* the pairs at each share and load: ``mmap`` against ``disk`` (or the ``--pair``s asked
+  for, e.g. ``mmap:mmap-unordered``; ITL p50 and tok/s, %) and
   each backend against its replica (``mmap.2``: the A/A pair, what the run resolves);
 * where each step's time goes at each share: the engine's wait a step (``disk``: vLLM's
   staging call, its reads in it; ``mmap``: the wait for a step's results) and what the
@@ -141,16 +142,19 @@ def _pct(a: float, b: float) -> str:
 
 
 def residency_pairs_table(
-    docs: list[dict[str, Any]], ours: str = "mmap", theirs: str = "disk"
+    docs: list[dict[str, Any]], pairs: list[tuple[str, str]] | None = None
 ) -> str:
-    """A row per load and share: ``ours`` against ``theirs`` (ITL p50 and tok/s, %), and
-    the A/A pair (every backend that has a replica, ``mmap.2`` against ``mmap``): what
-    the run resolves. A pair a run lacks is ``-``."""
+    """A row per load and share: each of ``pairs`` (default ``mmap`` against ``disk``;
+    ITL p50 and tok/s, %), and the A/A pair (every backend that has a replica, ``mmap.2``
+    against ``mmap``): what the run resolves. A pair a run lacks is ``-``; a pair whose
+    first backend no run has is left out."""
     points = residency_points(docs)
     keys = sorted({(load, share) for (_, load), per in points.items() for share in per},
                   key=lambda k: (_load_key(k[0]), -k[1]))  # fmt: skip
     replicas = sorted({b for b, _ in points if base_backend(b) != b})
-    if not keys or (ours not in {b for b, _ in points} and not replicas):
+    ran = {b for b, _ in points}
+    pairs = [(a, b) for a, b in (pairs or [("mmap", "disk")]) if a in ran]
+    if not keys or (not pairs and not replicas):
         return ""
 
     def pair(a: str, b: str, load: str, share: float) -> str:
@@ -160,11 +164,11 @@ def residency_pairs_table(
         itl = _pct(pa["itl_p50_ms"], pb["itl_p50_ms"])
         return f"{itl}, {_pct(pa['tok_s'], pb['tok_s'])}"
 
-    head = f"| load | resident | {ours} vs {theirs}: ITL, tok/s |"
+    head = "| load | resident |" + "".join(f" {a} vs {b}: ITL, tok/s |" for a, b in pairs)
     head += "".join(f" A/A {r} vs {base_backend(r)}: ITL, tok/s |" for r in replicas)
-    lines = [head, "|---|---|---|" + "---|" * len(replicas)]
+    lines = [head, "|---|---|" + "---|" * (len(pairs) + len(replicas))]
     for load, share in keys:
-        cells = [pair(ours, theirs, load, share)]
+        cells = [pair(a, b, load, share) for a, b in pairs]
         cells += [pair(r, base_backend(r), load, share) for r in replicas]
         lines.append(f"| {load} | {share:.0%} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -355,7 +359,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="bench_cold.py host's output on the runs' host (a text file, or a "
                         "run's logs .tgz holding storage_floor.txt): reads/s against its "
                         "QD64 IOPS")  # fmt: skip
+    p.add_argument("--pair", action="append", default=None, metavar="OURS:THEIRS",
+                   help="a pair of backends to set side by side at each share and load "
+                        "(repeatable; default mmap:disk), e.g. mmap:mmap-unordered")  # fmt: skip
     args = p.parse_args(argv)
+    pairs = []
+    for text in args.pair or ["mmap:disk"]:
+        a, sep, b = text.partition(":")
+        if not (a and sep and b):
+            print(f"disk_offload_report: --pair {text!r}: OURS:THEIRS", file=sys.stderr)
+            return 2
+        pairs.append((a, b))
     floor = None
     if args.floor is not None:
         try:
@@ -378,8 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         print("Residency\n\n" + res + "\n")
         if hosts := residency_hosts(docs):
             print(hosts + "\n")
-        if pairs := residency_pairs_table(docs):
-            print("Pairs (the A/A: what the run resolves)\n\n" + pairs + "\n")
+        if table := residency_pairs_table(docs, pairs):
+            print("Pairs (the A/A: what the run resolves)\n\n" + table + "\n")
         if floor:
             print(f"The storage floor: QD16 {floor[16]:,.0f} IOPS, QD64 {floor[64]:,.0f} IOPS\n")
         io = residency_io_table(docs, floor)

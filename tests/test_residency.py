@@ -207,6 +207,20 @@ def test_the_disk_offload_report_draws_the_residency_curve_and_the_servers_memor
     assert "| c64 | 10% | -62.5%, +166.7% | -2.4%, +2.5% |" in pairs
     assert "| c64 | 100% | -10.0%, +11.1% | - |" in pairs  # no replica at that share
     assert rep.residency_pairs_table([docs[2]]) == ""  # no residency run
+    # other pairs, asked for: one column each, in the order asked; a backend no run has:
+    # left out
+    three = _doc(
+        0.0,
+        ["disk", "mmap", "mmap-unordered"],
+        {("disk", "c1"): 100.0, ("mmap", "c1"): 125.0, ("mmap-unordered", "c1"): 110.0},
+    )
+    asked = [("mmap", "mmap-unordered"), ("mmap", "disk"), ("mmap-lead", "disk")]
+    pairs = rep.residency_pairs_table([three], asked)
+    assert (
+        "| load | resident | mmap vs mmap-unordered: ITL, tok/s | mmap vs disk: ITL, tok/s |"
+        in (pairs)
+    )
+    assert "| c1 | 0% | -12.0%, +13.6% | -20.0%, +25.0% |" in pairs
     # a load that did not finish: its requests that failed are named beside its figures
     late = _doc(0.0, ["disk", "mmap"], {("disk", "c64"): 200.0, ("mmap", "c64"): 250.0})
     for r in late["runs"]:  # type: ignore[union-attr]
@@ -252,6 +266,11 @@ def test_the_disk_offload_report_draws_the_residency_curve_and_the_servers_memor
     bad = tmp_path / "bad.json"
     bad.write_text("{")
     assert rep.main([str(bad)]) == 2
+    assert rep.main([str(paths[1]), "--pair", "mmap"]) == 2  # not OURS:THEIRS
+    capsys.readouterr()
+    assert rep.main([str(paths[1]), "--pair", "disk:mmap", "--pair", "mmap:disk"]) == 0
+    out = capsys.readouterr().out
+    assert "| load | resident | disk vs mmap: ITL, tok/s | mmap vs disk: ITL, tok/s |" in out
 
 
 def test_the_cold_benchmark_writes_its_table_into_a_folder_it_makes(tmp_path: Path) -> None:
