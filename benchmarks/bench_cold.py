@@ -139,6 +139,12 @@ def fio_floor(path: Path, depth: int, batch: bool, secs: float) -> dict[str, flo
     return {"iops": float(read["iops"]), "clat_us": float(read["clat_ns"]["mean"]) / 1e3}
 
 
+def reads_together_us(path: Path, n: int, trials: int = 30) -> float:
+    """The median time of ``n`` random 4 KiB ``O_DIRECT`` reads of ``path`` submitted
+    together, in us (the floor of a gather of ``n`` cold rows)."""
+    return statistics.median(_native._bench_read_batches(str(path), n, trials, True, n)) * 1e6
+
+
 def probe_floor(path: Path, quick: bool) -> dict[str, Any]:
     """The package's io_uring probe: O_DIRECT random 4 KiB reads (buffered reads of an
     evicted file where O_DIRECT is refused)."""

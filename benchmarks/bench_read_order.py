@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_cold import reads_together_us
 from safetensors.numpy import save_file
 
 import ple_memops as pm
-from ple_memops import _native
 from ple_memops.steps import Steps, StepTable
 
 ROW_BYTES = 320  # a Qwen4Exp BF16 row
@@ -96,11 +96,6 @@ def one_step(
     return time.perf_counter() - t0, done
 
 
-def floor(path: Path, n: int) -> float:
-    """``n`` random 4 KiB reads of the file submitted together (O_DIRECT): median us."""
-    return statistics.median(_native._bench_read_batches(str(path), n, 30, True, n)) * 1e6
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--dir", default=None, help="where the table file goes (default: a temp dir)")
@@ -122,7 +117,7 @@ def main() -> None:
               f"{tables[0].cold_reads}")  # fmt: skip
         rows_out: list[dict[str, Any]] = []
         for n, seg in zip(args.rows, segs, strict=True):
-            fl = {k: floor(path, k) for k in sorted({n, n * args.tables})}
+            fl = {k: reads_together_us(path, k) for k in sorted({n, n * args.tables})}
             made = {v: make_steps(tables, n, v != "unordered") for v in VARIANTS}
             times: dict[str, list[float]] = {v: [] for v in VARIANTS}
             firsts: dict[str, list[float]] = {v: [] for v in VARIANTS}
