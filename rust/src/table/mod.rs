@@ -47,6 +47,10 @@ use discover::Layout;
 use gather::{first_bad, Copied, Id, MappedRows};
 use residency::PageMap;
 
+/// What an ordered gather calls before it reads rows from storage, with their number
+/// ([`MmapTable::gather_into_ordered`]): it may wait, and its error ends the gather unread.
+pub type BeforeReads<'a> = &'a mut dyn FnMut(usize) -> Result<()>;
+
 /// Row ids to gather: `int32` or `int64`, as the caller has them (no conversion copy).
 #[derive(Debug, Clone, Copy)]
 pub enum RowIds<'a> {
@@ -666,7 +670,7 @@ impl MmapTable {
         &self,
         ids: RowIds<'_>,
         dst: &mut [u8],
-        before_reads: &mut dyn FnMut(usize) -> Result<()>,
+        before_reads: BeforeReads<'_>,
     ) -> Result<()> {
         self.gather_gated(ids, dst, Some(before_reads))
     }
@@ -675,7 +679,7 @@ impl MmapTable {
         &self,
         ids: RowIds<'_>,
         dst: &mut [u8],
-        before_reads: Option<&mut dyn FnMut(usize) -> Result<()>>,
+        before_reads: Option<BeforeReads<'_>>,
     ) -> Result<()> {
         let rb = self.row_bytes();
         if Some(dst.len()) != ids.len().checked_mul(rb) {
@@ -720,7 +724,7 @@ impl MmapTable {
         &self,
         ids: &[T],
         dst: &mut [u8],
-        before_reads: Option<&mut dyn FnMut(usize) -> Result<()>>,
+        before_reads: Option<BeforeReads<'_>>,
     ) -> Result<()> {
         let src = self.mapped_rows();
         let pm = &self.inner.pages;
@@ -796,7 +800,7 @@ impl MmapTable {
         ids: &[T],
         dst: &mut [u8],
         all_cold: bool,
-        before_reads: Option<&mut dyn FnMut(usize) -> Result<()>>,
+        before_reads: Option<BeforeReads<'_>>,
     ) -> Result<()> {
         let pm = &self.inner.pages;
         let rb = src.row_bytes;

@@ -1,6 +1,7 @@
 //! [`RowSource`]: where a worker's rows come from.
 
 use crate::error::Result;
+use crate::table::BeforeReads;
 
 /// Where rows come from (a memory-mapped table, or anything else that can gather).
 pub trait RowSource: Send + Sync {
@@ -13,14 +14,14 @@ pub trait RowSource: Send + Sync {
     /// Write rows `ids` (all already checked to be in range) to `dst`, `ids.len()` rows.
     fn gather_rows(&self, ids: &[i64], dst: &mut [u8]) -> Result<()>;
     /// [`Self::gather_rows`], calling `before_reads` (which may wait) with the number of
-    /// rows to read before any read from storage, and returning its error without reading: a gather that reads nothing from
-    /// storage need not call it. The default (a source that never reads storage) never
-    /// does.
+    /// rows to read before any read from storage, and returning its error without
+    /// reading: a gather that reads nothing from storage need not call it. The default (a
+    /// source that never reads storage) never does.
     fn gather_rows_ordered(
         &self,
         ids: &[i64],
         dst: &mut [u8],
-        before_reads: &mut dyn FnMut(usize) -> Result<()>,
+        before_reads: BeforeReads<'_>,
     ) -> Result<()> {
         let _ = before_reads;
         self.gather_rows(ids, dst)
@@ -49,7 +50,7 @@ impl RowSource for crate::table::MmapTable {
         &self,
         ids: &[i64],
         dst: &mut [u8],
-        before_reads: &mut dyn FnMut(usize) -> Result<()>,
+        before_reads: BeforeReads<'_>,
     ) -> Result<()> {
         self.gather_into_ordered(crate::table::RowIds::I64(ids), dst, before_reads)
     }

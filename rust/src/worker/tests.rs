@@ -1177,7 +1177,7 @@ impl RowSource for Reading {
         &self,
         ids: &[i64],
         dst: &mut [u8],
-        before_reads: &mut dyn FnMut(usize) -> Result<()>,
+        before_reads: crate::table::BeforeReads<'_>,
     ) -> Result<()> {
         before_reads(ids.len())?;
         let at = {

@@ -223,7 +223,7 @@ fn gather_runs(
     dst: &mut [u8],
     rb: usize,
     pick: impl Fn(usize) -> bool,
-    before_reads: &mut dyn FnMut(usize) -> Result<()>,
+    before_reads: crate::table::BeforeReads<'_>,
 ) -> Result<usize> {
     let (mut i, mut done) = (0, 0);
     while i < rows.len() {

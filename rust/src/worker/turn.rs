@@ -172,17 +172,23 @@ mod tests {
         assert_eq!(b.wait(16, || false), Waited::default());
     }
 
+    /// `b`'s wait for its turn while `a` reads for `ms` more, then is done.
+    fn wait_on_reading(a: Place, b: &Place, ms: u64) -> Waited {
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(ms));
+            a.done();
+        });
+        let w = b.wait(16, || false);
+        t.join().unwrap();
+        w
+    }
+
     #[test]
     fn a_reading_table_is_waited_for_until_done() {
         let order = ReadOrder::new(2);
         let (a, b) = (Place::new(order.clone(), 0), Place::new(order, 1));
         a.saw_ready();
-        let t = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(5));
-            a.done();
-        });
-        let w = b.wait(16, || false);
-        t.join().unwrap();
+        let w = wait_on_reading(a, &b, 5);
         assert!(!w.passed_over);
         assert!(w.ns >= 4_000_000, "waited {} ns", w.ns);
     }
@@ -224,12 +230,7 @@ mod tests {
         b.done();
         a.saw_ready();
         assert_eq!(a.wait(ORDER_MAX_READS, || false), Waited::default());
-        let t = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(3));
-            a.done();
-        });
-        let w = b.wait(16, || false);
-        t.join().unwrap();
+        let w = wait_on_reading(a, &b, 3);
         assert!(!w.passed_over && w.ns >= 2_000_000, "{w:?}");
     }
 
@@ -242,12 +243,7 @@ mod tests {
         a.done();
         b.done();
         a.saw_ready();
-        let t = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(3));
-            a.done();
-        });
-        let w = b.wait(16, || false);
-        t.join().unwrap();
+        let w = wait_on_reading(a, &b, 3);
         assert!(!w.passed_over && w.ns >= 2_000_000, "{w:?}");
     }
 }
