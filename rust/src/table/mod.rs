@@ -664,8 +664,9 @@ impl MmapTable {
 
     /// [`Self::gather_into`], calling `before_reads` (which may wait: a worker's turn among
     /// a step's tables, see [`crate::worker::ReadOrder`]) with the number of cold rows
-    /// after the rows known resident are copied and before the cold ones are read; its
-    /// error is returned without reading (`dst` zeroed). A gather whose rows are all known resident never calls it.
+    /// before they are read (the rows known resident are copied while the reads are in
+    /// flight, as ever); its error is returned without reading (`dst` zeroed). A gather
+    /// whose rows are all known resident never calls it.
     pub fn gather_into_ordered(
         &self,
         ids: RowIds<'_>,
@@ -792,8 +793,8 @@ impl MmapTable {
     /// many such pages stops and comes back with `all_cold`, and the known set is bounded
     /// (see [`PageStats::pages_forgotten`]).
     ///
-    /// `before_reads`, if given, runs (with the number of cold rows) once the known rows
-    /// are copied, before any read; its error is returned at once.
+    /// `before_reads`, if given, runs (with the number of cold rows) before any read; its
+    /// error is returned at once.
     fn gather_cold<T: Id>(
         &self,
         src: &MappedRows<'_>,
@@ -839,10 +840,6 @@ impl MmapTable {
         let mut copy_hits = Some(copy_hits);
         if let Some(wait) = before_reads {
             if !cold.is_empty() {
-                // The known rows first: the wait may be long, the copy is not.
-                if let Some(f) = copy_hits.take() {
-                    f();
-                }
                 wait(cold.len())?;
             }
         }

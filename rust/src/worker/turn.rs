@@ -9,13 +9,12 @@
 //! Taken in order, the first table's reads finish in the time of its own (~180 us) and
 //! the later tables' reads run while the GPU computes the layers before their consumers.
 //!
-//! The turn gates only cold reads: a worker whose rows are all resident never waits, and
-//! one that waits has copied its resident rows first. Only small batches are ordered: an
-//! earlier table with more than [`ORDER_MAX_READS`] cold reads is not waited for (the
-//! tables reading together get more done than one after another: on the VM's disk, in
-//! order, a step of 16-128 cold rows a table ran 11-20% faster, one of 256 rows 6-14%
-//! slower in one run and even in another, of 512 rows 17-19% slower; BENCHMARKS.md, "A
-//! step's reads in layer order"). It is bounded and never waits on the GPU: a worker
+//! The turn gates only cold reads: a worker whose rows are all resident never waits. Only
+//! small batches are ordered: an earlier table with more than [`ORDER_MAX_READS`] cold
+//! reads is not waited for (the tables reading together get more done than one after
+//! another: on the VM's disk, in order, a step of 16 / 128 cold rows a table ran 11-15% /
+//! 6-9% shorter, one of 512-1,024 rows 17-22% longer; BENCHMARKS.md, "A step's reads in
+//! layer order"). It is bounded and never waits on the GPU: a worker
 //! waits for an earlier table only
 //!
 //! * while that table's worker is filling the same step (it saw that step's READY and
